@@ -1,0 +1,157 @@
+"""The one interface every engine adapter implements, and the load snapshot they all produce.
+
+An adapter knows one engine's wire dialect (vLLM, SGLang); the rest of Dyad only sees
+``EngineAdapter`` and ``LoadSnapshot``. Parsing is pure (text in, snapshot out) so it is tested
+without a network; the I/O methods take an ``httpx.AsyncClient`` owned by the caller.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import httpx
+
+
+class EngineKind(str, Enum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    SIM = "sim"  # the project's simulator; speaks vLLM's dialect (or SGLang's with dialect=sglang)
+
+
+class Role(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+@dataclass
+class Histogram:
+    """A cumulative Prometheus histogram: ``buckets`` are (upper bound, cumulative count), sorted."""
+
+    buckets: list[tuple[float, float]] = field(default_factory=list)
+    sum: float = 0.0
+    count: float = 0.0
+
+    def quantile(self, q: float) -> float | None:
+        """Linear interpolation inside the bucket, as PromQL's histogram_quantile does."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        rank = q * self.count
+        bounds = [b for b, _ in self.buckets]
+        counts = [c for _, c in self.buckets]
+        i = bisect.bisect_left(counts, rank)
+        if i >= len(bounds):
+            return bounds[-2] if len(bounds) > 1 and math.isinf(bounds[-1]) else bounds[-1]
+        upper = bounds[i]
+        lower = bounds[i - 1] if i > 0 else 0.0
+        below = counts[i - 1] if i > 0 else 0.0
+        if math.isinf(upper):
+            return lower
+        in_bucket = counts[i] - below
+        if in_bucket <= 0:
+            return upper
+        return lower + (upper - lower) * (rank - below) / in_bucket
+
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+    def minus(self, older: Histogram) -> Histogram:
+        """The observations between two scrapes of the same series (counter reset → self)."""
+        if older.count > self.count or len(older.buckets) != len(self.buckets):
+            return self
+        return Histogram(
+            buckets=[(b, c - oc) for (b, c), (_, oc) in zip(self.buckets, older.buckets, strict=True)],
+            sum=self.sum - older.sum,
+            count=self.count - older.count,
+        )
+
+
+@dataclass
+class LoadSnapshot:
+    """One engine's load, normalized across engines and metric-name generations.
+
+    Counters are cumulative as the engine reports them; gauges are current values. ``None`` means
+    the engine did not report the series (not zero).
+    """
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0  # fraction 0..1
+    prefix_cache_queries: float | None = None  # tokens queried (counter)
+    prefix_cache_hits: float | None = None  # tokens hit (counter)
+    prefix_cache_hit_rate: float | None = None  # engines that export a rate instead (SGLang)
+    prompt_tokens: float | None = None  # counter
+    generation_tokens: float | None = None  # counter
+    prompt_tokens_by_source: dict[str, float] = field(default_factory=dict)  # counter per source
+    requests_finished: float | None = None  # counter
+    preemptions: float | None = None  # counter
+    block_size: int | None = None
+    num_blocks: int | None = None
+    ttft: Histogram | None = None
+    itl: Histogram | None = None
+    e2e: Histogram | None = None
+    queue_time: Histogram | None = None
+    prompt_len: Histogram | None = None
+    generation_len: Histogram | None = None
+    scraped_at: float = 0.0  # clock time of the scrape
+    raw: dict[str, float] = field(default_factory=dict)  # extra engine-specific gauges
+
+    @property
+    def cache_hit_ratio(self) -> float | None:
+        if self.prefix_cache_queries:
+            return (self.prefix_cache_hits or 0.0) / self.prefix_cache_queries
+        return self.prefix_cache_hit_rate
+
+
+@dataclass
+class PrefillHandoff:
+    """What the decode side needs after a prefill step (vLLM: the engine's kv_transfer_params)."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+    prompt_tokens: int | None = None
+
+
+class EngineAdapter(ABC):
+    """One engine dialect. Stateless apart from caches; safe to share between workers of a kind."""
+
+    kind: EngineKind
+
+    @abstractmethod
+    async def health(self, client: httpx.AsyncClient, base_url: str, timeout: float) -> bool:
+        """True when the engine answers its health endpoint with success."""
+
+    @abstractmethod
+    def parse_metrics(self, text: str, now: float) -> LoadSnapshot:
+        """Prometheus text exposition → LoadSnapshot (pure)."""
+
+    async def scrape(self, client: httpx.AsyncClient, base_url: str, timeout: float, now: float) -> LoadSnapshot:
+        r = await client.get(f"{base_url}/metrics", timeout=timeout)
+        r.raise_for_status()
+        return self.parse_metrics(r.text, now)
+
+    @abstractmethod
+    async def tokenize(
+        self,
+        client: httpx.AsyncClient,
+        base_url: str,
+        model: str,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        timeout: float = 5.0,
+    ) -> list[int]:
+        """Token ids exactly as the engine would compute them for this prompt / chat."""
+
+    def shape_request(self, endpoint: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """Engine-specific changes to a client body before it is forwarded (default: none)."""
+        return body
+
+    async def list_models(self, client: httpx.AsyncClient, base_url: str, timeout: float) -> list[str]:
+        r = await client.get(f"{base_url}/v1/models", timeout=timeout)
+        r.raise_for_status()
+        return [m["id"] for m in r.json().get("data", [])]

@@ -1,0 +1,1 @@
+"""The fleet: which workers exist, their health, role and load (fed by the health and scrape loops)."""

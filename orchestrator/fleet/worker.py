@@ -1,0 +1,56 @@
+"""A worker as the router sees it: plain data, no I/O.
+
+The health loop, the scrape loop and the gateway's in-flight accounting write into it; routing
+policies only read it. The same object is used live and in the virtual-time simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from adapters.base import EngineKind, LoadSnapshot, Role
+
+
+class WorkerState(str, Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"  # finishes what it has, accepts nothing new
+
+
+@dataclass
+class Worker:
+    id: str
+    url: str
+    engine: EngineKind = EngineKind.VLLM
+    role: Role = Role.BOTH
+    models: list[str] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    state: WorkerState = WorkerState.HEALTHY
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    # The gateway's own accounting (fresher than any scrape):
+    inflight: int = 0  # requests dispatched and not finished
+    inflight_prefill_tokens: int = 0  # uncached prompt tokens dispatched whose first token has not come back
+    # Health bookkeeping:
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    last_health_at: float | None = None
+    last_error: str | None = None
+    # A pending role change (applied once the worker has drained its old-role work):
+    target_role: Role | None = None
+    api_key: str | None = None
+    bootstrap_port: int | None = None
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    @property
+    def accepting(self) -> bool:
+        """May receive new requests."""
+        return self.state == WorkerState.HEALTHY
+
+    def can_prefill(self) -> bool:
+        return self.role in (Role.PREFILL, Role.BOTH)
+
+    def can_decode(self) -> bool:
+        return self.role in (Role.DECODE, Role.BOTH)

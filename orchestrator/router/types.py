@@ -1,0 +1,55 @@
+"""What flows through the router: the request as routing sees it, and the decision.
+
+Policies implement ``RoutingPolicy.choose`` over plain data: they never do network I/O and never
+read the wall clock (``now`` is passed in), so they run unchanged in the virtual-time simulator.
+Anything that needs I/O (tokenization, prefix-index lookups) happens before ``choose`` and arrives
+in ``RouteRequest``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from orchestrator.fleet.worker import Worker
+
+
+@dataclass
+class Overlap:
+    """How much of a request's prompt a worker already holds, in consecutive blocks from the start."""
+
+    blocks: int = 0  # consecutive matched blocks
+    weighted_blocks: float = 0.0  # blocks credited by tier (device 1.0, host 0.75, disk 0.25)
+
+
+@dataclass
+class RouteRequest:
+    request_id: str
+    model: str
+    prompt_tokens: int  # known or estimated prompt length in tokens
+    max_tokens: int | None = None
+    token_ids: list[int] | None = None  # when tokenized
+    block_hashes: list[int] = field(default_factory=list)  # our chained block hashes
+    block_size: int = 32
+    overlaps: dict[str, Overlap] = field(default_factory=dict)  # worker id → overlap (from the index)
+    session_key: str | None = None
+    priority: int = 0
+
+
+@dataclass
+class RouteDecision:
+    worker: Worker
+    policy: str
+    reason: str = ""
+    predicted_cached_tokens: int = 0
+    prefill_worker: Worker | None = None  # set when prefill runs elsewhere (P/D)
+    scores: dict[str, float] = field(default_factory=dict)  # worker id → cost/score, for debugging
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Worker], now: float) -> RouteDecision:
+        """Pick one of ``candidates`` (non-empty, all healthy and serving ``req.model``)."""
+        ...

@@ -1,0 +1,1 @@
+"""Telemetry: the single place Dyad's Prometheus metrics are declared, plus structured logging."""

@@ -1,0 +1,114 @@
+"""Every Dyad metric, declared once.
+
+Conventions: ``dyad_`` prefix, base units (seconds, tokens, ratios 0..1), ``_total`` on counters,
+bounded label sets (model, endpoint, status class, policy, worker id, role). One ``DyadMetrics``
+per gateway with its own registry, so several gateways (tests, the simulator) can live in one
+process. The README lists these metrics; the dashboards test checks every query against a live scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+               1.0, 2.0)
+TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05)
+
+
+class DyadMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        # --- requests, measured at the gateway
+        self.requests = Counter("dyad_requests_total", "Requests answered by the gateway",
+                                ["model", "endpoint", "status"], registry=r)
+        self.ttft = Histogram("dyad_request_ttft_seconds", "Time to first token seen by the client",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dyad_request_itl_seconds", "Inter-token latency seen by the client (streaming)",
+                             ["model"], buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("dyad_request_e2e_seconds", "End-to-end request latency",
+                             ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Histogram("dyad_request_prompt_tokens", "Prompt length of finished requests",
+                                       ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.generation_tokens = Histogram("dyad_request_generation_tokens",
+                                           "Generated tokens of finished requests",
+                                           ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.inflight = Gauge("dyad_requests_inflight", "Requests being served by the gateway", ["model"],
+                              registry=r)
+        self.upstream_errors = Counter("dyad_upstream_errors_total", "Failed attempts towards engines",
+                                       ["worker", "kind"], registry=r)
+        self.retries = Counter("dyad_retries_total", "Requests retried on another worker", ["model"], registry=r)
+        self.client_disconnects = Counter("dyad_client_disconnects_total",
+                                          "Client went away; upstream request cancelled", ["model"], registry=r)
+        # --- routing
+        self.routing_decisions = Counter("dyad_routing_decisions_total", "Routing decisions",
+                                         ["policy", "outcome"], registry=r)
+        self.routing_decision_seconds = Histogram("dyad_routing_decision_seconds",
+                                                  "Time to route one request (tokenize + index + policy)",
+                                                  ["policy"], buckets=DECISION_BUCKETS, registry=r)
+        self.predicted_cached_tokens = Counter("dyad_predicted_cached_tokens_total",
+                                               "Prompt tokens the router expected to hit the prefix cache",
+                                               ["model"], registry=r)
+        self.routed_prompt_tokens = Counter("dyad_routed_prompt_tokens_total",
+                                            "Prompt tokens of routed requests", ["model"], registry=r)
+        # --- workers
+        self.worker_inflight = Gauge("dyad_worker_inflight_requests", "Requests in flight per worker",
+                                     ["worker"], registry=r)
+        self.worker_healthy = Gauge("dyad_worker_healthy", "1 when the worker passes health checks",
+                                    ["worker"], registry=r)
+        self.worker_role = Gauge("dyad_worker_role", "1 for the worker's current role", ["worker", "role"],
+                                 registry=r)
+        self.worker_state = Gauge("dyad_worker_state", "1 for the worker's current state", ["worker", "state"],
+                                  registry=r)
+        self.worker_running = Gauge("dyad_worker_running_requests", "Engine-reported running requests",
+                                    ["worker"], registry=r)
+        self.worker_waiting = Gauge("dyad_worker_waiting_requests", "Engine-reported queued requests",
+                                    ["worker"], registry=r)
+        self.worker_kv_usage = Gauge("dyad_worker_kv_usage_ratio", "Engine-reported KV cache usage (0..1)",
+                                     ["worker"], registry=r)
+        self.worker_cache_hit_ratio = Gauge("dyad_worker_prefix_cache_hit_ratio",
+                                            "Engine-reported prefix cache hit ratio (0..1)", ["worker"], registry=r)
+        self.worker_actual_cached_tokens = Gauge("dyad_worker_prefix_cache_hit_tokens",
+                                                 "Engine-reported prefix cache hit tokens (cumulative)",
+                                                 ["worker"], registry=r)
+        self.scrape_errors = Counter("dyad_worker_scrape_errors_total", "Failed metric scrapes", ["worker"],
+                                     registry=r)
+        # --- prefix index
+        self.index_blocks = Gauge("dyad_index_blocks", "(worker, block) entries in the prefix index",
+                                  ["backend"], registry=r)
+        self.index_evictions = Counter("dyad_index_evictions_total", "Entries evicted by the index cap",
+                                       ["backend"], registry=r)
+        self.kv_events = Counter("dyad_kv_events_total", "KV cache events ingested", ["worker", "type"],
+                                 registry=r)
+        self.kv_event_gaps = Counter("dyad_kv_event_gaps_total", "Sequence gaps detected in KV event streams",
+                                     ["worker"], registry=r)
+        self.kv_event_lag = Gauge("dyad_kv_event_lag_seconds", "Age of the newest KV event batch at ingestion",
+                                  ["worker"], registry=r)
+        self.index_lookup_seconds = Histogram("dyad_index_lookup_seconds", "Prefix index overlap lookup time",
+                                              ["backend"], buckets=DECISION_BUCKETS, registry=r)
+        # --- prefill/decode
+        self.pd_requests = Counter("dyad_pd_requests_total",
+                                   "Requests by P/D mode (disaggregated, local prefill, fallback)",
+                                   ["mode"], registry=r)
+        self.kv_transfer_seconds = Histogram("dyad_pd_prefill_seconds", "Prefill step time in P/D flows",
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.role_changes = Counter("dyad_role_changes_total", "Worker role changes", ["from_role", "to_role"],
+                                    registry=r)
+        # --- planner
+        self.planner_predicted = Gauge("dyad_planner_predicted", "Planner's prediction for the next interval",
+                                       ["quantity"], registry=r)
+        self.planner_desired_workers = Gauge("dyad_planner_desired_workers", "Workers the planner wants",
+                                             ["role"], registry=r)
+        self.planner_decisions = Counter("dyad_planner_decisions_total", "Planner decisions", ["action"],
+                                         registry=r)
+        # --- overload / admission
+        self.rejected = Counter("dyad_rejected_requests_total", "Requests refused before dispatch",
+                                ["reason"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
