@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install what the test suite needs outside Python: redis-server, prometheus/promtool, chromium
+# (Debian packages), and the separate real-vLLM venv with its tiny model (cached).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v promtool >/dev/null || need+=(prometheus)
+command -v chromium >/dev/null || need+=(chromium)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "[setup_test_deps] apt-get install ${need[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+# The Debian prometheus package starts a system service on :9090; the tests start their own.
+if command -v systemctl >/dev/null 2>&1; then systemctl stop prometheus >/dev/null 2>&1 || true; fi
+pkill -x prometheus >/dev/null 2>&1 || true
+pkill -x redis-server >/dev/null 2>&1 || true
+bash "$here/setup_vllm.sh"
