@@ -1,0 +1,1 @@
+"""Benchmarking: public serving traces (``traces``) and the ``dyad bench`` replay client (``runner``)."""
