@@ -17,13 +17,13 @@ from typing import Any
 import httpx
 
 
-class EngineKind(str, Enum):
+class EngineKind(str, Enum):  # noqa: UP042 (str() stays "EngineKind.X" for existing callers)
     VLLM = "vllm"
     SGLANG = "sglang"
     SIM = "sim"  # the project's simulator; speaks vLLM's dialect (or SGLang's with dialect=sglang)
 
 
-class Role(str, Enum):
+class Role(str, Enum):  # noqa: UP042
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"
@@ -116,6 +116,22 @@ class PrefillHandoff:
     prompt_tokens: int | None = None
 
 
+class AdapterError(Exception):
+    """An engine call made by an adapter failed: unreachable, non-2xx status, or an unexpected body.
+
+    ``status`` is the engine's HTTP status when it answered (``None`` when it did not).
+    """
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class UnsupportedByEngine(AdapterError):
+    """The engine's dialect has no way to do this (e.g. chat-template tokenization on SGLang)."""
+
+
 class EngineAdapter(ABC):
     """One engine dialect. Stateless apart from caches; safe to share between workers of a kind."""
 
@@ -126,13 +142,19 @@ class EngineAdapter(ABC):
         """True when the engine answers its health endpoint with success."""
 
     @abstractmethod
-    def parse_metrics(self, text: str, now: float) -> LoadSnapshot:
-        """Prometheus text exposition → LoadSnapshot (pure)."""
+    def parse_metrics(self, text: str, now: float, model: str | None = None) -> LoadSnapshot:
+        """Prometheus text exposition → LoadSnapshot (pure).
 
-    async def scrape(self, client: httpx.AsyncClient, base_url: str, timeout: float, now: float) -> LoadSnapshot:
+        ``model`` selects the series of one served model (label ``model_name``); ``None`` takes
+        the first model the scrape mentions (an engine process serves one model).
+        """
+
+    async def scrape(
+        self, client: httpx.AsyncClient, base_url: str, timeout: float, now: float, model: str | None = None
+    ) -> LoadSnapshot:
         r = await client.get(f"{base_url}/metrics", timeout=timeout)
         r.raise_for_status()
-        return self.parse_metrics(r.text, now)
+        return self.parse_metrics(r.text, now, model)
 
     @abstractmethod
     async def tokenize(

@@ -1,0 +1,55 @@
+"""The few HTTP calls adapters make to an engine, with failures turned into ``AdapterError``.
+
+Both engines answer errors in one of two shapes — OpenAI's ``{"error": {"message": ...}}`` or the
+older ``{"object": "error", "message": ...}`` — so the message is pulled out of either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from adapters.base import AdapterError
+
+
+def error_message(response: httpx.Response) -> str:
+    """The engine's own error message, else the start of its body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or f"HTTP {response.status_code}"
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if body.get("message"):
+            return str(body["message"])
+        if body.get("detail"):
+            return str(body["detail"])
+    return str(body)[:500]
+
+
+async def probe_ok(client: httpx.AsyncClient, url: str, timeout: float) -> bool:
+    """GET ``url``: True on a 2xx answer, False on anything else (including no answer)."""
+    try:
+        r = await client.get(url, timeout=timeout)
+    except httpx.HTTPError:
+        return False
+    return r.is_success
+
+
+async def post_json(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> Any:
+    """POST a JSON body and return the decoded JSON answer, or raise ``AdapterError``."""
+    try:
+        r = await client.post(url, json=body, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise AdapterError(f"{url}: {type(e).__name__}: {e}") from e
+    if not r.is_success:
+        raise AdapterError(f"{url}: HTTP {r.status_code}: {error_message(r)}", status=r.status_code)
+    try:
+        return r.json()
+    except ValueError as e:
+        raise AdapterError(f"{url}: answer is not JSON: {r.text[:200]!r}", status=r.status_code) from e
