@@ -34,6 +34,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from orchestrator.sim.tokenizer import DEFAULT_VOCAB_SIZE as DEFAULT_SIM_VOCAB
+from orchestrator.sim.tokenizer import SimTokenizer
+
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces
 
 # A synthetic vocabulary: two-syllable lowercase words ("bada", "kopi", ...). Plain ASCII letters, no
@@ -55,7 +58,7 @@ def words_to_text(token_ids: Iterable[int]) -> str:
 
 
 class BlockSynthesizer:
-    """Deterministic token blocks keyed by hash id: ``block(h)`` is the same list for the same
+    """Deterministic blocks of synthetic word indices keyed by hash id: ``block(h)`` is the same list for the same
     (seed, h, block_tokens), and different ids give (with overwhelming probability) different blocks.
 
     Keeps an LRU of recently built blocks because consecutive requests of a trace reuse prefixes.
@@ -119,14 +122,28 @@ class BlockSynthesizer:
         return " ".join(parts)
 
 
+_SIM_TABLES: dict[int, list[int]] = {}
+
+
+def sim_token_table(sim_vocab_size: int = DEFAULT_SIM_VOCAB) -> list[int]:
+    """Synthetic word index → the id ``SimTokenizer(sim_vocab_size)`` gives that word."""
+    table = _SIM_TABLES.get(sim_vocab_size)
+    if table is None:
+        tok = SimTokenizer(sim_vocab_size)
+        table = _SIM_TABLES[sim_vocab_size] = [tok.token_id(w) for w in _WORDS]
+    return table
+
+
 def synthesize_token_ids(hash_ids: Sequence[int], input_len: int, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                         seed: int = 0, vocab_size: int = VOCAB_SIZE,
+                         seed: int = 0, sim_vocab_size: int = DEFAULT_SIM_VOCAB,
                          synthesizer: BlockSynthesizer | None = None) -> list[int]:
-    """Token ids for a hash-id prompt, identical to what ``render_prompt`` spells as words.
+    """Token ids for a hash-id prompt: exactly what ``SimTokenizer(sim_vocab_size).encode`` returns for
+    the synthesized prompt text, computed without building the text. Equal hash ids → equal id blocks.
 
     Pass a shared ``synthesizer`` when converting many requests (it caches blocks)."""
-    synth = synthesizer or BlockSynthesizer(block_tokens, seed=seed, vocab_size=vocab_size)
-    return synth.token_ids(hash_ids, input_len)
+    synth = synthesizer or BlockSynthesizer(block_tokens, seed=seed)
+    table = sim_token_table(sim_vocab_size)
+    return [table[w] for w in synth.token_ids(hash_ids, input_len)]
 
 
 @dataclass(frozen=True)
@@ -163,11 +180,15 @@ class TraceRequest:
             return [dict(m) for m in self.messages]
         return [{"role": "user", "content": self.render_prompt()}]
 
-    def token_ids(self) -> list[int]:
-        """Token ids for synthesized prompts (hash ids, or unique per request)."""
-        if self.synthesizer is not None:
-            return self.synthesizer.token_ids(self.hash_ids, self.input_len)
-        return _unique_ids(self.index, self.input_len)
+    def token_ids(self, sim_vocab_size: int = DEFAULT_SIM_VOCAB) -> list[int]:
+        """Token ids of the prompt as ``SimTokenizer`` encodes ``render_prompt()`` (no text built for
+        synthesized prompts)."""
+        if self.prompt is None and self.messages is None:
+            table = sim_token_table(sim_vocab_size)
+            words = (self.synthesizer.token_ids(self.hash_ids, self.input_len) if self.synthesizer is not None
+                     else _unique_ids(self.index, self.input_len))
+            return [table[w] for w in words]
+        return SimTokenizer(sim_vocab_size).encode(self.render_prompt())
 
 
 def _unique_ids(index: int, n: int) -> list[int]:

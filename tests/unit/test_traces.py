@@ -19,8 +19,8 @@ from orchestrator.bench.traces import (
     load_trace,
     synthesize_token_ids,
     time_window,
-    word,
 )
+from orchestrator.sim.tokenizer import SimTokenizer
 
 SHARED = Path("/work/shared/traces")
 
@@ -54,8 +54,10 @@ def test_synthesize_token_ids_matches_rendered_words(mooncake_file: Path) -> Non
     r = reqs[2]
     ids = synthesize_token_ids(r.hash_ids, r.input_len)
     assert len(ids) == r.input_len
-    assert [word(t) for t in ids] == r.render_prompt().split(" ")
+    assert ids == SimTokenizer().encode(r.render_prompt())  # what a simulated engine computes
     assert ids == r.token_ids()
+    assert synthesize_token_ids(r.hash_ids, r.input_len, sim_vocab_size=1000) == SimTokenizer(1000).encode(
+        r.render_prompt())
     # deterministic across synthesizers; seed changes content
     assert BlockSynthesizer(512).block(5) == BlockSynthesizer(512).block(5)
     assert BlockSynthesizer(512, seed=1).block(5) != BlockSynthesizer(512).block(5)
