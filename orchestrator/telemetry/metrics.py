@@ -89,6 +89,9 @@ class DyadMetrics:
                                      ["worker"], registry=r)
         self.kv_event_lag = Gauge("dyad_kv_event_lag_seconds", "Age of the newest KV event batch at ingestion",
                                   ["worker"], registry=r)
+        self.index_capacity = Gauge("dyad_index_capacity_blocks",
+                                    "Cap on (worker, block) entries in the prefix index (index.max_blocks)",
+                                    ["backend"], registry=r)
         self.index_lookup_seconds = Histogram("dyad_index_lookup_seconds", "Prefix index overlap lookup time",
                                               ["backend"], buckets=DECISION_BUCKETS, registry=r)
         # --- prefill/decode
@@ -104,6 +107,8 @@ class DyadMetrics:
                                        ["quantity"], registry=r)
         self.planner_desired_workers = Gauge("dyad_planner_desired_workers", "Workers the planner wants",
                                              ["role"], registry=r)
+        self.planner_max_workers = Gauge("dyad_planner_max_workers", "The planner's worker budget (planner.max_workers)",
+                                         registry=r)
         self.planner_decisions = Counter("dyad_planner_decisions_total", "Planner decisions", ["action"],
                                          registry=r)
         # --- overload / admission
