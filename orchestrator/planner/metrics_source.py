@@ -1,0 +1,209 @@
+"""Where the planner's inputs come from: one ``Observation`` per interval.
+
+Two sources, same output:
+- ``PrometheusSource`` asks a Prometheus server (HTTP API, instant queries over ``dyad_*`` series
+  the gateway exports); use it when Prometheus already scrapes the gateway.
+- ``DirectSource`` scrapes the gateway's ``/metrics`` itself and differences two scrapes; the
+  embedded default, no Prometheus needed.
+``observation_from_scrapes`` (the arithmetic of ``DirectSource``) is pure and unit-tested.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from adapters.base import Histogram
+
+
+@dataclass
+class Observation:
+    """What the fleet did over the last ``window_s`` seconds (None = not measured)."""
+
+    at: float
+    window_s: float
+    request_rate: float = 0.0  # finished requests per second
+    mean_isl: float | None = None
+    mean_osl: float | None = None
+    ttft_mean: float | None = None
+    ttft_p90: float | None = None
+    ttft_p99: float | None = None
+    itl_mean: float | None = None
+    itl_p90: float | None = None
+    queue_len: float | None = None  # requests waiting in engines, fleet-wide
+    running: float | None = None
+    kv_usage: float | None = None  # mean over workers, 0..1
+    prefix_hit_ratio: float | None = None  # cached / prompt tokens, 0..1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+
+def _num(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+# ---------------------------------------------------------------- Prometheus HTTP API
+
+def prometheus_queries(window: str, model: str | None = None) -> dict[str, str]:
+    """The PromQL behind each Observation field (exposed so dashboards and docs can reuse them)."""
+    m = f'model="{model}"' if model else ""
+    sel = "{" + m + "}"
+
+    def mean(h: str) -> str:
+        return f"sum(rate({h}_sum{sel}[{window}])) / sum(rate({h}_count{sel}[{window}]))"
+
+    def q(h: str, p: float) -> str:
+        return f"histogram_quantile({p}, sum by (le) (rate({h}_bucket{sel}[{window}])))"
+
+    return {
+        "request_rate": f"sum(rate(dyad_request_e2e_seconds_count{sel}[{window}]))",
+        "mean_isl": mean("dyad_request_prompt_tokens"),
+        "mean_osl": mean("dyad_request_generation_tokens"),
+        "ttft_mean": mean("dyad_request_ttft_seconds"),
+        "ttft_p90": q("dyad_request_ttft_seconds", 0.9),
+        "ttft_p99": q("dyad_request_ttft_seconds", 0.99),
+        "itl_mean": mean("dyad_request_itl_seconds"),
+        "itl_p90": q("dyad_request_itl_seconds", 0.9),
+        "queue_len": "sum(dyad_worker_waiting_requests)",
+        "running": "sum(dyad_worker_running_requests)",
+        "kv_usage": "avg(dyad_worker_kv_usage_ratio)",
+        "prefix_hit_ratio": (f"sum(rate(dyad_predicted_cached_tokens_total{sel}[{window}])) / "
+                             f"sum(rate(dyad_routed_prompt_tokens_total{sel}[{window}]))"),
+    }
+
+
+class PrometheusSource:
+    """Instant queries against ``{url}/api/v1/query``; one query per field, missing series → None."""
+
+    def __init__(self, url: str, window_s: float = 60.0, model: str | None = None,
+                 client: httpx.AsyncClient | None = None, timeout_s: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.window_s = window_s
+        self.model = model
+        self._client = client
+        self.timeout_s = timeout_s
+
+    async def _query(self, client: httpx.AsyncClient, expr: str) -> float | None:
+        r = await client.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=self.timeout_s)
+        r.raise_for_status()
+        body = r.json()
+        if body.get("status") != "success":
+            raise RuntimeError(f"prometheus query failed: {body.get('error')}")
+        result = body["data"]["result"]
+        if not result:
+            return None
+        return _num(result[0]["value"][1])
+
+    async def observe(self, now: float) -> Observation:
+        client = self._client or httpx.AsyncClient()
+        try:
+            window = f"{max(1, int(round(self.window_s)))}s"
+            values = {k: await self._query(client, e) for k, e in prometheus_queries(window, self.model).items()}
+        finally:
+            if self._client is None:
+                await client.aclose()
+        rate = values.pop("request_rate")
+        return Observation(at=now, window_s=self.window_s, request_rate=rate or 0.0, **values)
+
+
+# ---------------------------------------------------------------- direct scrape of the gateway
+
+@dataclass
+class Scrape:
+    """The gateway series the planner needs, summed over labels, at one instant."""
+
+    at: float
+    histograms: dict[str, Histogram]
+    counters: dict[str, float]
+    gauges: dict[str, list[float]]
+
+
+_HISTS = ("dyad_request_ttft_seconds", "dyad_request_itl_seconds", "dyad_request_prompt_tokens",
+          "dyad_request_generation_tokens", "dyad_request_e2e_seconds")
+_COUNTERS = ("dyad_predicted_cached_tokens_total", "dyad_routed_prompt_tokens_total")
+_GAUGES = ("dyad_worker_waiting_requests", "dyad_worker_running_requests", "dyad_worker_kv_usage_ratio")
+
+
+def parse_gateway_metrics(text: str, at: float) -> Scrape:
+    """Prometheus text → summed histograms/counters and per-series gauges (pure)."""
+    buckets: dict[str, dict[float, float]] = {h: {} for h in _HISTS}
+    sums = dict.fromkeys(_HISTS, 0.0)
+    counts = dict.fromkeys(_HISTS, 0.0)
+    counters = dict.fromkeys(_COUNTERS, 0.0)
+    gauges: dict[str, list[float]] = {g: [] for g in _GAUGES}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            name = s.name
+            if name.endswith("_bucket") and name[:-7] in buckets:
+                le = float(s.labels["le"])
+                b = buckets[name[:-7]]
+                b[le] = b.get(le, 0.0) + s.value
+            elif name.endswith("_sum") and name[:-4] in sums:
+                sums[name[:-4]] += s.value
+            elif name.endswith("_count") and name[:-6] in counts:
+                counts[name[:-6]] += s.value
+            elif name in counters:
+                counters[name] += s.value
+            elif name in gauges:
+                gauges[name].append(s.value)
+    hists = {h: Histogram(sorted(buckets[h].items()), sums[h], counts[h]) for h in _HISTS}
+    return Scrape(at=at, histograms=hists, counters=counters, gauges=gauges)
+
+
+def observation_from_scrapes(prev: Scrape, cur: Scrape) -> Observation:
+    """What happened between two scrapes (pure). Counter resets count as a fresh start."""
+    window = max(1e-9, cur.at - prev.at)
+    h = {k: cur.histograms[k].minus(prev.histograms[k]) for k in cur.histograms}
+    finished = h["dyad_request_e2e_seconds"].count
+
+    def delta(name: str) -> float:
+        d = cur.counters[name] - prev.counters[name]
+        return d if d >= 0 else cur.counters[name]
+
+    routed = delta("dyad_routed_prompt_tokens_total")
+    g = cur.gauges
+    return Observation(
+        at=cur.at, window_s=window, request_rate=finished / window,
+        mean_isl=h["dyad_request_prompt_tokens"].mean(), mean_osl=h["dyad_request_generation_tokens"].mean(),
+        ttft_mean=h["dyad_request_ttft_seconds"].mean(), ttft_p90=h["dyad_request_ttft_seconds"].quantile(0.9),
+        ttft_p99=h["dyad_request_ttft_seconds"].quantile(0.99),
+        itl_mean=h["dyad_request_itl_seconds"].mean(), itl_p90=h["dyad_request_itl_seconds"].quantile(0.9),
+        queue_len=sum(g["dyad_worker_waiting_requests"]) if g["dyad_worker_waiting_requests"] else None,
+        running=sum(g["dyad_worker_running_requests"]) if g["dyad_worker_running_requests"] else None,
+        kv_usage=(sum(g["dyad_worker_kv_usage_ratio"]) / len(g["dyad_worker_kv_usage_ratio"])
+                  if g["dyad_worker_kv_usage_ratio"] else None),
+        prefix_hit_ratio=(delta("dyad_predicted_cached_tokens_total") / routed) if routed > 0 else None,
+    )
+
+
+class DirectSource:
+    """Scrapes ``{gateway}/metrics`` each interval; the first call only primes (rate 0, no lengths)."""
+
+    def __init__(self, metrics_url: str, client: httpx.AsyncClient | None = None, timeout_s: float = 5.0) -> None:
+        self.metrics_url = metrics_url
+        self._client = client
+        self.timeout_s = timeout_s
+        self._prev: Scrape | None = None
+
+    async def observe(self, now: float) -> Observation:
+        client = self._client or httpx.AsyncClient()
+        try:
+            r = await client.get(self.metrics_url, timeout=self.timeout_s)
+            r.raise_for_status()
+        finally:
+            if self._client is None:
+                await client.aclose()
+        cur = parse_gateway_metrics(r.text, now)
+        prev, self._prev = self._prev, cur
+        if prev is None:
+            return Observation(at=now, window_s=0.0)
+        return observation_from_scrapes(prev, cur)
