@@ -1,0 +1,177 @@
+"""Prefill/decode pair selection: which worker prefills a request, which decodes it, or neither split.
+
+Pure decision code (plain data in, a ``RouteDecision`` out; no I/O, no wall clock), used live by the
+gateway and unchanged by the virtual-time simulator.
+
+* The **prefill** worker is the one with the least prefill work after this request: tokens it still
+  has queued for prefill plus this request's tokens it does not already hold (prefix overlap credit).
+* The **decode** worker is the one with the least decode pressure: requests it is running (the
+  gateway's own in-flight count or the engine's report, whichever is larger) plus its KV usage
+  expressed in request equivalents, with an optional bonus when it shares a transfer-locality label
+  (e.g. ``rack``) with the chosen prefill worker.
+* **Conditional disaggregation**: when the tokens the decode worker would have to prefill itself are
+  fewer than ``min_prefill_tokens``, it prefills locally — a split costs a round trip and a KV
+  transfer that a short prefill does not repay.
+
+Workers with a pending role change (``target_role`` set) take no new work: they are draining.
+Any number of prefill and decode workers (XpYd) are supported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from adapters.base import Role
+from orchestrator.fleet.worker import Worker
+from orchestrator.router.types import RouteDecision, RouteRequest
+
+POLICY_NAME = "pd"
+
+# Used when no engine profile is known: roughly where a GPU prefill of the uncached tokens costs as
+# much as the extra hop and the KV transfer of a disaggregated request (see ``derive_min_prefill_tokens``).
+FALLBACK_MIN_PREFILL_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class PdSelectionSettings:
+    """Knobs of pair selection. Defaults suit a fleet of identical engines."""
+
+    min_prefill_tokens: int = FALLBACK_MIN_PREFILL_TOKENS
+    kv_usage_weight: float = 8.0  # a full KV cache counts as this many running requests
+    locality_label: str | None = None  # worker label that marks a fast transfer path (same value = local)
+    locality_bonus: float = 1.0  # request equivalents subtracted for a same-locality decode worker
+    max_prefill_queue_tokens: int | None = None  # prefill pool this backed up → decode prefills locally
+
+
+def derive_min_prefill_tokens(
+    prefill_tokens_per_s: float,
+    handoff_overhead_s: float,
+    kv_bytes_per_token: float = 0.0,
+    transfer_bytes_per_s: float = math.inf,
+) -> int:
+    """The uncached prompt length at which splitting starts to pay, from an engine profile.
+
+    Prefilling ``n`` tokens locally costs ``n / prefill_tokens_per_s`` of the decode worker's time
+    (stalling every sequence it is decoding). Splitting costs a fixed hand-off (one more HTTP round
+    trip, scheduling on two engines) plus moving the KV: ``n * kv_bytes_per_token / bandwidth``.
+    The split pays once ``n / rate >= overhead + n * bytes / bandwidth``.
+    """
+    if prefill_tokens_per_s <= 0:
+        raise ValueError("prefill_tokens_per_s must be positive")
+    per_token_saved = 1.0 / prefill_tokens_per_s
+    per_token_moved = kv_bytes_per_token / transfer_bytes_per_s if transfer_bytes_per_s > 0 else math.inf
+    margin = per_token_saved - per_token_moved
+    if margin <= 0:
+        # Moving a token costs more than computing it: never split.
+        return 2**31 - 1
+    return max(0, math.ceil(handoff_overhead_s / margin))
+
+
+def pd_pools(candidates: Sequence[Worker]) -> tuple[list[Worker], list[Worker]]:
+    """(prefill pool, decode pool) among workers that may take new work now."""
+    prefill: list[Worker] = []
+    decode: list[Worker] = []
+    for w in candidates:
+        if not w.accepting or w.target_role is not None:
+            continue
+        if w.role == Role.PREFILL:
+            prefill.append(w)
+        elif w.role == Role.DECODE:
+            decode.append(w)
+    return prefill, decode
+
+
+def cached_tokens(req: RouteRequest, worker: Worker) -> int:
+    """Prompt tokens ``worker`` is credited with holding (tier-weighted), never more than the prompt."""
+    ov = req.overlaps.get(worker.id)
+    if ov is None:
+        return 0
+    credit = ov.weighted_blocks if ov.weighted_blocks else float(ov.blocks)
+    return min(req.prompt_tokens, int(credit * req.block_size))
+
+
+def prefill_cost(req: RouteRequest, worker: Worker) -> float:
+    """Tokens this worker would have to prefill before this request's first token is ready."""
+    uncached = req.prompt_tokens - cached_tokens(req, worker)
+    return float(worker.inflight_prefill_tokens + max(uncached, 0))
+
+
+def decode_cost(worker: Worker, settings: PdSelectionSettings, prefill: Worker | None = None) -> float:
+    """Decode pressure in request equivalents (lower is better)."""
+    active = max(float(worker.inflight), worker.load.running + worker.load.waiting)
+    cost = active + settings.kv_usage_weight * worker.load.kv_usage
+    if settings.locality_label and prefill is not None:
+        mine = worker.labels.get(settings.locality_label)
+        if mine is not None and mine == prefill.labels.get(settings.locality_label):
+            cost -= settings.locality_bonus
+    return cost
+
+
+def select_pair(
+    req: RouteRequest,
+    candidates: Sequence[Worker],
+    now: float,
+    settings: PdSelectionSettings,
+    exclude: Collection[str] = (),
+) -> RouteDecision | None:
+    """Choose (prefill, decode) for ``req``, or ``None`` when the candidates have no decode pool.
+
+    ``exclude`` names workers that must not be chosen (e.g. a decode worker that already failed this
+    request). The decision's ``worker`` is the decode worker; ``prefill_worker`` is ``None`` when the
+    decode worker prefills locally (``reason`` says why). Ties break by worker id, so the choice is
+    deterministic for the same state.
+    """
+    del now  # selection depends only on the state passed in; kept for the RoutingPolicy signature
+    prefill_pool, decode_pool = pd_pools([w for w in candidates if w.id not in exclude])
+    if not decode_pool:
+        return None
+    scores: dict[str, float] = {}
+
+    best_prefill: Worker | None = None
+    if prefill_pool:
+        for w in prefill_pool:
+            scores[f"prefill:{w.id}"] = prefill_cost(req, w)
+        best_prefill = min(prefill_pool, key=lambda w: (prefill_cost(req, w), w.inflight, w.id))
+
+    for w in decode_pool:
+        scores[f"decode:{w.id}"] = decode_cost(w, settings, best_prefill)
+    decode = min(decode_pool, key=lambda w: (decode_cost(w, settings, best_prefill), w.id))
+
+    local_uncached = req.prompt_tokens - cached_tokens(req, decode)
+    if best_prefill is None:
+        reason, prefill = "no prefill worker available", None
+    elif local_uncached < settings.min_prefill_tokens:
+        reason, prefill = (f"local prefill: {local_uncached} uncached tokens < "
+                           f"min_prefill_tokens {settings.min_prefill_tokens}"), None
+    elif (settings.max_prefill_queue_tokens is not None
+          and best_prefill.inflight_prefill_tokens > settings.max_prefill_queue_tokens):
+        reason, prefill = (f"local prefill: prefill queue {best_prefill.inflight_prefill_tokens} tokens > "
+                           f"{settings.max_prefill_queue_tokens}"), None
+    else:
+        reason, prefill = f"disaggregated: {local_uncached} uncached tokens", best_prefill
+
+    predicted = cached_tokens(req, prefill if prefill is not None else decode)
+    return RouteDecision(worker=decode, policy=POLICY_NAME, reason=reason, predicted_cached_tokens=predicted,
+                         prefill_worker=prefill, scores=scores)
+
+
+class PdPairSelector:
+    """``RoutingPolicy``-shaped wrapper around ``select_pair`` for the router and the simulator."""
+
+    name = POLICY_NAME
+
+    def __init__(self, settings: PdSelectionSettings | None = None) -> None:
+        self.settings = settings or PdSelectionSettings()
+
+    def applies(self, candidates: Sequence[Worker]) -> bool:
+        """True when the candidates include a decode pool (P/D routing is in force)."""
+        return bool(pd_pools(candidates)[1])
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Worker], now: float,
+               exclude: Collection[str] = ()) -> RouteDecision:
+        decision = select_pair(req, candidates, now, self.settings, exclude)
+        if decision is None:
+            raise LookupError("no decode worker among the candidates")
+        return decision

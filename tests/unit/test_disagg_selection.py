@@ -1,0 +1,137 @@
+"""Pair selection for prefill/decode disaggregation (pure: plain workers in, decision out)."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.base import LoadSnapshot, Role
+from orchestrator.fleet.worker import Worker, WorkerState
+from orchestrator.router.pd_selection import (
+    PdPairSelector,
+    PdSelectionSettings,
+    derive_min_prefill_tokens,
+    pd_pools,
+    select_pair,
+)
+from orchestrator.router.types import Overlap, RouteRequest
+
+S = PdSelectionSettings(min_prefill_tokens=256)
+
+
+def w(id_: str, role: Role, **kw) -> Worker:
+    load = kw.pop("load", LoadSnapshot())
+    return Worker(id=id_, url=f"http://{id_}", role=role, models=["m"], load=load, **kw)
+
+
+def req(prompt: int, overlaps: dict[str, int] | None = None) -> RouteRequest:
+    return RouteRequest(request_id="r", model="m", prompt_tokens=prompt, block_size=32,
+                        overlaps={k: Overlap(blocks=v, weighted_blocks=float(v)) for k, v in (overlaps or {}).items()})
+
+
+def test_long_prompt_is_split_between_pools():
+    fleet = [w("p0", Role.PREFILL), w("d0", Role.DECODE), w("both", Role.BOTH)]
+    d = select_pair(req(2000), fleet, 0.0, S)
+    assert d is not None
+    assert d.prefill_worker is not None and d.prefill_worker.id == "p0"
+    assert d.worker.id == "d0"
+    assert d.reason.startswith("disaggregated")
+
+
+def test_no_decode_pool_means_no_pd_decision():
+    assert select_pair(req(2000), [w("p0", Role.PREFILL), w("a", Role.BOTH)], 0.0, S) is None
+    assert not PdPairSelector(S).applies([w("a", Role.BOTH)])
+    with pytest.raises(LookupError):
+        PdPairSelector(S).choose(req(10), [w("a", Role.BOTH)], 0.0)
+
+
+def test_prefill_worker_by_overlap_then_queued_work():
+    fleet = [w("p0", Role.PREFILL), w("p1", Role.PREFILL), w("d0", Role.DECODE)]
+    # p1 holds 40 of the 64 blocks: 1280 fewer tokens to prefill.
+    d = select_pair(req(2048, {"p1": 40}), fleet, 0.0, S)
+    assert d.prefill_worker.id == "p1"
+    assert d.predicted_cached_tokens == 1280
+    # ...unless p1 already has more queued prefill work than the overlap saves.
+    fleet[1].inflight_prefill_tokens = 5000
+    d = select_pair(req(2048, {"p1": 40}), fleet, 0.0, S)
+    assert d.prefill_worker.id == "p0"
+    assert d.scores["prefill:p1"] == 5000 + 2048 - 1280
+
+
+def test_decode_worker_by_kv_usage_and_running_load():
+    fleet = [w("p0", Role.PREFILL),
+             w("d0", Role.DECODE, load=LoadSnapshot(running=2, kv_usage=0.9)),
+             w("d1", Role.DECODE, load=LoadSnapshot(running=4, kv_usage=0.1))]
+    # d0: 2 + 8*0.9 = 9.2 ; d1: 4 + 0.8 = 4.8
+    assert select_pair(req(2000), fleet, 0.0, S).worker.id == "d1"
+    # The gateway's own in-flight count is fresher than the last scrape.
+    fleet[2].inflight = 10
+    assert select_pair(req(2000), fleet, 0.0, S).worker.id == "d0"
+
+
+def test_transfer_locality_label_breaks_near_ties():
+    settings = PdSelectionSettings(min_prefill_tokens=0, locality_label="rack", locality_bonus=1.5)
+    fleet = [w("p0", Role.PREFILL, labels={"rack": "b"}),
+             w("d0", Role.DECODE, labels={"rack": "a"}),
+             w("d1", Role.DECODE, labels={"rack": "b"}, inflight=1)]
+    assert select_pair(req(1000), fleet, 0.0, settings).worker.id == "d1"
+    # Without the label the less-loaded d0 wins.
+    assert select_pair(req(1000), fleet, 0.0, S).worker.id == "d0"
+
+
+def test_conditional_disaggregation_uses_the_decode_workers_own_cache():
+    fleet = [w("p0", Role.PREFILL), w("d0", Role.DECODE)]
+    short = select_pair(req(200), fleet, 0.0, S)
+    assert short.prefill_worker is None and short.worker.id == "d0"
+    assert "local prefill" in short.reason
+    # Long prompt, but the decode worker already holds all but 100 tokens of it → local.
+    cached = select_pair(req(3200, {"d0": 97}), fleet, 0.0, S)
+    assert cached.prefill_worker is None
+    assert cached.predicted_cached_tokens == 97 * 32
+    # Exactly at the threshold → split.
+    assert select_pair(req(256), fleet, 0.0, S).prefill_worker is not None
+
+
+def test_backed_up_prefill_pool_falls_back_to_local_prefill():
+    settings = PdSelectionSettings(min_prefill_tokens=0, max_prefill_queue_tokens=4000)
+    fleet = [w("p0", Role.PREFILL, inflight_prefill_tokens=8000), w("d0", Role.DECODE)]
+    d = select_pair(req(1000), fleet, 0.0, settings)
+    assert d.prefill_worker is None and "prefill queue" in d.reason
+
+
+def test_draining_unhealthy_and_excluded_workers_take_no_new_work():
+    fleet = [w("p0", Role.PREFILL, state=WorkerState.UNHEALTHY),
+             w("p1", Role.PREFILL, target_role=Role.DECODE),
+             w("p2", Role.PREFILL, state=WorkerState.DRAINING),
+             w("d0", Role.DECODE), w("d1", Role.DECODE, inflight=3)]
+    prefill, decode = pd_pools(fleet)
+    assert prefill == [] and [x.id for x in decode] == ["d0", "d1"]
+    d = select_pair(req(2000), fleet, 0.0, S, exclude={"d0"})
+    assert d.worker.id == "d1" and d.prefill_worker is None
+    assert d.reason == "no prefill worker available"
+    assert select_pair(req(2000), fleet, 0.0, S, exclude={"d0", "d1"}) is None
+
+
+def test_xpyd_spreads_over_many_workers_as_load_accumulates():
+    fleet = [w(f"p{i}", Role.PREFILL) for i in range(3)] + [w(f"d{i}", Role.DECODE) for i in range(5)]
+    used_p, used_d = set(), set()
+    for _ in range(15):
+        d = select_pair(req(1024), fleet, 0.0, S)
+        used_p.add(d.prefill_worker.id)
+        used_d.add(d.worker.id)
+        d.prefill_worker.inflight_prefill_tokens += 1024  # what the gateway records on dispatch
+        d.worker.inflight += 1
+    assert used_p == {"p0", "p1", "p2"}
+    assert used_d == {f"d{i}" for i in range(5)}
+    assert sorted(x.inflight for x in fleet[3:]) == [3, 3, 3, 3, 3]
+
+
+def test_threshold_derived_from_engine_profile():
+    # GPU-like: 10k prefill tok/s, 20 ms hand-off, 128 KiB/token over 25 GB/s.
+    n = derive_min_prefill_tokens(10_000, 0.020, 131072, 25e9)
+    assert 200 < n < 230
+    # Slower prefill → splitting pays sooner.
+    assert derive_min_prefill_tokens(2_000, 0.020, 131072, 25e9) < n
+    # Transfer slower than compute → never split.
+    assert derive_min_prefill_tokens(10_000, 0.020, 131072, 1e8) >= 2**31 - 1
+    with pytest.raises(ValueError):
+        derive_min_prefill_tokens(0, 0.02)
