@@ -1,0 +1,96 @@
+"""The global prefix index: which worker holds which KV block, in which tier.
+
+One interface, two backends: ``MemoryPrefixIndex`` (default, one gateway) and ``RedisPrefixIndex``
+(router replicas share it). Both answer the routing question "for this request's block list, how many
+consecutive blocks from the start does each worker hold?" with cost proportional to the request's
+blocks (block → set of workers; the walk stops as soon as no worker still matches), never to the
+fleet size. Both are bounded (``index.max_blocks`` (worker, block) entries, least recently stored or
+used evicted first, counted in ``dyad_index_evictions_total``).
+
+A block may sit in several tiers of one worker (device and an offload tier); the overlap credits its
+best tier.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from enum import IntFlag
+
+from orchestrator.router.types import Overlap
+
+
+class Tier(IntFlag):
+    """Where a cached block lives; a bit mask so one entry can hold several tiers."""
+
+    DEVICE = 1
+    HOST = 2
+    DISK = 4
+
+    @property
+    def key(self) -> str:
+        return {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}[self]
+
+    @classmethod
+    def from_medium(cls, medium: str | None) -> Tier:
+        """vLLM/SGLang event ``medium`` → tier. GPU (also reported on CPU builds) is the device tier."""
+        m = (medium or "GPU").strip().upper()
+        if m in ("CPU", "CPU_TIER", "HOST", "DRAM", "CPU_PINNED"):
+            return cls.HOST
+        if m in ("DISK", "SSD", "NVME", "LOCAL_FILE", "FILE", "STORAGE"):
+            return cls.DISK
+        return cls.DEVICE
+
+
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {"device": 1.0, "host": 0.75, "disk": 0.25}
+
+
+def best_tier_weight(mask: int, weights: Mapping[str, float]) -> float:
+    """The credit of a block held in the tiers of ``mask``: its best tier's weight."""
+    best = 0.0
+    for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+        if mask & tier:
+            best = max(best, weights.get(tier.key, 0.0))
+    return best
+
+
+class PrefixIndex(ABC):
+    """Worker ↔ block membership. All methods are coroutines so the Redis backend fits the same shape."""
+
+    backend: str = "abstract"
+
+    @abstractmethod
+    async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
+        """Record that ``worker_id`` holds these blocks in ``tier`` (refreshes their recency)."""
+
+    @abstractmethod
+    async def remove(self, worker_id: str, block_hashes: Sequence[int], tier: Tier | None = None) -> None:
+        """Forget these blocks on ``worker_id`` (in one tier, or in all tiers when ``tier`` is None)."""
+
+    @abstractmethod
+    async def clear_worker(self, worker_id: str) -> None:
+        """Forget everything about ``worker_id`` (engine restarted, cache reset, worker unhealthy)."""
+
+    @abstractmethod
+    async def overlaps(
+        self,
+        block_hashes: Sequence[int],
+        tier_weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
+        workers: Sequence[str] | None = None,
+    ) -> dict[str, Overlap]:
+        """Longest consecutive prefix of ``block_hashes`` held by each worker (workers with 0 omitted).
+
+        ``workers`` restricts the answer to those ids (the request's candidates); None = all.
+        """
+
+    @abstractmethod
+    async def size(self) -> int:
+        """(worker, block) entries currently held."""
+
+    async def worker_blocks(self, worker_id: str) -> int:
+        """Entries held for one worker (diagnostics and tests)."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release connections (no-op in memory)."""
+        return None
