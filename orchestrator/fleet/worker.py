@@ -7,12 +7,16 @@ policies only read it. The same object is used live and in the virtual-time simu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from adapters.base import EngineKind, LoadSnapshot, Role
 
+if TYPE_CHECKING:
+    from orchestrator.config import KvEventsConfig
 
-class WorkerState(str, Enum):
+
+class WorkerState(StrEnum):
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"
     DRAINING = "draining"  # finishes what it has, accepts nothing new
@@ -36,10 +40,13 @@ class Worker:
     consecutive_successes: int = 0
     last_health_at: float | None = None
     last_error: str | None = None
+    health_ok: bool | None = None  # last verdict of the health thresholds; None = never probed
     # A pending role change (applied once the worker has drained its old-role work):
     target_role: Role | None = None
     api_key: str | None = None
     bootstrap_port: int | None = None
+    configured_models: bool = False  # models came from config (else discovered from the engine)
+    kv_events: KvEventsConfig | None = None  # where the engine publishes KV events, if it does
 
     def serves(self, model: str) -> bool:
         return model in self.models

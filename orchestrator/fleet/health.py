@@ -1,0 +1,65 @@
+"""The health loop: probe every worker on an interval and report to the registry.
+
+The registry applies the thresholds (``HealthConfig``); this module only does the probing. A worker
+whose models were not configured learns them from the engine (``/v1/models``) at its first
+successful probe, and is not marked healthy before it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import httpx
+
+from adapters.base import EngineAdapter, EngineKind
+from orchestrator.clock import Clock
+from orchestrator.config import HealthConfig
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.fleet.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(self, fleet: FleetRegistry, http: httpx.AsyncClient, config: HealthConfig, clock: Clock,
+                 adapter_for: Callable[[EngineKind], EngineAdapter]) -> None:
+        self.fleet = fleet
+        self.http = http
+        self.config = config
+        self.clock = clock
+        self.adapter_for = adapter_for
+
+    async def check_worker(self, worker: Worker) -> bool:
+        adapter = self.adapter_for(worker.engine)
+        error: str | None = None
+        try:
+            ok = await adapter.health(self.http, worker.url, self.config.timeout_s)
+            if not ok:
+                error = "health probe failed"
+            elif not worker.models:
+                models = await adapter.list_models(self.http, worker.url, self.config.timeout_s)
+                if models:
+                    worker.models = list(models)
+                else:
+                    ok, error = False, "engine reports no models"
+        except Exception as e:  # any failure of the probe is a failed probe, never a dead loop
+            ok, error = False, f"{type(e).__name__}: {e}"
+        was = worker.state
+        self.fleet.record_health(worker, ok, self.clock.now(), error)
+        if worker.state is not was:
+            log.log(logging.INFO if ok else logging.WARNING,"worker %s (%s): %s -> %s%s", worker.id, worker.url, was.value, worker.state.value,
+                        f" ({error})" if error else "")
+        return ok
+
+    async def check_all(self) -> None:
+        workers = self.fleet.workers()
+        if workers:
+            await asyncio.gather(*(self.check_worker(w) for w in workers))
+
+    async def run(self) -> None:
+        """Probe forever; the first round starts immediately."""
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.config.interval_s)

@@ -1,0 +1,167 @@
+"""The fleet registry: which workers exist and whether they may receive requests.
+
+Workers come from the configuration and from the admin API. The registry owns the state machine
+(healthy / unhealthy / draining): the health loop and the gateway report probe results and failed
+attempts here, and the thresholds in ``HealthConfig`` decide when a worker flips. It does no I/O,
+so the same registry runs live and in the virtual-time simulator.
+
+Draining is an operator decision and sits above health: a draining worker keeps being probed (so
+``undrain`` knows whether to return it as healthy or unhealthy) but receives nothing new.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from adapters.base import Role
+from orchestrator.config import DyadConfig, HealthConfig, WorkerConfig
+from orchestrator.fleet.worker import Worker, WorkerState
+
+# Called with (event, worker) where event is "added", "removed" or "state".
+FleetListener = Callable[[str, Worker], None]
+
+
+def worker_from_config(wc: WorkerConfig) -> Worker:
+    """A worker as declared in the config; it starts unhealthy until its first successful probe."""
+    return Worker(
+        id=wc.id or wc.url,
+        url=wc.url.rstrip("/"),
+        engine=wc.engine,
+        role=wc.role,
+        models=list(wc.models),
+        labels=dict(wc.labels),
+        state=WorkerState.UNHEALTHY,
+        api_key=wc.api_key,
+        bootstrap_port=wc.bootstrap_port,
+        configured_models=bool(wc.models),
+        kv_events=wc.kv_events,
+    )
+
+
+class FleetRegistry:
+    def __init__(self, workers: Iterable[Worker] = (), health: HealthConfig | None = None,
+                 configured_models: Iterable[str] = ()) -> None:
+        self.health = health or HealthConfig()
+        self._workers: dict[str, Worker] = {}
+        self._listeners: list[FleetListener] = []
+        self._configured_models = list(configured_models)
+        self._snapshot: list[Worker] = []
+        for w in workers:
+            self.add(w)
+
+    @classmethod
+    def from_config(cls, config: DyadConfig) -> FleetRegistry:
+        return cls((worker_from_config(wc) for wc in config.workers), health=config.health,
+                   configured_models=[m.name for m in config.models])
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def subscribe(self, listener: FleetListener) -> None:
+        """Be told about added/removed workers and state changes (e.g. the prefix index drops a worker)."""
+        self._listeners.append(listener)
+
+    def _notify(self, event: str, worker: Worker) -> None:
+        for listener in self._listeners:
+            listener(event, worker)
+
+    def add(self, worker: Worker) -> Worker:
+        if worker.id in self._workers:
+            raise ValueError(f"worker id '{worker.id}' already exists")
+        self._workers[worker.id] = worker
+        self._snapshot = list(self._workers.values())
+        self._notify("added", worker)
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        worker = self._workers.pop(worker_id)  # KeyError when unknown
+        self._snapshot = list(self._workers.values())
+        self._notify("removed", worker)
+        return worker
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def workers(self) -> list[Worker]:
+        """Every worker in insertion order (a copy: callers may keep it)."""
+        return list(self._snapshot)
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    # --- what routing reads ------------------------------------------------------------------
+
+    def candidates(self, model: str, role: Role | None = None) -> list[Worker]:
+        """Workers that may take a new request for ``model`` now; ``role`` filters by capability
+        (``Role.DECODE``: can decode, ``Role.PREFILL``: can prefill, ``Role.BOTH``/None: any)."""
+        out = []
+        for w in self._snapshot:
+            if w.state is not WorkerState.HEALTHY or model not in w.models:
+                continue
+            if role is Role.DECODE and not w.can_decode():
+                continue
+            if role is Role.PREFILL and not w.can_prefill():
+                continue
+            out.append(w)
+        return out
+
+    def models(self) -> list[str]:
+        """Models the fleet knows: configured ones plus every model a registered worker serves."""
+        seen = dict.fromkeys(self._configured_models)
+        for w in self._snapshot:
+            seen.update(dict.fromkeys(w.models))
+        return list(seen)
+
+    def knows_model(self, model: str) -> bool:
+        return model in self._configured_models or any(model in w.models for w in self._snapshot)
+
+    # --- state machine -----------------------------------------------------------------------
+
+    def _set_state(self, worker: Worker, state: WorkerState) -> None:
+        if worker.state is not state:
+            worker.state = state
+            self._notify("state", worker)
+
+    def record_health(self, worker: Worker, ok: bool, now: float, error: str | None = None) -> None:
+        """One probe result. ``failure_threshold`` consecutive failures make a worker unhealthy;
+        ``success_threshold`` consecutive successes make it healthy again. A worker never probed
+        before becomes healthy at its first success (nothing to distrust yet)."""
+        first = worker.last_health_at is None
+        worker.last_health_at = now
+        if ok:
+            worker.consecutive_successes += 1
+            worker.consecutive_failures = 0
+            worker.last_error = None
+            if first or worker.consecutive_successes >= self.health.success_threshold:
+                worker.health_ok = True
+        else:
+            worker.consecutive_failures += 1
+            worker.consecutive_successes = 0
+            worker.last_error = error
+            if first or worker.consecutive_failures >= self.health.failure_threshold:
+                worker.health_ok = False
+        self._apply_health(worker)
+
+    def mark_failed(self, worker: Worker, now: float, error: str) -> None:
+        """The gateway could not reach the worker (connection refused/reset): take it out at once
+        rather than waiting for the health loop; the loop brings it back when it answers again."""
+        worker.consecutive_failures = max(worker.consecutive_failures + 1, self.health.failure_threshold)
+        worker.consecutive_successes = 0
+        worker.last_error = error
+        worker.health_ok = False
+        self._apply_health(worker)
+
+    def _apply_health(self, worker: Worker) -> None:
+        if worker.state is WorkerState.DRAINING:
+            return
+        self._set_state(worker, WorkerState.HEALTHY if worker.health_ok else WorkerState.UNHEALTHY)
+
+    def drain(self, worker_id: str) -> Worker:
+        worker = self._workers[worker_id]
+        self._set_state(worker, WorkerState.DRAINING)
+        return worker
+
+    def undrain(self, worker_id: str) -> Worker:
+        worker = self._workers[worker_id]
+        if worker.state is WorkerState.DRAINING:
+            self._set_state(worker, WorkerState.HEALTHY if worker.health_ok else WorkerState.UNHEALTHY)
+        return worker

@@ -1,0 +1,102 @@
+"""The admin API: list, add, remove, drain and undrain workers at run time.
+
+Behind ``gateway.admin_token`` (a bearer token distinct from client keys). With no token
+configured every admin route answers 404 saying the admin API is disabled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from orchestrator.config import WorkerConfig
+from orchestrator.errors import ApiError, InvalidRequest, NotFound
+from orchestrator.fleet.registry import worker_from_config
+from orchestrator.fleet.worker import Worker
+from orchestrator.gateway import request as rq
+from orchestrator.gateway.auth import check_admin
+from orchestrator.gateway.runtime import GatewayRuntime
+
+ADMIN_BODY_LIMIT = 64 * 1024
+
+
+def worker_view(w: Worker) -> dict[str, Any]:
+    load = w.load
+    return {
+        "id": w.id, "url": w.url, "engine": w.engine.value, "role": w.role.value, "models": w.models,
+        "labels": w.labels, "state": w.state.value, "inflight": w.inflight,
+        "inflight_prefill_tokens": w.inflight_prefill_tokens,
+        "consecutive_failures": w.consecutive_failures, "last_error": w.last_error,
+        "load": {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
+                 "prefix_cache_hit_ratio": load.cache_hit_ratio, "scraped_at": load.scraped_at},
+    }
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _runtime(request: Request) -> GatewayRuntime:
+    rt: GatewayRuntime = request.app.state.runtime
+    check_admin(request, rt.config.gateway.admin_token)
+    return rt
+
+
+def _worker(rt: GatewayRuntime, request: Request) -> Worker:
+    wid = request.path_params["worker_id"]
+    w = rt.fleet.get(wid)
+    if w is None:
+        raise NotFound(f"No worker with id '{wid}'.", param="worker_id", code="worker_not_found")
+    return w
+
+
+async def list_workers(request: Request) -> Response:
+    rt = _runtime(request)
+    return _json({"workers": [worker_view(w) for w in rt.fleet.workers()]})
+
+
+async def add_worker(request: Request) -> Response:
+    """Body: a worker as in the config file (``url`` required; ``id``, ``engine``, ``role``,
+    ``models``, ``labels``, ...). The worker is probed at once and joins when healthy."""
+    rt = _runtime(request)
+    body = rq.parse_json_object(await rq.read_body(request, ADMIN_BODY_LIMIT))
+    try:
+        wc = WorkerConfig.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise InvalidRequest("Invalid worker: " + "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(body)'}: {err['msg']}" for err in e.errors()),
+            param=param, code="invalid_worker") from None
+    if wc.id is None:
+        n = len(rt.fleet)
+        while rt.fleet.get(f"w{n}") is not None:
+            n += 1
+        wc.id = f"w{n}"
+    if rt.fleet.get(wc.id) is not None:
+        raise ApiError(f"A worker with id '{wc.id}' already exists.", status=409, type="invalid_request_error",
+                       param="id", code="worker_exists")
+    worker = rt.fleet.add(worker_from_config(wc))
+    await rt.health.check_worker(worker)
+    return _json(worker_view(worker), status=201)
+
+
+async def remove_worker(request: Request) -> Response:
+    rt = _runtime(request)
+    worker = _worker(rt, request)
+    rt.fleet.remove(worker.id)
+    return _json({"removed": worker.id, "inflight": worker.inflight})
+
+
+async def drain_worker(request: Request) -> Response:
+    rt = _runtime(request)
+    return _json(worker_view(rt.fleet.drain(_worker(rt, request).id)))
+
+
+async def undrain_worker(request: Request) -> Response:
+    rt = _runtime(request)
+    return _json(worker_view(rt.fleet.undrain(_worker(rt, request).id)))

@@ -1,0 +1,146 @@
+"""The gateway application: routes, error rendering, and the runtime's lifecycle.
+
+``create_app(config)`` returns a FastAPI app whose lifespan starts a ``GatewayRuntime`` (stored
+at ``app.state.runtime``) and stops it on shutdown. Hot paths are plain Starlette routes; every
+refusal is an ``ApiError`` rendered in OpenAI's error shape, and anything unexpected becomes a
+500 in the same shape (logged, never a traceback to the client).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import orjson
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from orchestrator.clock import Clock
+from orchestrator.config import DyadConfig
+from orchestrator.errors import ApiError, error_body
+from orchestrator.gateway import admin, openai_routes
+from orchestrator.gateway.runtime import GatewayRuntime
+from orchestrator.telemetry.metrics import DyadMetrics
+
+log = logging.getLogger(__name__)
+
+
+def _error_response(request: Request, status: int, body: dict, headers: dict[str, str] | None = None) -> Response:
+    h = dict(headers or {})
+    rid = getattr(request.state, "request_id", None)
+    if rid:
+        h["x-request-id"] = rid
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=h)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    rt: GatewayRuntime | None = getattr(request.app.state, "runtime", None)
+    path = request.url.path
+    if rt is not None and path.startswith("/v1/"):
+        # Refused before routing: the model is not trusted as a label here (unbounded cardinality).
+        rt.metrics.rejected.labels(exc.code or exc.type).inc()
+        endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path, "other")
+        rt.metrics.requests.labels("", endpoint, str(exc.status)).inc()
+    return _error_response(request, exc.status, exc.body(), exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404:
+        message = f"No route {request.method} {request.url.path}."
+    elif exc.status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}."
+    return _error_response(request, exc.status_code, error_body(message, kind), exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _error_response(request, 500, error_body("Internal gateway error; see the gateway log.",
+                                                    "server_error", None, "internal_error"))
+
+
+async def health(request: Request) -> Response:
+    return Response(b'{"status":"ok"}', media_type="application/json")
+
+
+async def ready(request: Request) -> Response:
+    """200 when every model the fleet knows has a healthy worker that can decode it; else 503."""
+    rt: GatewayRuntime = request.app.state.runtime
+    models = {m: len(rt.router.candidates(m)) for m in rt.fleet.models()}
+    ok = bool(models) and all(models.values())
+    body = {"ready": ok, "models": {m: {"healthy_workers": n} for m, n in models.items()}}
+    if not models:
+        body["reason"] = "no models configured or discovered yet"
+    headers = {} if ok else {"Retry-After": str(rt.config.gateway.retry_after_s)}
+    return Response(orjson.dumps(body), status_code=200 if ok else 503, media_type="application/json",
+                    headers=headers)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    rt: GatewayRuntime = request.app.state.runtime
+    refresh_worker_gauges(rt)
+    return Response(rt.metrics.render(), media_type=rt.metrics.content_type)
+
+
+def refresh_worker_gauges(rt: GatewayRuntime) -> None:
+    """Per-worker gauges are set at scrape time from the registry (always current, never stale)."""
+    from adapters.base import Role
+    from orchestrator.fleet.worker import WorkerState
+
+    m = rt.metrics
+    for gauge in (m.worker_inflight, m.worker_healthy, m.worker_role, m.worker_state, m.worker_running,
+                  m.worker_waiting, m.worker_kv_usage, m.worker_cache_hit_ratio, m.worker_actual_cached_tokens):
+        gauge.clear()  # removed workers disappear from the scrape
+    for w in rt.fleet.workers():
+        m.worker_inflight.labels(w.id).set(w.inflight)
+        m.worker_healthy.labels(w.id).set(1 if w.health_ok else 0)
+        for role in Role:
+            m.worker_role.labels(w.id, role.value).set(1 if w.role is role else 0)
+        for state in WorkerState:
+            m.worker_state.labels(w.id, state.value).set(1 if w.state is state else 0)
+        m.worker_running.labels(w.id).set(w.load.running)
+        m.worker_waiting.labels(w.id).set(w.load.waiting)
+        m.worker_kv_usage.labels(w.id).set(w.load.kv_usage)
+        ratio = w.load.cache_hit_ratio
+        if ratio is not None:
+            m.worker_cache_hit_ratio.labels(w.id).set(ratio)
+        if w.load.prefix_cache_hits is not None:
+            m.worker_actual_cached_tokens.labels(w.id).set(w.load.prefix_cache_hits)
+
+
+def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadMetrics | None = None,
+               runtime: GatewayRuntime | None = None) -> FastAPI:
+    """The gateway for ``config``. Pass ``runtime`` to use a pre-built one (tests, the simulator)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        rt = runtime or GatewayRuntime(config, clock=clock, metrics=metrics)
+        app.state.runtime = rt
+        await rt.start()
+        try:
+            yield
+        finally:
+            await rt.stop()
+
+    app = FastAPI(title="Dyad gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"])
+    app.add_route("/v1/completions", openai_routes.completions, methods=["POST"])
+    app.add_route("/v1/models", openai_routes.list_models, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+    app.add_route("/ready", ready, methods=["GET"])
+    app.add_route("/metrics", metrics_endpoint, methods=["GET"])
+    app.add_route("/admin/workers", admin.list_workers, methods=["GET"])
+    app.add_route("/admin/workers", admin.add_worker, methods=["POST"])
+    app.add_route("/admin/workers/{worker_id}", admin.remove_worker, methods=["DELETE"])
+    app.add_route("/admin/workers/{worker_id}/drain", admin.drain_worker, methods=["POST"])
+    app.add_route("/admin/workers/{worker_id}/undrain", admin.undrain_worker, methods=["POST"])
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    return app

@@ -1,0 +1,75 @@
+"""The OpenAI endpoints: read → validate → build the routing view → hand over to the proxy.
+
+Handlers are plain Starlette endpoints (no FastAPI dependency injection or pydantic on the hot
+path); the heavy lifting is in ``ProxyResponse``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from orchestrator.errors import ModelNotFound
+from orchestrator.gateway import request as rq
+from orchestrator.gateway.auth import check_client
+from orchestrator.gateway.executor import UpstreamCall
+from orchestrator.gateway.proxy import ProxyResponse
+from orchestrator.gateway.runtime import GatewayRuntime
+from orchestrator.router.estimate import estimate_prompt_tokens
+from orchestrator.router.types import RouteRequest
+
+MAX_REQUEST_ID = 128
+
+
+def request_id_of(request: Request) -> str:
+    """The client's X-Request-Id when it is usable, else a fresh one; kept on request.state for errors."""
+    rid = request.headers.get("x-request-id")
+    if not rid or len(rid) > MAX_REQUEST_ID or not rid.isprintable():
+        rid = uuid.uuid4().hex
+    request.state.request_id = rid
+    return rid
+
+
+async def _completion(request: Request, endpoint: str, label: str) -> ProxyResponse:
+    started = time.perf_counter()
+    rt: GatewayRuntime = request.app.state.runtime
+    rid = request_id_of(request)
+    gw = rt.config.gateway
+    check_client(request, gw.api_keys)
+    body = rq.parse_json_object(await rq.read_body(request, gw.max_body_bytes))
+    model = rq.validate(endpoint, body)
+    canonical = rt.config.model(model)
+    if canonical is not None and canonical.name != model:
+        model = body["model"] = canonical.name  # an alias: the engines know the model by its name
+    if not rt.fleet.knows_model(model):
+        raise ModelNotFound(model)
+    stream = body.get("stream") is True
+    block_size = canonical.block_size if canonical is not None else 32
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    session_header = rt.config.router.kv_aware.session_header
+    route_req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
+                             max_tokens=max_tokens, block_size=block_size,
+                             session_key=request.headers.get(session_header))
+    call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
+    rt.metrics.inflight.labels(model).inc()
+    return ProxyResponse(rt, call, route_req, label, started)
+
+
+async def chat_completions(request: Request) -> ProxyResponse:
+    return await _completion(request, rq.CHAT, "chat")
+
+
+async def completions(request: Request) -> ProxyResponse:
+    return await _completion(request, rq.COMPLETIONS, "completions")
+
+
+async def list_models(request: Request) -> Response:
+    rt: GatewayRuntime = request.app.state.runtime
+    request_id_of(request)
+    check_client(request, rt.config.gateway.api_keys)
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "dyad"} for name in rt.fleet.models()]
+    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

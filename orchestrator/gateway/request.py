@@ -1,0 +1,180 @@
+"""Reading and validating a client request: only what routing and forwarding need, by hand.
+
+The body is read once (counting bytes against ``gateway.max_body_bytes`` even when the client
+sends no Content-Length), parsed once with orjson, and checked field by field. Everything the
+gateway does not look at is forwarded to the engine untouched, so new OpenAI/vLLM fields work
+without a Dyad release. Each failure names the offending field in ``param``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+
+from orchestrator.errors import InvalidRequest, PayloadTooLarge
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing more than ``limit`` bytes (declared or actually sent)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise InvalidRequest("Content-Length header is not a number", param="content-length") from None
+        if size > limit:
+            raise PayloadTooLarge(f"Request body of {size} bytes exceeds the limit of {limit} bytes "
+                                  "(gateway.max_body_bytes).", code="payload_too_large")
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes (gateway.max_body_bytes).",
+                                  code="payload_too_large")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise InvalidRequest("Request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"Request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _wrong(param: str, expected: str, value: Any) -> InvalidRequest:
+    return InvalidRequest(f"'{param}' must be {expected}, got {_type_name(value)}.", param=param,
+                          code="invalid_type")
+
+
+def _missing(param: str) -> InvalidRequest:
+    return InvalidRequest(f"'{param}' is a required field.", param=param, code="missing_required_field")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# Optional fields the gateway checks because routing or accounting reads them, or because a wrong
+# type would otherwise surface as a less helpful engine error. None (JSON null) is always allowed.
+_OPTIONAL_INT_MIN1 = ("max_tokens", "max_completion_tokens", "n")
+_OPTIONAL_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+
+
+def _check_common(body: dict[str, Any]) -> None:
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _wrong("stream", "a boolean", stream)
+    for name in _OPTIONAL_INT_MIN1:
+        v = body.get(name)
+        if v is None:
+            continue
+        if not _is_int(v):
+            raise _wrong(name, "an integer", v)
+        if v < 1:
+            raise InvalidRequest(f"'{name}' must be at least 1, got {v}.", param=name, code="invalid_value")
+    for name in _OPTIONAL_NUMBERS:
+        v = body.get(name)
+        if v is not None and not _is_number(v):
+            raise _wrong(name, "a number", v)
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _wrong("stream_options", "an object", so)
+        iu = so.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise _wrong("stream_options.include_usage", "a boolean", iu)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _wrong("user", "a string", user)
+
+
+def _check_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise _missing("model")
+    if not isinstance(model, str):
+        raise _wrong("model", "a string", model)
+    if not model:
+        raise InvalidRequest("'model' must not be empty.", param="model", code="invalid_value")
+    return model
+
+
+def _check_messages(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise _missing("messages")
+    if not isinstance(messages, list):
+        raise _wrong("messages", "an array", messages)
+    if not messages:
+        raise InvalidRequest("'messages' must contain at least one message.", param="messages",
+                             code="invalid_value")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _wrong(where, "an object", m)
+        role = m.get("role")
+        if role is None:
+            raise _missing(f"{where}.role")
+        if not isinstance(role, str):
+            raise _wrong(f"{where}.role", "a string", role)
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise _wrong(f"{where}.content", "a string or an array of content parts", content)
+
+
+def _check_prompt(body: dict[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _missing("prompt")
+    if isinstance(prompt, str):
+        return
+    expected = "a string, an array of strings, an array of token ids or an array of token-id arrays"
+    if not isinstance(prompt, list) or not prompt:
+        raise _wrong("prompt", expected, prompt) if not isinstance(prompt, list) else InvalidRequest(
+            "'prompt' must not be an empty array.", param="prompt", code="invalid_value")
+    first = prompt[0]
+    if isinstance(first, str):
+        ok = all(isinstance(p, str) for p in prompt)
+    elif _is_int(first):
+        ok = all(_is_int(p) for p in prompt)
+    elif isinstance(first, list):
+        ok = all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)
+    else:
+        ok = False
+    if not ok:
+        raise InvalidRequest(f"'prompt' must be {expected} (mixed or invalid items found).", param="prompt",
+                             code="invalid_type")
+
+
+def validate(endpoint: str, body: dict[str, Any]) -> str:
+    """Check the fields Dyad relies on; returns the requested model name."""
+    model = _check_model(body)
+    if endpoint == CHAT:
+        _check_messages(body)
+    else:
+        _check_prompt(body)
+    _check_common(body)
+    return model

@@ -1,0 +1,133 @@
+"""Everything one gateway owns while it runs, in one object: ``app.state.runtime``.
+
+Other parts of Dyad read these attributes by name: ``config``, ``clock``, ``metrics``, ``fleet``,
+``router``, ``http`` (the one pooled ``httpx.AsyncClient`` used for every engine call),
+``prefix_tracker`` (set by the kv package; None means plain load routing), ``planner`` (None
+until the planner plugs in), ``executor`` / ``pd_executor``. ``start``/``stop`` run the
+background loops (health, metrics scrape) beside the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from adapters.base import EngineAdapter, EngineKind
+from orchestrator.clock import SYSTEM_CLOCK, Clock
+from orchestrator.config import DyadConfig
+from orchestrator.fleet.health import HealthChecker
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.fleet.scrape import MetricsScraper
+from orchestrator.gateway.executor import AggregatedExecutor, Executor
+from orchestrator.router.policies import make_policy
+from orchestrator.router.router import PrefixTracker, Router
+from orchestrator.router.types import RouteDecision
+from orchestrator.telemetry.metrics import DyadMetrics
+
+# Fallback when adapters.get_adapter is not available: engine kind → (module, class).
+_ADAPTER_CLASSES = {
+    EngineKind.VLLM: ("adapters.vllm", "VllmAdapter"),
+    EngineKind.SIM: ("adapters.vllm", "VllmAdapter"),  # the simulator speaks vLLM's dialect
+    EngineKind.SGLANG: ("adapters.sglang", "SglangAdapter"),
+}
+
+
+def default_adapter_for(kind: EngineKind) -> EngineAdapter:
+    adapters = importlib.import_module("adapters")
+    get_adapter = getattr(adapters, "get_adapter", None)
+    if get_adapter is not None:
+        return get_adapter(kind)
+    module, name = _ADAPTER_CLASSES[EngineKind(kind)]
+    return getattr(importlib.import_module(module), name)()
+
+
+def http_client(config: DyadConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The pooled client for every engine call. Read timeout = first-byte timeout (also the longest
+    silence allowed between streamed chunks); the whole request is bounded by the proxy."""
+    gw = config.gateway
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=gw.connect_timeout_s, read=gw.first_byte_timeout_s,
+                              write=gw.connect_timeout_s, pool=gw.connect_timeout_s),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60),
+        transport=transport,
+        trust_env=False,
+    )
+
+
+class GatewayRuntime:
+    def __init__(self, config: DyadConfig, *, clock: Clock | None = None, metrics: DyadMetrics | None = None,
+                 adapter_for: Callable[[EngineKind], EngineAdapter] | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self.clock = clock or SYSTEM_CLOCK
+        self.metrics = metrics or DyadMetrics()
+        self.fleet = FleetRegistry.from_config(config)
+        self.router = Router(make_policy(config.router), self.fleet, self.clock, self.metrics,
+                             retry_after_s=config.gateway.retry_after_s)
+        self.http = http_client(config, transport)
+        self.planner: Any = None
+        self.executor: Executor = AggregatedExecutor(self.http, self.adapter_for)
+        self.pd_executor: Executor | None = None  # set by orchestrator.disagg when P/D is in use
+        self._adapter_factory = adapter_for or default_adapter_for
+        self._adapters: dict[EngineKind, EngineAdapter] = {}
+        self.health = HealthChecker(self.fleet, self.http, config.health, self.clock, self.adapter_for)
+        self.scraper = MetricsScraper(self.fleet, self.http, config.scrape, self.clock, self.adapter_for,
+                                      self.metrics)
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @property
+    def prefix_tracker(self) -> PrefixTracker | None:
+        return self.router.prefix_tracker
+
+    @prefix_tracker.setter
+    def prefix_tracker(self, tracker: PrefixTracker | None) -> None:
+        self.router.prefix_tracker = tracker
+
+    def adapter_for(self, kind: EngineKind) -> EngineAdapter:
+        adapter = self._adapters.get(kind)
+        if adapter is None:
+            adapter = self._adapters[kind] = self._adapter_factory(kind)
+        return adapter
+
+    def executor_for(self, decision: RouteDecision) -> Executor:
+        if decision.prefill_worker is not None:
+            if self.pd_executor is None:
+                raise RuntimeError("the routing decision names a prefill worker but no P/D executor is installed")
+            return self.pd_executor
+        return self.executor
+
+    async def start(self) -> None:
+        """Probe every worker once (so a gateway that starts next to running engines is ready at
+        once), then start the health and scrape loops."""
+        try:
+            await asyncio.wait_for(self.health.check_all(), self.config.health.timeout_s + 1.0)
+        except TimeoutError:
+            pass
+        self._tasks.append(asyncio.create_task(self._after(self.config.health.interval_s, self.health.run),
+                                               name="dyad-health"))
+        self._tasks.append(asyncio.create_task(self.scraper.run(), name="dyad-scrape"))
+
+    @staticmethod
+    async def _after(delay: float, loop: Callable[[], Any]) -> None:
+        await asyncio.sleep(delay)
+        await loop()
+
+    def add_task(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """Run a background loop for as long as the gateway runs (KV event ingestion, planner, ...)."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        return task
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        await self.http.aclose()

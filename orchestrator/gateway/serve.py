@@ -1,0 +1,161 @@
+"""``dyad serve`` and the ways tests, the demo and benchmarks run a gateway.
+
+- ``dyad serve --config FILE [--host H] [--port P]``: the production entry point. An invalid
+  configuration prints every bad field on stderr and exits with status 2.
+- ``GatewayThread(config)``: a gateway on a free loopback port in a background thread, with
+  ``.url`` and ``.runtime``; a context manager that stops it on exit.
+- ``await serve(config)``: run a gateway inside the caller's event loop until cancelled.
+
+uvicorn runs with uvloop and httptools when they are installed (they are, via uvicorn[standard]),
+with access logging off: per-request logging costs more than the gateway's own work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+import sys
+import threading
+from typing import Any
+
+import uvicorn
+
+from orchestrator.clock import Clock
+from orchestrator.config import ConfigError, DyadConfig, load_config
+from orchestrator.gateway.app import create_app
+from orchestrator.gateway.runtime import GatewayRuntime
+
+
+def _fast_options() -> dict[str, str]:
+    opts = {}
+    try:
+        import uvloop  # noqa: F401
+        opts["loop"] = "uvloop"
+    except ImportError:
+        opts["loop"] = "asyncio"
+    try:
+        import httptools  # noqa: F401
+        opts["http"] = "httptools"
+    except ImportError:
+        opts["http"] = "h11"
+    return opts
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          lifespan="on", timeout_keep_alive=75, server_header=False, date_header=False,
+                          timeout_graceful_shutdown=5, **_fast_options())
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket; port 0 picks a free one (no race between choosing and binding)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(config: DyadConfig, *, clock: Clock | None = None, sock: socket.socket | None = None) -> None:
+    """Run a gateway in the current event loop until cancelled."""
+    gw = config.gateway
+    server = uvicorn.Server(uvicorn_config(create_app(config, clock=clock), gw.host, gw.port))
+    await server.serve(sockets=[sock] if sock is not None else None)
+
+
+class GatewayThread:
+    """A gateway in a background thread with its own event loop, on ``config.gateway.host`` and a free
+    port (``port=0``, the default) or the given one. ``config.gateway.port`` is ignored so that tests
+    and benchmarks never collide on the default port."""
+
+    def __init__(self, config: DyadConfig, *, clock: Clock | None = None, port: int = 0,
+                 startup_timeout_s: float = 30.0) -> None:
+        self.config = config
+        self.app = create_app(config, clock=clock)
+        self._sock = bind_socket(config.gateway.host, port)
+        self.port = self._sock.getsockname()[1]
+        host = config.gateway.host
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        self._server = uvicorn.Server(uvicorn_config(self.app, host, self.port))
+        self._thread = threading.Thread(target=self._run, name=f"dyad-gateway-{self.port}", daemon=True)
+        self._startup_timeout_s = startup_timeout_s
+        self._error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _run(self) -> None:
+        try:
+            with asyncio.Runner(loop_factory=self._server.config.get_loop_factory()) as runner:
+                runner.run(self._serve())
+        except BaseException as e:  # surfaced by start()
+            self._error = e
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self._server.serve(sockets=[self._sock])
+
+    @property
+    def runtime(self) -> GatewayRuntime:
+        return self.app.state.runtime
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the gateway's event loop from another thread and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> GatewayThread:
+        self._thread.start()
+        done = threading.Event()
+        waited = 0.0
+        while not self._server.started:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"gateway failed to start: {self._error!r}")
+            if waited > self._startup_timeout_s:
+                self.stop()
+                raise RuntimeError(f"gateway did not start within {self._startup_timeout_s:g} s")
+            done.wait(0.01)
+            waited += 0.01
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=15)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def __enter__(self) -> GatewayThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --- the `dyad serve` subcommand ---------------------------------------------------------------------
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", help="YAML configuration file (default: built-in defaults)")
+    parser.add_argument("--host", help="listen address (overrides gateway.host)")
+    parser.add_argument("--port", type=int, help="listen port (overrides gateway.port)")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"dyad serve: {e}", file=sys.stderr)
+        return 2
+    if args.host:
+        config.gateway.host = args.host
+    if args.port is not None:
+        config.gateway.port = args.port
+    import logging
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gw = config.gateway
+    print(f"dyad: gateway on http://{gw.host}:{gw.port} ({len(config.workers)} workers, "
+          f"policy {config.router.policy})", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn_config(create_app(config), gw.host, gw.port, args.log_level))
+    server.run()
+    return 0

@@ -1,0 +1,133 @@
+"""The Router: the one place a request meets the fleet.
+
+``route`` narrows the fleet to candidates (healthy, serving the model, able to decode), lets the
+prefix tracker (when one is plugged in) annotate the request with token ids and per-worker cache
+overlaps, asks the pure policy to choose, and tells the tracker what was chosen. ``begin`` /
+``first_token`` / ``finish`` keep the gateway's own per-worker accounting, which policies read.
+
+The I/O (tokenization, index lookups) is the tracker's; the choice is the policy's; the Router
+only sequences them, so the same Router runs in the virtual-time simulator with a ``VirtualClock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from adapters.base import Role
+from orchestrator.clock import SYSTEM_CLOCK, Clock
+from orchestrator.errors import NoHealthyWorker
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.fleet.worker import Worker
+from orchestrator.router.types import RouteDecision, RouteRequest, RoutingPolicy
+from orchestrator.telemetry.metrics import DyadMetrics
+
+RECENT_DECISIONS = 200
+
+
+class PrefixTracker(Protocol):
+    """What the kv package plugs in (``on_finished`` is optional)."""
+
+    async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
+                       candidates: list[Worker]) -> None: ...
+
+    async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None: ...
+
+    # optional: def on_finished(self, req, decision, ok: bool, now: float) -> None (sync or async)
+
+
+class Router:
+    def __init__(self, policy: RoutingPolicy, fleet: FleetRegistry, clock: Clock | None = None,
+                 metrics: DyadMetrics | None = None, prefix_tracker: PrefixTracker | None = None,
+                 retry_after_s: int = 1) -> None:
+        self.policy = policy
+        self.fleet = fleet
+        self.clock = clock or SYSTEM_CLOCK
+        self.metrics = metrics
+        self.prefix_tracker = prefix_tracker
+        self.retry_after_s = retry_after_s
+        self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
+        # Per-request prefill tokens charged to a worker, so first_token/finish release exactly that.
+        self._charged: dict[tuple[int, str], int] = {}
+        self._background: set[asyncio.Future[Any]] = set()
+
+    def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[Worker]:
+        found = self.fleet.candidates(model, Role.DECODE)
+        if exclude:
+            skip = set(exclude)
+            found = [w for w in found if w.id not in skip]
+        return found
+
+    async def route(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
+                    exclude: Iterable[str] = ()) -> RouteDecision:
+        """Pick the worker for ``req``; raises ``NoHealthyWorker`` (503) when there is none."""
+        started = time.perf_counter()
+        candidates = self.candidates(req.model, exclude)
+        if not candidates:
+            if self.metrics is not None:
+                self.metrics.routing_decisions.labels(self.policy.name, "no_candidate").inc()
+            reason = "every worker serving it is unhealthy, draining or already failed this request" \
+                if self.fleet.knows_model(req.model) else "no worker serves it"
+            raise NoHealthyWorker(req.model, retry_after=self.retry_after_s, reason=reason)
+        tracker = self.prefix_tracker
+        if tracker is not None:
+            await tracker.annotate(req, body, endpoint, candidates)
+        now = self.clock.now()
+        decision = self.policy.choose(req, candidates, now)
+        if tracker is not None:
+            await tracker.on_routed(req, decision, now)
+        if self.metrics is not None:
+            m = self.metrics
+            m.routing_decision_seconds.labels(self.policy.name).observe(time.perf_counter() - started)
+            m.routing_decisions.labels(self.policy.name, "routed").inc()
+            m.routed_prompt_tokens.labels(req.model).inc(req.prompt_tokens)
+            if decision.predicted_cached_tokens:
+                m.predicted_cached_tokens.labels(req.model).inc(decision.predicted_cached_tokens)
+        self.recent_decisions.append({
+            "time": now,
+            "request_id": req.request_id,
+            "model": req.model,
+            "worker": decision.worker.id,
+            "prefill_worker": decision.prefill_worker.id if decision.prefill_worker else None,
+            "policy": decision.policy,
+            "reason": decision.reason,
+            "prompt_tokens": req.prompt_tokens,
+            "predicted_cached_tokens": decision.predicted_cached_tokens,
+        })
+        return decision
+
+    # --- accounting ----------------------------------------------------------------------------
+
+    def _prefill_worker(self, decision: RouteDecision) -> Worker:
+        return decision.prefill_worker or decision.worker
+
+    def begin(self, decision: RouteDecision, req: RouteRequest) -> None:
+        """The request was dispatched: count it in flight, charge its uncached prompt tokens."""
+        decision.worker.inflight += 1
+        pw = self._prefill_worker(decision)
+        tokens = max(0, req.prompt_tokens - decision.predicted_cached_tokens)
+        pw.inflight_prefill_tokens += tokens
+        self._charged[(id(req), pw.id)] = tokens
+
+    def first_token(self, decision: RouteDecision, req: RouteRequest) -> None:
+        """Prefill is over: release the prompt tokens charged in ``begin`` (idempotent)."""
+        pw = self._prefill_worker(decision)
+        tokens = self._charged.pop((id(req), pw.id), 0)
+        pw.inflight_prefill_tokens = max(0, pw.inflight_prefill_tokens - tokens)
+
+    def finish(self, decision: RouteDecision, req: RouteRequest, ok: bool) -> None:
+        """The request left the worker (success, error or cancellation)."""
+        self.first_token(decision, req)
+        decision.worker.inflight = max(0, decision.worker.inflight - 1)
+        tracker = self.prefix_tracker
+        on_finished = getattr(tracker, "on_finished", None) if tracker is not None else None
+        if on_finished is not None:
+            result = on_finished(req, decision, ok, self.clock.now())
+            if inspect.isawaitable(result):  # an async tracker: let it run without holding the response
+                task = asyncio.ensure_future(result)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
