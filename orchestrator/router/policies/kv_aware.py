@@ -1,0 +1,156 @@
+"""kv_aware: send a request where its prompt is cached, unless that worker is the bottleneck.
+
+Per candidate the policy estimates the work the request would add and wait behind, in KV blocks:
+
+    prefill = max(queued_prefill_blocks + request_blocks - overlap_credit, 0)
+    decode  = active_blocks + request_blocks
+    cost    = prefill_load_weight * prefill + decode_load_weight * decode
+
+``overlap_credit`` is the worker's consecutive cached prefix, each block credited by its tier
+(device 1.0, host 0.75, disk 0.25 by default). ``queued_prefill_blocks`` is the uncached prompt
+work already dispatched to the worker and not yet prefilled: this gateway's own
+(``Worker.inflight_prefill_tokens``) plus other replicas' (shared through Redis), or the engine's
+queue when that is larger. ``active_blocks`` is the KV the worker is already using
+(``kv_usage × num_blocks`` from its scrape) or, when larger, the requests in flight × this
+request's uncached size (fresher than a scrape during a burst).
+
+Why this does not pile onto one worker when every prompt shares a system prompt: the prefix only
+saves ``overlap_credit`` blocks, and each request sent to the holder adds its uncached blocks to the
+holder's queue, so once the queue exceeds the saving a cold worker is cheaper; it then caches the
+prefix too and the fleet shares the load (tests/unit/test_kv_policy.py checks the spread).
+
+Ties go to a seeded random choice among equals (never "the first worker"). With
+``temperature > 0`` the choice is a seeded softmax over ``-cost / max_cost / temperature``.
+Session affinity (``req.session_key``: the configured header or the body's ``user``) keeps a
+conversation on the worker that served its last turn while that worker costs at most
+``AFFINITY_SLACK`` times the best one, for ``session_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from orchestrator.config import KvAwareConfig
+from orchestrator.fleet.worker import Worker
+from orchestrator.router.types import Overlap, RouteDecision, RouteRequest
+
+log = logging.getLogger("dyad.router.kv_aware")
+
+POLICY_NAME = "kv_aware"
+AFFINITY_SLACK = 1.5  # a session stays put while its worker costs ≤ this × the cheapest
+MAX_SESSIONS = 100_000
+
+
+@dataclass(frozen=True)
+class PeerLoad:
+    """Load other gateway replicas have placed on a worker (from shared reservations)."""
+
+    inflight: int = 0
+    prefill_tokens: int = 0
+
+
+@dataclass
+class WorkerCost:
+    worker: Worker
+    cost: float
+    overlap_blocks: int
+    credit: float
+    prefill_blocks: float
+    active_blocks: float
+
+
+def peer_load_of(req: RouteRequest) -> Mapping[str, PeerLoad]:
+    """Other replicas' load, attached to the request by the prefix tracker (empty when alone)."""
+    return getattr(req, "peer_load", None) or {}
+
+
+class KvAwarePolicy:
+    name = POLICY_NAME
+
+    def __init__(self, config: KvAwareConfig | None = None, seed: int | None = None) -> None:
+        self.config = config or KvAwareConfig()
+        self._rng = random.Random(seed)
+        self._sessions: dict[str, tuple[str, float]] = {}  # session → (worker id, expires at)
+
+    # --- the estimate ---------------------------------------------------------------------------
+    def cost_of(self, req: RouteRequest, w: Worker, overlap: Overlap | None, peer: PeerLoad | None) -> WorkerCost:
+        bs = max(1, req.block_size)
+        request_blocks = math.ceil(max(req.prompt_tokens, 0) / bs)
+        credit = min(overlap.weighted_blocks, request_blocks) if overlap else 0.0
+        queued_tokens = w.inflight_prefill_tokens + (peer.prefill_tokens if peer else 0)
+        queued_blocks = queued_tokens / bs
+        # The engine's own queue also counts traffic from outside this gateway; take the larger view.
+        engine_waiting_blocks = w.load.waiting * request_blocks
+        queued_blocks = max(queued_blocks, engine_waiting_blocks)
+        prefill = max(queued_blocks + request_blocks - credit, 0.0)
+        inflight = w.inflight + (peer.inflight if peer else 0)
+        running = max(float(inflight), w.load.running)
+        kv_blocks = w.load.kv_usage * w.load.num_blocks if w.load.num_blocks else 0.0
+        # Fresher than a scrape: each running request holds about this request's uncached size.
+        active = max(kv_blocks, running * max(request_blocks - credit, 1.0))
+        decode = active + request_blocks
+        cost = self.config.prefill_load_weight * prefill + self.config.decode_load_weight * decode
+        return WorkerCost(w, cost, overlap.blocks if overlap else 0, credit, prefill, active)
+
+    # --- the choice -----------------------------------------------------------------------------
+    def choose(self, req: RouteRequest, candidates: Sequence[Worker], now: float) -> RouteDecision:
+        peers = peer_load_of(req)
+        costs = [self.cost_of(req, w, req.overlaps.get(w.id), peers.get(w.id)) for w in candidates]
+        best_cost = min(c.cost for c in costs)
+        chosen: WorkerCost | None = None
+        why = ""
+        if req.session_key:
+            chosen = self._affine(req.session_key, costs, best_cost, now)
+            if chosen is not None:
+                why = "session affinity"
+        if chosen is None and self.config.temperature > 0 and len(costs) > 1:
+            chosen = self._softmax(costs)
+            why = f"softmax T={self.config.temperature:g}"
+        if chosen is None:
+            ties = [c for c in costs if c.cost <= best_cost + 1e-9]
+            chosen = ties[0] if len(ties) == 1 else self._rng.choice(ties)
+            why = "lowest cost" if len(ties) == 1 else f"lowest cost (random among {len(ties)} ties)"
+        if req.session_key:
+            self._remember(req.session_key, chosen.worker.id, now)
+        cached_tokens = min(chosen.overlap_blocks * req.block_size, req.prompt_tokens)
+        reason = (f"{why}: overlap {chosen.overlap_blocks}/{math.ceil(req.prompt_tokens / max(1, req.block_size))}"
+                  f" blocks, uncached+queued prefill {chosen.prefill_blocks:.0f} blocks,"
+                  f" active {chosen.active_blocks:.0f} blocks, cost {chosen.cost:.1f} (best {best_cost:.1f})")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("kv_aware %s → %s: %s; costs %s", req.request_id, chosen.worker.id, reason,
+                      {c.worker.id: round(c.cost, 1) for c in costs})
+        return RouteDecision(worker=chosen.worker, policy=self.name, reason=reason,
+                             predicted_cached_tokens=cached_tokens,
+                             scores={c.worker.id: c.cost for c in costs})
+
+    def _softmax(self, costs: list[WorkerCost]) -> WorkerCost:
+        top = max(c.cost for c in costs) or 1.0
+        logits = [-(c.cost / top) / self.config.temperature for c in costs]
+        m = max(logits)
+        weights = [math.exp(x - m) for x in logits]
+        return self._rng.choices(costs, weights=weights, k=1)[0]
+
+    def _affine(self, key: str, costs: list[WorkerCost], best_cost: float, now: float) -> WorkerCost | None:
+        entry = self._sessions.get(key)
+        if entry is None:
+            return None
+        worker_id, expires = entry
+        if now >= expires:
+            del self._sessions[key]
+            return None
+        for c in costs:
+            if c.worker.id == worker_id:
+                return c if c.cost <= best_cost * AFFINITY_SLACK + 1e-9 else None
+        return None  # the worker is gone, unhealthy or draining
+
+    def _remember(self, key: str, worker_id: str, now: float) -> None:
+        sessions = self._sessions
+        sessions.pop(key, None)
+        sessions[key] = (worker_id, now + self.config.session_ttl_s)
+        if len(sessions) > MAX_SESSIONS:  # oldest insertion first (dicts keep order)
+            for k in list(sessions)[: len(sessions) - MAX_SESSIONS]:
+                del sessions[k]
