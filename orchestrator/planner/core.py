@@ -34,6 +34,7 @@ class WorkerView:
     role: Role
     state: str = "healthy"  # starting | healthy | unhealthy | draining
     inflight: int = 0
+    waiting: int = 0  # engine-reported queue (used by the queue-length baseline)
 
 
 @dataclass
@@ -135,21 +136,30 @@ class Planner:
         return counts
 
     # ------------------------------------------------------------ the step
-    def step(self, obs: Observation | None, fleet: Sequence[WorkerView], now: float) -> PlanDecision:
-        s = self.settings
-        reasons: list[str] = []
-        actions: list[Action] = []
+    def complete_drains(self, fleet: Sequence[WorkerView]) -> list[Action]:
+        """Stop (or switch) the workers this planner drained that are now idle.
+
+        ``step`` calls it first; a fleet may also call it whenever a worker goes idle, so a drained
+        worker is released at once instead of at the next interval.
+        """
         ids = {w.id for w in fleet}
         self._pending = {k: v for k, v in self._pending.items() if k in ids}
-        # 1. finish drains whose workers are idle
+        out: list[Action] = []
         for w in fleet:
             then = self._pending.get(w.id)
             if then is not None and w.inflight == 0:
-                if then == "stop":
-                    actions.append(Action("stop", w.role, w.id))
-                else:
-                    actions.append(Action("set_role", Role(then), w.id))
+                out.append(Action("stop", w.role, w.id) if then == "stop" else Action("set_role", Role(then), w.id))
                 del self._pending[w.id]
+        return out
+
+    def draining(self) -> dict[str, str]:
+        """Worker id → what happens when it is idle ("stop" or the new role)."""
+        return dict(self._pending)
+
+    def step(self, obs: Observation | None, fleet: Sequence[WorkerView], now: float) -> PlanDecision:
+        s = self.settings
+        reasons: list[str] = []
+        actions: list[Action] = self.complete_drains(fleet)
         counts = self._counts(fleet)
         current = {r.value: counts[r] for r in ROLES}
         if obs is not None:

@@ -1,0 +1,147 @@
+"""``dyad sim``: replay a trace against a simulated P/D (or aggregated) fleet in virtual time.
+
+    dyad sim --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --prefill 6 --decode 4 \
+             --profile gpu-like --ttft 2 --itl 0.05
+
+Prints SLO attainment, latency percentiles, worker-hours and how fast the simulation ran.
+``--planner`` lets the SLO planner resize the fleet (the given split is the starting point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
+
+
+def detect_format(path: str) -> str:
+    p = Path(path)
+    if p.suffix == ".csv":
+        return "azure"
+    if p.name.endswith(".gz"):
+        return "sharegpt"
+    with p.open() as f:
+        first = f.readline()
+    if '"hash_ids"' in first:
+        return "mooncake"
+    if '"requests"' in first:
+        return "aibrix"
+    return "sharegpt"
+
+
+def load_requests(path: str, fmt: str = "auto", *, speed: float = 1.0, scale_len: float = 1.0,
+                  duration_s: float | None = None, limit: int | None = None) -> list[SimRequest]:
+    """A trace as simulator requests. ``speed`` compresses time (2 = twice the rate); ``duration_s``
+    loops the trace (prefix block ids shifted per loop, so loops do not share a cache) or cuts it."""
+    from orchestrator.bench.traces import load_trace
+
+    if speed <= 0:
+        raise ValueError("--speed must be > 0")
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    trace = load_trace(path, fmt, scale_len=scale_len, time_scale=1.0 / speed, limit=limit)
+    reqs = requests_from_trace(trace)
+    if not reqs:
+        raise ValueError(f"{path}: no requests")
+    if duration_s is None:
+        return reqs
+    span = max(reqs[-1].arrival + 1e-3, 1.0)
+    max_block = max((b for r in reqs for b in r.blocks), default=0) + 1
+    out: list[SimRequest] = []
+    loop = 0
+    while True:
+        for r in reqs:
+            t = r.arrival + loop * span
+            if t >= duration_s:
+                return out
+            out.append(replace(r, id=len(out), arrival=t, blocks=tuple(b + loop * max_block for b in r.blocks)))
+        loop += 1
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="trace file (Mooncake/AIBrix JSONL, Azure CSV, ShareGPT)")
+    parser.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "aibrix", "sharegpt"])
+    parser.add_argument("--profile", default="gpu-like", help="engine profile: gpu-like, cpu-tiny or a JSON file")
+    parser.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier (2 = twice as fast)")
+    parser.add_argument("--scale-len", type=float, default=1.0, help="multiply prompt/output lengths")
+    parser.add_argument("--duration", type=float, default=None, help="loop or cut the trace to this many seconds")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N requests of the trace")
+    parser.add_argument("--policy", default="least_load",
+                        choices=["round_robin", "least_load", "power_of_two", "random", "kv_aware"])
+    parser.add_argument("--ttft", type=float, default=2.0, help="TTFT target, seconds")
+    parser.add_argument("--itl", type=float, default=0.05, help="ITL target, seconds")
+    parser.add_argument("--start-s", type=float, default=60.0, help="seconds a new engine takes to serve")
+    parser.add_argument("--role-change-s", type=float, default=5.0, help="seconds a role change takes")
+    parser.add_argument("--interval", type=float, default=30.0, help="planner interval, seconds")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_common(parser)
+    parser.add_argument("--prefill", type=int, default=0, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=0, help="decode workers")
+    parser.add_argument("--aggregated", type=int, default=0, help="aggregated (prefill+decode) workers")
+    parser.add_argument("--planner", action="store_true", help="let the SLO planner resize the P/D fleet")
+    parser.add_argument("--budget", type=int, default=None, help="planner worker budget (default: 4x the start)")
+
+
+def fail(msg: str) -> int:
+    print(f"dyad: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from orchestrator.sim.profiles import load_profile
+
+    if args.prefill < 0 or args.decode < 0 or args.aggregated < 0:
+        return fail("--prefill, --decode and --aggregated must be >= 0")
+    if args.aggregated and (args.prefill or args.decode):
+        return fail("use either --aggregated or --prefill/--decode, not both")
+    if not (args.aggregated or (args.prefill and args.decode)):
+        return fail("give --prefill P --decode D (both >= 1) or --aggregated N")
+    if args.planner and args.aggregated:
+        return fail("--planner sizes prefill/decode pools; it does not apply to --aggregated")
+    try:
+        profile = load_profile(args.profile)
+        reqs = load_requests(args.trace, args.format, speed=args.speed, scale_len=args.scale_len,
+                             duration_s=args.duration, limit=args.limit)
+    except (OSError, ValueError, KeyError) as e:
+        return fail(str(e))
+    scaler = None
+    if args.planner:
+        from orchestrator.planner.plan_cli import make_planner
+        budget = args.budget or 4 * (args.prefill + args.decode)
+        scaler = make_planner(args, profile, budget)
+    fleet = VirtualFleet(profile, FleetSpec(args.prefill, args.decode, args.aggregated), policy=args.policy,
+                         scaler=scaler, interval_s=args.interval, start_s=args.start_s,
+                         role_change_s=args.role_change_s)
+    result = fleet.run(reqs)
+    s = result.summary(args.ttft, args.itl)
+    s.update({"prefill": args.prefill, "decode": args.decode, "aggregated": args.aggregated,
+              "workers_at_end": dict(zip(("prefill", "decode", "aggregated"), fleet.counts(), strict=True)),
+              "profile": profile.name, "policy": args.policy, "trace": args.trace})
+    print_summary(s)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(s, indent=2))
+    return 0
+
+
+def _f(v: Any, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v * 1000:.0f} ms" if unit == "ms" else f"{v:.3f}"
+    return str(v)
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print(f"requests {s['requests']} (finished {s['finished']}), {s['virtual_s']:.0f} s simulated "
+          f"in {s['wall_s']:.2f} s wall ({s['speedup']:.0f}x real time)")
+    print(f"SLO attainment {100 * s['slo_attainment']:.2f}%  worker-hours {s['worker_hours']:.2f}  "
+          f"goodput/worker {s['goodput_per_worker']:.3f} req/s")
+    print(f"TTFT p50 {_f(s['ttft_p50_s'], 'ms')} p90 {_f(s['ttft_p90_s'], 'ms')} p99 {_f(s['ttft_p99_s'], 'ms')}  "
+          f"ITL p50 {_f(s['itl_p50_s'], 'ms')} p90 {_f(s['itl_p90_s'], 'ms')}")

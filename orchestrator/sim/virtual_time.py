@@ -1,0 +1,612 @@
+"""Replay a trace against a simulated fleet in virtual time: no sockets, no sleeps.
+
+A discrete-event loop over a ``VirtualClock`` drives one engine model per worker. Routing uses the
+live gateway's policies (``make_policy`` on ``Worker`` objects whose load and in-flight counts the
+loop keeps current); scaling uses the live planner (``Planner.step``) or a baseline behind the same
+interface. What is simulated, and how:
+
+- **Engines** (``FastEngine``): vLLM-style continuous batching with the cost model of an
+  ``EngineProfile`` (``orchestrator/sim/profiles.py``): a step costs fixed + per sequence + per
+  prefill token + per context token. Steps that contain prefill work are simulated one by one; a
+  run of pure decode steps with an unchanged batch is computed in closed form (step k lasts
+  ``A + B*k`` because every sequence's context grows by one token per step) and cut short exactly
+  at the step boundary where a new request joins. That is what makes an hour of a 32-worker fleet
+  take seconds. Per-engine prefix cache: an LRU of prefix blocks (Mooncake hash ids), with the
+  profile's KV capacity. Not modelled: the API server's per-request overhead, preemption.
+- **P/D**: a prefill worker prefills, the KV moves to a decode worker in
+  ``profile.transfer_seconds(prompt)``, the decode worker produces every output token. Aggregated
+  workers (role both) do chunked prefill and decode in the same steps.
+- **Scaling**: started workers serve after ``start_s``; a role change takes ``role_change_s``; a
+  drained worker takes no new requests and is stopped (or switched) once idle. Worker-hours count
+  every worker from its start request to its stop, including start-up and draining.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from adapters.base import EngineKind, Role
+from orchestrator.clock import VirtualClock
+from orchestrator.config import RouterConfig
+from orchestrator.fleet.worker import Worker, WorkerState
+from orchestrator.planner.core import Action, PlanDecision, WorkerView
+from orchestrator.planner.metrics_source import Observation
+from orchestrator.router.policies import make_policy
+from orchestrator.router.types import Overlap, RouteRequest
+from orchestrator.sim.profiles import EngineProfile
+
+INF = math.inf
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+@dataclass(eq=False)
+class SimRequest:
+    id: int
+    arrival: float
+    isl: int
+    osl: int
+    blocks: tuple[int, ...] = ()  # prefix block ids (equal id = identical block)
+    block_tokens: int = 512
+    # progress, filled in by the fleet and the engines
+    cached: int = 0
+    prefill_left: int = 0
+    decode_left: int = 0
+    context: int = 0
+    first_token: float | None = None
+    finish: float | None = None
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itl(self) -> float | None:
+        """Mean inter-token latency of this request (None with one output token)."""
+        if self.finish is None or self.first_token is None or self.osl <= 1:
+            return None
+        return (self.finish - self.first_token) / (self.osl - 1)
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+class PrefixCache:
+    """LRU of prefix blocks held by one engine."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = max(1, capacity_blocks)
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, blocks: Sequence[int], touch: bool = True) -> int:
+        n = 0
+        for b in blocks:
+            if b not in self._blocks:
+                break
+            if touch:
+                self._blocks.move_to_end(b)
+            n += 1
+        return n
+
+    def insert(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            self._blocks[b] = None
+            self._blocks.move_to_end(b)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+class FastEngine:
+    """One engine: a prefill queue, a queue of prefilled requests waiting for a decode slot, a batch.
+
+    ``next_event_time()`` is when the planned step(s) end; ``advance(now)`` applies them and returns
+    ``(kind, request)`` events: ``first_token`` (aggregated prefill done, or first decode step of a
+    handed-off request), ``prefilled`` (prefill-only worker done; hand the KV off), ``finished``.
+    """
+
+    def __init__(self, profile: EngineProfile, role: Role, block_tokens: int = 512) -> None:
+        self.p = profile
+        self.role = role
+        self.cache = PrefixCache(profile.cache_tokens // max(1, block_tokens))
+        self.prefill_q: deque[SimRequest] = deque()
+        self.decode_q: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.ctx_tokens = 0  # sum of running contexts
+        # the plan
+        self._start = 0.0
+        self._steps = 0
+        self._a = 0.0
+        self._b = 0.0
+        self._chunk: list[tuple[SimRequest, int]] = []  # prefill work in the (single) mixed step
+        self._end = INF
+
+    # -- queries
+    def next_event_time(self) -> float:
+        return self._end
+
+    @property
+    def idle(self) -> bool:
+        return not (self.prefill_q or self.decode_q or self.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.prefill_q) + len(self.decode_q)
+
+    @property
+    def kv_usage(self) -> float:
+        return min(1.0, self.ctx_tokens / max(1, self.p.cache_tokens))
+
+    # -- inputs
+    def submit_prefill(self, req: SimRequest, now: float) -> None:
+        hit = self.cache.match(req.blocks)
+        req.cached = min(req.isl - 1, hit * req.block_tokens) if req.isl > 1 else 0
+        req.prefill_left = max(1, req.isl - req.cached)
+        self.prefill_q.append(req)
+        self._interrupt(now)
+
+    def submit_decode(self, req: SimRequest, now: float) -> None:
+        """A request whose KV arrived from a prefill worker: it decodes all ``osl`` tokens here."""
+        req.decode_left = req.osl
+        self.decode_q.append(req)
+        self._interrupt(now)
+
+    def _interrupt(self, now: float) -> None:
+        if self._end == INF:
+            self._plan(now)
+        elif self._steps > 1:
+            # cut the decode run at the end of the step in progress; the newcomer joins after it
+            done = self._steps_done_by(now - self._start)
+            if done + 1 < self._steps:
+                self._steps = done + 1
+                self._end = self._start + self._elapsed(self._steps)
+
+    def _elapsed(self, n: int) -> float:
+        return n * self._a + self._b * n * (n - 1) / 2
+
+    def _steps_done_by(self, dt: float) -> int:
+        a, b = self._a, self._b
+        if b <= 0:
+            n = int(dt / a) if a > 0 else self._steps
+        else:  # largest n with b/2 n^2 + (a - b/2) n <= dt
+            h = a - b / 2
+            n = int((-h + math.sqrt(h * h + 2 * b * dt)) / b)
+        while n > 0 and self._elapsed(n) > dt:
+            n -= 1
+        while self._elapsed(n + 1) <= dt and n < self._steps:
+            n += 1
+        return max(0, min(n, self._steps))
+
+    # -- the step loop
+    def _admit(self) -> None:
+        cap = self.p.cache_tokens
+        while self.decode_q and len(self.running) < self.p.max_num_seqs:
+            r = self.decode_q[0]
+            r.context = max(r.context, r.isl)
+            if self.running and self.ctx_tokens + r.context + r.decode_left > cap:
+                break
+            self.decode_q.popleft()
+            self.running.append(r)
+            self.ctx_tokens += r.context
+
+    def _plan(self, now: float) -> None:
+        self._admit()
+        self._start, self._chunk = now, []
+        p, b = self.p, len(self.running)
+        if self.prefill_q:
+            budget = max(1, p.max_num_batched_tokens - b)
+            tokens = 0
+            for r in self.prefill_q:
+                if tokens >= budget:
+                    break
+                take = min(r.prefill_left, budget - tokens)
+                self._chunk.append((r, take))
+                tokens += take
+            seqs = b + len(self._chunk)
+            self._a = p.step_fixed_s + p.per_running_seq_s * seqs + p.per_prefill_token_s * tokens \
+                + p.per_context_token_s * self.ctx_tokens
+            self._b, self._steps = 0.0, 1
+        elif self.running:
+            self._steps = min(r.decode_left for r in self.running)
+            self._a = p.decode_step_seconds(b, self.ctx_tokens)
+            self._b = p.per_context_token_s * b
+        else:
+            self._steps, self._end = 0, INF
+            return
+        self._end = self._start + self._elapsed(self._steps)
+
+    def advance(self, now: float) -> list[tuple[str, SimRequest, float]]:
+        """Apply the planned steps (call at ``next_event_time()``) and plan the next ones."""
+        events: list[tuple[str, SimRequest, float]] = []
+        n, start = self._steps, self._start
+        if n == 0:
+            return events
+        t_first = start + self._a  # end of the first step
+        still: list[SimRequest] = []
+        for r in self.running:
+            if r.first_token is None:
+                r.first_token = t_first
+                events.append(("first_token", r, t_first))
+            r.decode_left -= n
+            r.context += n
+            self.ctx_tokens += n
+            if r.decode_left <= 0:
+                r.finish = self._end
+                self.ctx_tokens -= r.context
+                events.append(("finished", r, self._end))
+            else:
+                still.append(r)
+        self.running = still
+        for r, take in self._chunk:
+            r.prefill_left -= take
+            if r.prefill_left > 0:
+                continue
+            self.prefill_q.remove(r)
+            self.cache.insert(r.blocks)
+            if self.role is Role.PREFILL:
+                events.append(("prefilled", r, self._end))
+                continue
+            r.first_token = self._end
+            events.append(("first_token", r, self._end))
+            if r.osl <= 1:
+                r.finish = self._end
+                events.append(("finished", r, self._end))
+            else:
+                r.decode_left, r.context = r.osl - 1, r.isl
+                self.decode_q.appendleft(r)
+        self._plan(self._end)
+        return events
+
+
+# ------------------------------------------------------------------------------------------ fleet
+
+class Scaler(Protocol):
+    """The planner (``orchestrator.planner.core.Planner``) or a baseline with the same call."""
+
+    def step(self, obs: Observation | None, fleet: Sequence[WorkerView], now: float) -> PlanDecision: ...
+
+
+@dataclass(eq=False)
+class SimWorker:
+    worker: Worker
+    engine: FastEngine
+    started_at: float  # when it was asked for (worker-hours count from here)
+    ready_at: float
+    state: str = "starting"  # starting | healthy | draining | switching
+    switch_to: Role | None = None
+
+
+@dataclass
+class FleetSpec:
+    prefill: int = 0
+    decode: int = 0
+    aggregated: int = 0
+
+
+@dataclass
+class SimResult:
+    requests: list[SimRequest]
+    duration_s: float  # virtual seconds simulated (until the last request finished)
+    worker_seconds: float
+    wall_s: float
+    decisions: list[PlanDecision] = field(default_factory=list)
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, prefill, decode, both)
+
+    def summary(self, ttft_s: float, itl_s: float) -> dict[str, Any]:
+        done = [r for r in self.requests if r.finish is not None]
+        ok = [r for r in done if r.ttft is not None and r.ttft <= ttft_s and (r.itl is None or r.itl <= itl_s)]
+        ttfts = sorted(r.ttft for r in done if r.ttft is not None)
+        itls = sorted(r.itl for r in done if r.itl is not None)
+
+        def pct(xs: list[float], q: float) -> float | None:
+            return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+        hours = self.worker_seconds / 3600.0
+        mean_workers = self.worker_seconds / self.duration_s if self.duration_s > 0 else 0.0
+        return {
+            "requests": len(self.requests), "finished": len(done),
+            "slo_attainment": len(ok) / len(self.requests) if self.requests else 1.0,
+            "worker_hours": hours, "mean_workers": mean_workers,
+            "goodput_per_worker": (len(ok) / self.duration_s / mean_workers) if mean_workers > 0 else 0.0,
+            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9), "ttft_p99_s": pct(ttfts, 0.99),
+            "itl_p50_s": pct(itls, 0.5), "itl_p90_s": pct(itls, 0.9),
+            "virtual_s": self.duration_s, "wall_s": self.wall_s,
+            "speedup": self.duration_s / self.wall_s if self.wall_s > 0 else None,
+        }
+
+
+class VirtualFleet:
+    """The event loop. ``run(requests)`` replays them and returns a ``SimResult``."""
+
+    def __init__(self, profile: EngineProfile, spec: FleetSpec, *, policy: str = "least_load",
+                 scaler: Scaler | None = None, interval_s: float = 30.0, start_s: float = 60.0,
+                 role_change_s: float = 5.0, block_tokens: int = 512, seed: int = 0,
+                 on_decision: Callable[[PlanDecision], None] | None = None) -> None:
+        self.profile = profile
+        self.clock = VirtualClock()
+        self.block_tokens = block_tokens
+        self.router_config = RouterConfig(policy=policy, seed=seed)
+        self.prefill_policy = make_policy(self.router_config)
+        self.decode_policy = make_policy(self.router_config)
+        self.kv_aware = policy == "kv_aware"
+        self.scaler = scaler
+        self.interval_s = interval_s
+        self.start_s = start_s
+        self.role_change_s = role_change_s
+        self.on_decision = on_decision
+        self.workers: dict[str, SimWorker] = {}
+        self._heap: list[tuple[float, int, str, Any]] = []
+        self._seq = 0
+        self._version: dict[str, int] = {}
+        self._next_id = 0
+        self._pending: dict[Role, deque[SimRequest]] = {Role.PREFILL: deque(), Role.DECODE: deque(),
+                                                         Role.BOTH: deque()}
+        self.pd = spec.prefill > 0 or spec.decode > 0
+        self._worker_seconds = 0.0
+        self._last_t = 0.0
+        self._window: list[SimRequest] = []  # arrivals since the last planner tick
+        self._finished_window: list[SimRequest] = []
+        self.decisions: list[PlanDecision] = []
+        self.timeline: list[tuple[float, int, int, int]] = []
+        for role, n in ((Role.PREFILL, spec.prefill), (Role.DECODE, spec.decode), (Role.BOTH, spec.aggregated)):
+            for _ in range(n):
+                self._add_worker(role, 0.0, ready=True)
+
+    # -- bookkeeping
+    def _push(self, t: float, kind: str, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+
+    def _add_worker(self, role: Role, now: float, ready: bool = False) -> SimWorker:
+        wid = f"{role.value[0]}{self._next_id}"
+        self._next_id += 1
+        w = Worker(id=wid, url=f"sim://{wid}", engine=EngineKind.SIM, role=role, models=["sim"])
+        sw = SimWorker(w, FastEngine(self.profile, role, self.block_tokens), now,
+                       now if ready else now + self.start_s, "healthy" if ready else "starting")
+        if not ready:
+            w.state = WorkerState.UNHEALTHY
+            self._push(sw.ready_at, "ready", wid)
+        self.workers[wid] = sw
+        return sw
+
+    def _schedule_engine(self, sw: SimWorker) -> None:
+        t = sw.engine.next_event_time()
+        v = self._version.get(sw.worker.id, 0) + 1
+        self._version[sw.worker.id] = v
+        if t < INF:
+            self._push(t, "engine", (sw.worker.id, v))
+
+    def _accrue(self, now: float) -> None:
+        if now > self._last_t:
+            self._worker_seconds += len(self.workers) * (now - self._last_t)
+            self._last_t = now
+
+    def counts(self) -> tuple[int, int, int]:
+        c = {Role.PREFILL: 0, Role.DECODE: 0, Role.BOTH: 0}
+        for sw in self.workers.values():
+            c[sw.worker.role] += 1
+        return c[Role.PREFILL], c[Role.DECODE], c[Role.BOTH]
+
+    # -- routing (the live policies)
+    def _candidates(self, role: Role) -> list[Worker]:
+        out = []
+        for sw in self.workers.values():
+            if sw.state != "healthy" or sw.worker.role is not role:
+                continue
+            w, e = sw.worker, sw.engine
+            w.load.running = float(len(e.running))
+            w.load.waiting = float(e.waiting)
+            w.load.kv_usage = e.kv_usage
+            out.append(w)
+        return out
+
+    def _route(self, req: SimRequest, role: Role, now: float) -> SimWorker | None:
+        cands = self._candidates(role)
+        if not cands:
+            return None
+        rr = RouteRequest(request_id=str(req.id), model="sim", prompt_tokens=req.isl, max_tokens=req.osl,
+                          block_size=req.block_tokens)
+        if self.kv_aware and role is not Role.DECODE and req.blocks:
+            for w in cands:
+                m = self.workers[w.id].engine.cache.match(req.blocks, touch=False)
+                if m:
+                    rr.overlaps[w.id] = Overlap(blocks=m, weighted_blocks=float(m))
+        policy = self.decode_policy if role is Role.DECODE else self.prefill_policy
+        return self.workers[policy.choose(rr, cands, now).worker.id]
+
+    def _dispatch(self, req: SimRequest, role: Role, now: float) -> None:
+        sw = self._route(req, role, now)
+        if sw is None:
+            self._pending[role].append(req)
+            return
+        sw.worker.inflight += 1
+        if role is Role.DECODE:
+            req.decode_worker = sw.worker.id
+            sw.engine.submit_decode(req, now)
+        else:
+            req.prefill_worker = sw.worker.id
+            sw.engine.submit_prefill(req, now)
+            sw.worker.inflight_prefill_tokens += req.prefill_left
+        self._schedule_engine(sw)
+
+    def _drain_pending(self, now: float) -> None:
+        for role, q in self._pending.items():
+            while q and self._candidates(role):
+                self._dispatch(q.popleft(), role, now)
+
+    # -- scaling
+    def _views(self) -> list[WorkerView]:
+        views = []
+        for sw in self.workers.values():
+            role = sw.switch_to or sw.worker.role
+            state = {"switching": "starting"}.get(sw.state, sw.state)
+            views.append(WorkerView(sw.worker.id, role, state, sw.worker.inflight,
+                                    waiting=sw.engine.waiting))
+        return views
+
+    def _observe(self, now: float) -> Observation:
+        arr, fin = self._window, self._finished_window
+        self._window, self._finished_window = [], []
+        ttfts = [r.ttft for r in fin if r.ttft is not None]
+        itls = [r.itl for r in fin if r.itl is not None]
+        queue = sum(sw.engine.waiting for sw in self.workers.values()) + sum(len(q) for q in self._pending.values())
+        hits = sum(r.cached for r in arr if r.prefill_worker)
+        isl_sum = sum(r.isl for r in arr)
+        p90 = sorted(ttfts)[int(0.9 * (len(ttfts) - 1))] if ttfts else None
+        return Observation(
+            at=now, window_s=self.interval_s, request_rate=len(arr) / self.interval_s,
+            mean_isl=isl_sum / len(arr) if arr else None,
+            mean_osl=sum(r.osl for r in fin) / len(fin) if fin else None,
+            ttft_mean=sum(ttfts) / len(ttfts) if ttfts else None, ttft_p90=p90,
+            itl_mean=sum(itls) / len(itls) if itls else None, queue_len=float(queue),
+            prefix_hit_ratio=hits / isl_sum if isl_sum else None)
+
+    def apply(self, actions: Sequence[Action], now: float) -> None:
+        """Carry out planner actions on the simulated fleet (the virtual-time actuator)."""
+        for a in actions:
+            sw = self.workers.get(a.worker_id) if a.worker_id else None
+            if a.kind == "start":
+                self._add_worker(a.role, now)
+            elif a.kind == "drain" and sw is not None:
+                sw.state = "draining"
+                sw.worker.state = WorkerState.DRAINING
+            elif a.kind == "stop" and sw is not None:
+                self._accrue(now)
+                del self.workers[a.worker_id]
+                for r in list(sw.engine.prefill_q) + list(sw.engine.decode_q) + sw.engine.running:
+                    self._dispatch(r, sw.worker.role, now)  # a stopped busy worker: its work moves
+            elif a.kind == "set_role" and sw is not None:
+                sw.state, sw.switch_to = "switching", a.role
+                sw.worker.state = WorkerState.DRAINING
+                self._push(now + self.role_change_s, "switched", a.worker_id)
+
+    def _tick(self, now: float) -> None:
+        assert self.scaler is not None
+        obs = self._observe(now)
+        d = self.scaler.step(obs, self._views(), now)
+        self.decisions.append(d)
+        if self.on_decision:
+            self.on_decision(d)
+        self.apply(d.actions, now)
+
+    def _released(self, sw: SimWorker, now: float) -> None:
+        """A draining worker went idle: let the planner stop/switch it now, not at the next tick."""
+        complete = getattr(self.scaler, "complete_drains", None)
+        if complete is not None and sw.state == "draining" and sw.engine.idle and sw.worker.inflight == 0:
+            self.apply(complete(self._views()), now)
+
+    # -- the loop
+    def run(self, requests: Sequence[SimRequest], horizon_s: float | None = None) -> SimResult:
+        wall0 = time.perf_counter()
+        for r in requests:
+            self._push(r.arrival, "arrival", r)
+        end_arrivals = max((r.arrival for r in requests), default=0.0)
+        if self.scaler is not None:
+            self._push(self.interval_s, "tick", None)
+        remaining = len(requests)
+        while self._heap and remaining > 0:
+            t, _, kind, payload = heapq.heappop(self._heap)
+            self._accrue(t)
+            self.clock.set(t)
+            if kind == "engine":
+                wid, v = payload
+                if self._version.get(wid) != v or wid not in self.workers:
+                    continue
+                sw = self.workers[wid]
+                for ev, r, et in sw.engine.advance(t):
+                    if ev == "prefilled":
+                        sw.worker.inflight -= 1
+                        sw.worker.inflight_prefill_tokens -= r.isl - r.cached
+                        self._push(et + self.profile.transfer_seconds(r.isl), "handoff", r)
+                    elif ev == "first_token" and sw.worker.role is Role.BOTH:
+                        sw.worker.inflight_prefill_tokens -= r.isl - r.cached
+                    elif ev == "finished":
+                        sw.worker.inflight -= 1
+                        self._finished_window.append(r)
+                        remaining -= 1
+                self._schedule_engine(sw)
+                if sw.state == "draining":
+                    self._released(sw, t)
+            elif kind == "arrival":
+                self._window.append(payload)
+                self._dispatch(payload, Role.PREFILL if self.pd else Role.BOTH, t)
+            elif kind == "handoff":
+                self._dispatch(payload, Role.DECODE, t)
+            elif kind == "ready":
+                sw = self.workers.get(payload)
+                if sw is not None and sw.state == "starting":
+                    sw.state, sw.worker.state = "healthy", WorkerState.HEALTHY
+                    self._drain_pending(t)
+            elif kind == "switched":
+                sw = self.workers.get(payload)
+                if sw is not None and sw.switch_to is not None:
+                    sw.worker.role = sw.engine.role = sw.switch_to
+                    sw.switch_to, sw.state, sw.worker.state = None, "healthy", WorkerState.HEALTHY
+                    self._drain_pending(t)
+            elif kind == "tick":
+                p, d, b = self.counts()
+                self.timeline.append((t, p, d, b))
+                self._tick(t)
+                if t < (horizon_s or INF) and (t <= end_arrivals + 10 * self.interval_s or remaining > 0):
+                    self._push(t + self.interval_s, "tick", None)
+        end = self.clock.now()
+        self._accrue(end)
+        return SimResult(list(requests), end, self._worker_seconds, time.perf_counter() - wall0,
+                         self.decisions, self.timeline)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def requests_from_trace(trace: Sequence[Any], block_tokens: int | None = None) -> list[SimRequest]:
+    """``orchestrator.bench.traces.TraceRequest`` → ``SimRequest`` (prefix blocks = Mooncake hash ids)."""
+    out = []
+    for i, r in enumerate(trace):
+        bt = block_tokens or (r.synthesizer.block_tokens if getattr(r, "synthesizer", None) else 512)
+        out.append(SimRequest(id=i, arrival=r.arrival_s, isl=max(1, r.input_len), osl=max(1, r.output_len),
+                              blocks=tuple(r.hash_ids), block_tokens=bt))
+    return out
+
+
+def sweep_profile(profile: EngineProfile, isls: Sequence[int] = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+                  concurrencies: Sequence[int] = (1, 4, 16, 32, 64, 128, 256),
+                  contexts: Sequence[int] = (512, 2048, 8192, 32768), decode_tokens: int = 32) -> dict[str, Any]:
+    """Measure an engine model the way ``dyad profile`` measures a live engine, in virtual time.
+
+    Prefill: one request alone, TTFT. Decode: ``c`` requests of context ``ctx`` decoding together,
+    mean ITL. Returns a planner performance profile (``PerfModel.from_dict``).
+    """
+    prefill = []
+    for n in isls:
+        if n > profile.max_model_len:
+            continue
+        e = FastEngine(profile, Role.BOTH)
+        r = SimRequest(id=0, arrival=0.0, isl=n, osl=2)
+        e.submit_prefill(r, 0.0)
+        while r.first_token is None:
+            e.advance(e.next_event_time())
+        prefill.append({"isl": n, "ttft_s": r.first_token})
+    decode = []
+    for ctx in contexts:
+        for c in concurrencies:
+            if c > profile.max_num_seqs or c * (ctx + decode_tokens) > profile.cache_tokens:
+                continue
+            e = FastEngine(profile, Role.DECODE)
+            reqs = [SimRequest(id=i, arrival=0.0, isl=ctx, osl=decode_tokens) for i in range(c)]
+            for r in reqs:
+                e.submit_decode(r, 0.0)
+            while any(r.finish is None for r in reqs):
+                e.advance(e.next_event_time())
+            itl = sum(r.itl or 0.0 for r in reqs) / c
+            decode.append({"concurrency": c, "context": ctx, "itl_s": itl})
+    return {"version": 1, "source": f"virtual sweep of engine profile {profile.name}",
+            "kv_capacity_tokens": profile.cache_tokens, "max_concurrency": profile.max_num_seqs,
+            "prefill": prefill, "decode": decode}
