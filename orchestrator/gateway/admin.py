@@ -28,6 +28,7 @@ def worker_view(w: Worker) -> dict[str, Any]:
     load = w.load
     return {
         "id": w.id, "url": w.url, "engine": w.engine.value, "role": w.role.value, "models": w.models,
+        "target_role": w.target_role.value if w.target_role else None,
         "labels": w.labels, "state": w.state.value, "inflight": w.inflight,
         "inflight_prefill_tokens": w.inflight_prefill_tokens,
         "consecutive_failures": w.consecutive_failures, "last_error": w.last_error,

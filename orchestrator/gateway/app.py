@@ -18,8 +18,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from orchestrator import disagg
 from orchestrator.clock import Clock
 from orchestrator.config import DyadConfig
+from orchestrator.disagg import admin_routes as disagg_admin
 from orchestrator.errors import ApiError, error_body
 from orchestrator.gateway import admin, openai_routes
 from orchestrator.gateway.runtime import GatewayRuntime
@@ -121,6 +123,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         rt = runtime or GatewayRuntime(config, clock=clock, metrics=metrics)
+        disagg.install(rt)  # P/D pair selection, the P/D executor and role changes (orchestrator.disagg)
         app.state.runtime = rt
         await rt.start()
         try:
@@ -140,6 +143,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     app.add_route("/admin/workers/{worker_id}", admin.remove_worker, methods=["DELETE"])
     app.add_route("/admin/workers/{worker_id}/drain", admin.drain_worker, methods=["POST"])
     app.add_route("/admin/workers/{worker_id}/undrain", admin.undrain_worker, methods=["POST"])
+    app.include_router(disagg_admin.router)  # POST /admin/workers/{id}/role, GET /admin/pools
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -20,10 +20,12 @@ Any number of prefill and decode workers (XpYd) are supported.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from adapters.base import Role
+from adapters.base import EngineKind, Role
+from orchestrator.errors import NoHealthyWorker
 from orchestrator.fleet.worker import Worker
 from orchestrator.router.types import RouteDecision, RouteRequest
 
@@ -92,6 +94,12 @@ def cached_tokens(req: RouteRequest, worker: Worker) -> int:
     return min(req.prompt_tokens, int(credit * req.block_size))
 
 
+def can_prefill_locally(worker: Worker) -> bool:
+    """SGLang decode servers only decode what a prefill server ships them; vLLM consumers (and the
+    simulator in vLLM dialect) prefill by themselves when no transfer parameters come along."""
+    return worker.engine != EngineKind.SGLANG
+
+
 def prefill_cost(req: RouteRequest, worker: Worker) -> float:
     """Tokens this worker would have to prefill before this request's first token is ready."""
     uncached = req.prompt_tokens - cached_tokens(req, worker)
@@ -142,6 +150,8 @@ def select_pair(
     local_uncached = req.prompt_tokens - cached_tokens(req, decode)
     if best_prefill is None:
         reason, prefill = "no prefill worker available", None
+    elif not can_prefill_locally(decode):
+        reason, prefill = f"disaggregated: {decode.engine.value} decode workers cannot prefill", best_prefill
     elif local_uncached < settings.min_prefill_tokens:
         reason, prefill = (f"local prefill: {local_uncached} uncached tokens < "
                            f"min_prefill_tokens {settings.min_prefill_tokens}"), None
@@ -175,3 +185,53 @@ class PdPairSelector:
         if decision is None:
             raise LookupError("no decode worker among the candidates")
         return decision
+
+
+class PdRoutingPolicy:
+    """The router's policy when disaggregation is on: P/D pair selection whenever the candidates
+    include a decode pool, the wrapped ``inner`` policy otherwise (an aggregated fleet).
+
+    The Router hands policies only workers that can decode; ``prefill_pool(model)`` supplies the
+    prefill workers for the model (pure: a registry read). ``on_decision`` (optional) is told about
+    every P/D decision, e.g. to count local-prefill decisions in metrics.
+    """
+
+    def __init__(self, inner: Any, settings: PdSelectionSettings,
+                 prefill_pool: Callable[[str], Sequence[Worker]],
+                 on_decision: Callable[[RouteDecision], None] | None = None) -> None:
+        self.inner = inner
+        self.settings = settings
+        self.prefill_pool = prefill_pool
+        self.on_decision = on_decision
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Worker], now: float) -> RouteDecision:
+        if not any(w.role == Role.DECODE for w in candidates):
+            # An aggregated fleet; still keep new work off workers moving to another role.
+            settled = [w for w in candidates if w.target_role is None]
+            return self.inner.choose(req, settled or candidates, now)
+        known = {w.id for w in candidates}
+        extra = [w for w in self.prefill_pool(req.model) if w.id not in known]
+        decision = select_pair(req, [*candidates, *extra], now, self.settings)
+        if decision is None:  # every decode worker is draining towards another role
+            return self.inner.choose(req, [w for w in candidates if w.target_role is None] or candidates, now)
+        if decision.prefill_worker is None and not can_prefill_locally(decision.worker):
+            raise NoHealthyWorker(req.model, reason="no prefill worker is available for the "
+                                  f"{decision.worker.engine.value} decode workers (they cannot prefill)")
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        return decision
+
+
+def threshold_from_profile(profile: Any) -> int:
+    """``derive_min_prefill_tokens`` for an engine profile (``orchestrator.sim.profiles.EngineProfile``
+    or anything with its fields): the hand-off costs one more API round trip on the prefill engine,
+    one engine step for its single token, and the transfer set-up."""
+    if profile.per_prefill_token_s <= 0:
+        return 2**31 - 1  # prefill is free: a split can never pay
+    handoff = profile.request_overhead_s + profile.step_fixed_s + profile.transfer_fixed_s
+    return derive_min_prefill_tokens(1.0 / profile.per_prefill_token_s, handoff, profile.kv_bytes_per_token,
+                                     profile.transfer_bandwidth_bytes_s or math.inf)

@@ -1,0 +1,78 @@
+"""Admin routes for the prefill/decode pools: change a worker's role, see the pools.
+
+Mounted on the gateway app with ``app.include_router(admin_routes.router)``; behind the same admin
+token as the rest of ``/admin``.
+
+* ``POST /admin/workers/{id}/role`` — body ``{"role": "prefill"|"decode"|"both", "wait": false}``.
+  Answers 202 with the pending change (the worker drains its current work first), or with
+  ``"wait": true`` 200 once the role is applied. 409 when another change is pending or the move
+  would leave a model without a decode-capable worker.
+* ``GET /admin/pools`` — worker ids per role, and those moving between roles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from orchestrator.disagg.roles import RoleManager
+from orchestrator.errors import InvalidRequest
+from orchestrator.gateway import request as rq
+from orchestrator.gateway.auth import check_admin
+
+ADMIN_BODY_LIMIT = 4096
+
+router = APIRouter()
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _roles(request: Request) -> RoleManager:
+    rt = request.app.state.runtime
+    check_admin(request, rt.config.gateway.admin_token)
+    roles = getattr(rt, "roles", None)
+    if roles is None:
+        raise InvalidRequest("Role changes are unavailable: disaggregation is not installed on this gateway.",
+                             code="disagg_disabled")
+    return roles
+
+
+def _view(roles: RoleManager, worker_id: str) -> dict[str, Any]:
+    w = roles.fleet.get(worker_id)
+    assert w is not None
+    return {"id": w.id, "role": w.role.value, "target_role": w.target_role.value if w.target_role else None,
+            "inflight": w.inflight, "pools": roles.pools()}
+
+
+async def set_role(request: Request) -> Response:
+    roles = _roles(request)
+    body = rq.parse_json_object(await rq.read_body(request, ADMIN_BODY_LIMIT))
+    role = body.get("role")
+    if not isinstance(role, str):
+        raise InvalidRequest("'role' is required: one of prefill, decode, both.", param="role", code="invalid_role")
+    wait = body.get("wait", False)
+    if not isinstance(wait, bool):
+        raise InvalidRequest("'wait' must be a boolean.", param="wait", code="invalid_type")
+    worker_id = request.path_params["worker_id"]
+    task = roles.request(worker_id, role)
+    if wait:
+        change = await task
+        out = _view(roles, worker_id)
+        out["drained"] = change.drained
+        return _json(out)
+    return _json(_view(roles, worker_id), status=202 if not task.done() else 200)
+
+
+async def pools(request: Request) -> Response:
+    roles = _roles(request)
+    return _json({"pools": roles.pools()})
+
+
+router.add_route("/admin/workers/{worker_id}/role", set_role, methods=["POST"])
+router.add_route("/admin/pools", pools, methods=["GET"])

@@ -1,0 +1,257 @@
+"""The P/D executor: runs one routed attempt across a prefill and a decode worker.
+
+The gateway's proxy uses it whenever the routing decision names a prefill worker; like the
+aggregated executor it returns the decode engine's response with headers in and body unread, so
+the proxy streams it to the client unchanged.
+
+* **vLLM** (NixlConnector / ExampleConnector): prefill step first (bounded by
+  ``disagg.prefill_timeout_s``), then the decode step with the hand-off. If the prefill worker is
+  down, slow, or answers without a hand-off, the decode worker prefills locally: the client sees
+  no error, ``dyad_pd_requests_total{mode="fallback"}`` counts it.
+* **SGLang**: dual dispatch with a fresh bootstrap room. The executor waits for whichever comes
+  first — the decode's first bytes or the prefill's answer. A prefill that fails takes the decode
+  request down with it (it would only wait for its bootstrap timeout) and the pair is retried with
+  another prefill worker; a prefill that does not answer in time ends the request with a 504.
+
+A decode worker that fails before answering raises ``AttemptFailed`` (or answers 5xx): the proxy
+then routes again, excluding it, which picks another decode worker. Cancellation reaches both
+engines: every engine call is an httpx request whose connection is closed when the client goes
+away (the prefill task of a dual dispatch is tied to the decode response's lifetime).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import orjson
+
+from adapters.base import EngineAdapter, EngineKind
+from orchestrator.clock import Clock
+from orchestrator.config import DisaggConfig
+from orchestrator.disagg import sglang_flow, vllm_flow
+from orchestrator.errors import GatewayTimeout, NoHealthyWorker
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.fleet.worker import Worker
+from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
+from orchestrator.router.types import RouteDecision
+from orchestrator.telemetry.metrics import DyadMetrics
+
+log = logging.getLogger(__name__)
+
+# Modes counted in dyad_pd_requests_total{mode}.
+MODE_DISAGGREGATED = "disaggregated"
+MODE_LOCAL = "local"  # conditional disaggregation chose the decode worker's own prefill
+MODE_FALLBACK = "fallback"  # a split was planned but the prefill side failed; decode prefilled locally
+
+# Prefill answers that mean "your request is wrong", not "I am broken": the decode step would say the same.
+_CLIENT_ERRORS = frozenset(range(400, 500)) - {408, 409, 429}
+
+SGLANG_MAX_PREFILL_TRIES = 3
+
+
+class _PrefillFailed(Exception):
+    def __init__(self, reason: str, reachable: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.reachable = reachable
+
+
+class _Chained(httpx.AsyncByteStream):
+    """A response body that starts with bytes already read and, when closed, also closes its
+    companions (the original response, a still-running prefill task)."""
+
+    def __init__(self, head: bytes, rest: AsyncIterator[bytes], close: Callable[[], Any]) -> None:
+        self._head = head
+        self._rest = rest
+        self._close = close
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._head:
+            yield self._head
+        async for chunk in self._rest:
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._close()
+
+
+class PdExecutor:
+    """``Executor`` for decisions with a prefill worker (see the module docstring)."""
+
+    def __init__(self, http: httpx.AsyncClient, fleet: FleetRegistry, config: DisaggConfig, metrics: DyadMetrics,
+                 clock: Clock, adapter_for: Callable[[EngineKind], EngineAdapter],
+                 choose_prefill: Callable[[str, set[str]], Worker | None] | None = None) -> None:
+        self.http = http
+        self.fleet = fleet
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.adapter_for = adapter_for
+        # Another prefill worker for a model, excluding some ids (SGLang retries); None = no retry.
+        self.choose_prefill = choose_prefill
+
+    async def open(self, call: UpstreamCall, decision: RouteDecision) -> httpx.Response:
+        prefill = decision.prefill_worker
+        if prefill is None:  # not ours, but harmless: run it aggregated on the decode worker
+            return await self._send_local(call, decision.worker)
+        if decision.worker.engine == EngineKind.SGLANG:
+            return await self._sglang(call, decision.worker, prefill)
+        return await self._vllm(call, decision.worker, prefill)
+
+    # --- vLLM ----------------------------------------------------------------------------------
+
+    async def _vllm(self, call: UpstreamCall, decode: Worker, prefill: Worker) -> httpx.Response:
+        connector = self.config.connector
+        body = vllm_flow.prefill_body(call.endpoint, call.body, connector)
+        started = time.perf_counter()
+        try:
+            answer = await self._prefill_step(call, prefill, body)
+        except _PrefillFailed as e:
+            log.warning("prefill on %s failed (%s); %s prefills locally", prefill.id, e.reason, decode.id)
+            self.metrics.upstream_errors.labels(prefill.id, "prefill").inc()
+            if not e.reachable:
+                self.fleet.mark_failed(prefill, self.clock.now(), e.reason)
+            self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
+            return await self._send_local(call, decode)
+        if isinstance(answer, httpx.Response):  # the request itself is bad: pass the engine's 4xx on
+            return answer
+        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
+        params = vllm_flow.handoff_params(answer) if connector == "nixl" else None
+        if connector == "nixl" and params is None:
+            log.warning("prefill on %s answered without kv_transfer_params (is it a NIXL producer?); "
+                        "%s prefills locally", prefill.id, decode.id)
+            self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
+            return await self._send_local(call, decode)
+        self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
+        adapter = self.adapter_for(decode.engine)
+        out = adapter.shape_request(call.endpoint, vllm_flow.decode_body(call.body, params), call.request_id)
+        return await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
+
+    async def _prefill_step(self, call: UpstreamCall, prefill: Worker,
+                            body: dict[str, Any]) -> dict[str, Any] | httpx.Response:
+        """POST the prefill step and return its JSON answer (or the engine's 4xx response as is).
+        Bounded by ``disagg.prefill_timeout_s``; closing the connection on timeout or cancellation
+        makes the engine abort the step."""
+        headers = engine_headers(call, prefill)
+        prefill.inflight += 1
+        try:
+            async with asyncio.timeout(self.config.prefill_timeout_s):
+                r = await self.http.post(prefill.url + call.endpoint, content=orjson.dumps(body), headers=headers)
+        except TimeoutError:
+            raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s") from None
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
+            raise _PrefillFailed(f"cannot reach {prefill.url}: {type(e).__name__}", reachable=False) from e
+        except httpx.HTTPError as e:
+            raise _PrefillFailed(f"{type(e).__name__}: {e}") from e
+        finally:
+            prefill.inflight = max(0, prefill.inflight - 1)
+        if r.status_code in _CLIENT_ERRORS:
+            return httpx.Response(r.status_code, content=r.content,
+                                  headers={"content-type": r.headers.get("content-type", "application/json")})
+        if r.status_code >= 300:
+            raise _PrefillFailed(f"answered HTTP {r.status_code}")
+        try:
+            return orjson.loads(r.content)
+        except orjson.JSONDecodeError as e:
+            raise _PrefillFailed("answered a body that is not JSON") from e
+
+    async def _send_local(self, call: UpstreamCall, decode: Worker) -> httpx.Response:
+        adapter = self.adapter_for(decode.engine)
+        out = adapter.shape_request(call.endpoint, vllm_flow.local_body(call.body), call.request_id)
+        return await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
+
+    # --- SGLang --------------------------------------------------------------------------------
+
+    async def _sglang(self, call: UpstreamCall, decode: Worker, prefill: Worker) -> httpx.Response:
+        failed: set[str] = set()
+        last_reason = ""
+        current: Worker | None = prefill
+        for _ in range(SGLANG_MAX_PREFILL_TRIES):
+            if current is None:
+                break
+            try:
+                response = await self._sglang_pair(call, decode, current)
+            except _PrefillFailed as e:
+                log.warning("SGLang prefill on %s failed (%s)", current.id, e.reason)
+                self.metrics.upstream_errors.labels(current.id, "prefill").inc()
+                if not e.reachable:
+                    self.fleet.mark_failed(current, self.clock.now(), e.reason)
+                failed.add(current.id)
+                last_reason = f"prefill worker {current.id}: {e.reason}"
+                current = self.choose_prefill(call.model, failed) if self.choose_prefill else None
+                continue
+            self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
+            return response
+        raise NoHealthyWorker(call.model, reason=f"no SGLang prefill worker could serve the request ({last_reason})")
+
+    async def _sglang_pair(self, call: UpstreamCall, decode: Worker, prefill: Worker) -> httpx.Response:
+        room = sglang_flow.new_room()
+        pbody, dbody = sglang_flow.dual_bodies(call.body, prefill.url, prefill.bootstrap_port, room)
+        started = time.perf_counter()
+        prefill_task = asyncio.ensure_future(self._sglang_prefill(call, prefill, pbody))
+        decode_task = asyncio.ensure_future(self._open_first_chunk(call, decode, dbody))
+        try:
+            done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if decode_task not in done:
+                # The prefill finished first: a failure dooms the decode side (it would only wait
+                # for its bootstrap timeout), so abandon it; on success the first token is near.
+                await prefill_task  # raises _PrefillFailed
+                self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
+            response, head, rest = await decode_task
+        except BaseException:
+            for task in (prefill_task, decode_task):
+                task.cancel()
+            await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
+            raise
+
+        async def close() -> None:
+            prefill_task.cancel()
+            with contextlib.suppress(BaseException):
+                await prefill_task
+            await response.aclose()
+
+        return httpx.Response(response.status_code, headers=response.headers, stream=_Chained(head, rest, close))
+
+    async def _sglang_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> None:
+        prefill.inflight += 1
+        try:
+            async with asyncio.timeout(self.config.prefill_timeout_s):
+                r = await self.http.post(prefill.url + call.endpoint, content=orjson.dumps(body),
+                                         headers=engine_headers(call, prefill))
+        except TimeoutError:
+            raise GatewayTimeout(f"SGLang prefill worker {prefill.id} did not finish within "
+                                 f"disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s",
+                                 code="prefill_timeout") from None
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
+            raise _PrefillFailed(f"cannot reach {prefill.url}: {type(e).__name__}", reachable=False) from e
+        except httpx.HTTPError as e:
+            raise _PrefillFailed(f"{type(e).__name__}: {e}") from e
+        finally:
+            prefill.inflight = max(0, prefill.inflight - 1)
+        if r.status_code >= 300:
+            raise _PrefillFailed(f"answered HTTP {r.status_code}: {r.text[:200]}")
+
+    async def _open_first_chunk(self, call: UpstreamCall, decode: Worker,
+                                body: dict[str, Any]) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
+        """Open the decode response and read its first bytes, so that a decode that fails before
+        its first token is still retryable (nothing has reached the client yet)."""
+        adapter = self.adapter_for(decode.engine)
+        out = adapter.shape_request(call.endpoint, body, call.request_id)
+        response = await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
+        rest = response.aiter_raw()
+        try:
+            head = await anext(rest, b"")
+        except httpx.HTTPError as e:
+            await response.aclose()
+            raise AttemptFailed(decode, "protocol", f"{decode.url} broke off before its first token: {e}",
+                                reachable=True) from e
+        except BaseException:
+            await response.aclose()
+            raise
+        return response, head, rest

@@ -1,0 +1,72 @@
+"""vLLM's prefill/decode exchange, as request bodies (pure functions, no I/O).
+
+NixlConnector (engines.md §2), two steps with one ``X-Request-Id``:
+
+1. the prefill engine gets the client's request cut to one token — ``max_tokens: 1`` (chat also
+   ``max_completion_tokens: 1``), not streamed — plus ``kv_transfer_params`` asking it to keep the
+   KV for a remote decode (``do_remote_decode: true``);
+2. its JSON answer carries a top-level ``kv_transfer_params`` (block ids, engine id, host, side
+   channel port); the decode engine gets the client's original request with that object, pulls
+   the KV over NIXL and generates from there.
+
+ExampleConnector (a shared folder): the same two steps without any parameters; the decode engine
+finds the prefill's KV in the folder by the prompt's hash.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+Connector = Literal["nixl", "example"]
+
+# What the prefill step asks of a NIXL producer: keep the blocks for a remote decode.
+NIXL_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Fields that make no sense (or are rejected) for a one-token, non-streamed prefill step.
+_PREFILL_DROP = ("stream_options", "min_tokens", "n", "best_of", "logprobs", "top_logprobs", "echo",
+                 "kv_transfer_params")
+
+
+def prefill_body(endpoint: str, body: dict[str, Any], connector: Connector = "nixl") -> dict[str, Any]:
+    """The prefill step's body: the client's request cut to one token, not streamed."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    out["max_tokens"] = 1
+    if endpoint.endswith("/chat/completions"):
+        out["max_completion_tokens"] = 1
+    else:
+        out.pop("max_completion_tokens", None)
+    out["stream"] = False
+    if connector == "nixl":
+        out["kv_transfer_params"] = dict(NIXL_PREFILL_PARAMS)
+    return out
+
+
+def handoff_params(prefill_response: Any) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` a NIXL prefill answer hands to the decode step, or ``None`` when
+    the answer has none (the engine has no connector, or refused to keep the blocks)."""
+    if not isinstance(prefill_response, dict):
+        return None
+    params = prefill_response.get("kv_transfer_params")
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    return params
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode step's body: the client's request, plus the prefill's hand-off when there is one."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if params is not None:
+        out["kv_transfer_params"] = params
+    return out
+
+
+def local_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The body for a decode worker that prefills locally (no transfer parameters from the client)."""
+    return decode_body(body, None)
