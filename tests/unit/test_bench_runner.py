@@ -222,3 +222,23 @@ def test_cli_rejects_missing_trace(tmp_path: Path) -> None:
     bench_cli.configure(parser)
     args = parser.parse_args(["--url", "http://x", "--model", "m", "--trace", str(tmp_path / "no"), "--format", "azure"])
     assert bench_cli.run(args) == 2
+
+
+async def test_loadgen_raw_client_reads_json_and_chunked_streams(server: ScriptedServer) -> None:
+    from orchestrator.bench.loadgen import RawConnection, encode_request
+
+    host, port, raw = encode_request(server.url + "/v1/completions",
+                                     {"model": "m", "prompt": "a b", "max_tokens": 3, "stream": False})
+    conn = RawConnection(host, port)
+    t = await conn.send(raw)
+    assert t.status == 200 and json.loads(t.body)["usage"]["completion_tokens"] == 3
+    t2 = await conn.send(raw)  # same keep-alive connection
+    assert t2.status == 200
+    _, _, sraw = encode_request(server.url + "/v1/completions",
+                                {"model": "m", "prompt": "a b", "max_tokens": 4, "stream": True})
+    t3 = await conn.send(sraw)
+    assert t3.status == 200 and t3.body.count(b"data:") == 6 and t3.body.rstrip().endswith(b"[DONE]")
+    assert 0 < t3.first_byte_s < t3.total_s  # chunks were spaced 5 ms apart
+    _, _, bad = encode_request(server.url + "/v1/completions", {"model": "m", "prompt": "FAIL", "stream": False})
+    assert (await conn.send(bad)).status == 500
+    await conn.close()

@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""Gateway added latency and throughput: direct to a zero-cost simulated engine vs through Dyad (and,
+when installed, vllm-router and sglang-router), all in one run.
+
+Every target fronts the SAME engine process (``dyad sim-engine --profile zero``: answers at once), so
+the difference between a target and "direct" is what that router adds. Latency is measured one
+request at a time, interleaving the targets in a fresh random order every round so that machine noise
+(2 shared cores) hits all of them alike; throughput is closed-loop at ``--concurrency`` for
+``--duration`` seconds per target, repeated ``--rounds`` times in shuffled order.
+
+The client is ``orchestrator.bench.loadgen`` (raw keep-alive HTTP/1.1), so its own cost stays small.
+
+    .venv/bin/python scripts/bench_gateway_overhead.py [--requests 1000] [--duration 5] [--rounds 3]
+        [--anchors-venv ~/.cache/dyad/anchors/venv] [--json out.json]
+
+The anchors are benchmark-only and live in their own venv:
+``python3 -m venv ~/.cache/dyad/anchors/venv && ~/.cache/dyad/anchors/venv/bin/pip install vllm-router sglang-router``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.bench.loadgen import RawConnection, encode_request  # noqa: E402
+from orchestrator.bench.runner import percentile  # noqa: E402
+
+MODEL = "bench"
+DEFAULT_ANCHORS = Path.home() / ".cache/dyad/anchors/venv"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class Processes:
+    """Processes this script started; stopped by their own process group ids on exit."""
+
+    logdir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.logdir / f"{name}.log"
+        f = log.open("wb")
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env={**os.environ, **(env or {})})
+        proc = Proc(name, p, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait(5)
+
+
+def wait_http(url: str, proc: Proc, timeout_s: float = 60.0, ok=(200,)) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}); log: {proc.log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=1.0, trust_env=False).status_code in ok:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{proc.name} not ready at {url} after {timeout_s:g} s; log: {proc.log.read_text()[-2000:]}")
+
+
+def start_targets(ps: Processes, args: argparse.Namespace) -> dict[str, str]:
+    py = str(ROOT / ".venv/bin/python")
+    eport = free_port()
+    eng = ps.start("engine", [py, "-m", "orchestrator.cli", "sim-engine", "--port", str(eport), "--model", MODEL,
+                              "--profile", "zero"])
+    engine = f"http://127.0.0.1:{eport}"
+    wait_http(f"{engine}/health", eng)
+    targets = {"direct": engine}
+    for policy in args.policies.split(","):
+        gport = free_port()
+        cfg = ps.logdir / f"dyad-{policy}.yaml"
+        cfg.write_text(json.dumps({
+            "models": [{"name": MODEL}],
+            "workers": [{"id": "e0", "url": engine, "engine": "sim", "models": [MODEL]}],
+            "router": {"policy": policy},
+            "gateway": {"host": "127.0.0.1", "port": gport},
+        }))
+        g = ps.start(f"dyad-{policy}", [py, "-m", "orchestrator.cli", "serve", "--config", str(cfg)])
+        wait_http(f"http://127.0.0.1:{gport}/ready", g)
+        targets[f"dyad ({policy})"] = f"http://127.0.0.1:{gport}"
+    venv = Path(args.anchors_venv).expanduser()
+    if not args.no_anchors and (venv / "bin/vllm-router").exists():
+        port = free_port()
+        p = ps.start("vllm-router", [str(venv / "bin/vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+                                     "--worker-urls", engine, "--policy", "round_robin", "--log-level", "warning",
+                                     "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1"])
+        wait_http(f"http://127.0.0.1:{port}/v1/models", p)
+        targets["vllm-router (round_robin)"] = f"http://127.0.0.1:{port}"
+    if not args.no_anchors and (venv / "bin/python").exists() and (venv / "bin/sglang-router").exists():
+        port = free_port()
+        p = ps.start("sglang-router", [str(venv / "bin/python"), "-m", "sglang_router.launch_router", "--host",
+                                       "127.0.0.1", "--port", str(port), "--worker-urls", engine, "--policy",
+                                       "round_robin", "--log-level", "warn", "--prometheus-port", str(free_port())])
+        wait_http(f"http://127.0.0.1:{port}/v1/models", p)
+        targets["sglang-router (round_robin)"] = f"http://127.0.0.1:{port}"
+    return targets
+
+
+def request_bytes(base: str, stream: bool, max_tokens: int) -> tuple[str, int, bytes]:
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": stream}
+    return encode_request(f"{base}/v1/completions", body)
+
+
+async def latency_phase(targets: dict[str, str], n: int, stream: bool, max_tokens: int,
+                        seed: int) -> dict[str, dict[str, list[float]]]:
+    """``n`` rounds; each round sends one request to every target, one at a time, in random order."""
+    rng = random.Random(seed)
+    conns, reqs = {}, {}
+    for name, base in targets.items():
+        host, port, raw = request_bytes(base, stream, max_tokens)
+        conns[name], reqs[name] = RawConnection(host, port), raw
+    out: dict[str, dict[str, list[float]]] = {name: {"total": [], "first": []} for name in targets}
+    names = list(targets)
+    for _ in range(50):  # warm-up: connections, caches
+        for name in names:
+            await conns[name].send(reqs[name])
+    for _ in range(n):
+        rng.shuffle(names)
+        for name in names:
+            t = await conns[name].send(reqs[name])
+            if t.status != 200:
+                raise RuntimeError(f"{name}: HTTP {t.status}: {t.body[:300]!r}")
+            out[name]["total"].append(t.total_s)
+            out[name]["first"].append(t.first_byte_s)
+    for c in conns.values():
+        await c.close()
+    return out
+
+
+async def throughput_once(base: str, concurrency: int, duration_s: float, max_tokens: int) -> tuple[float, list[float], int]:
+    host, port, raw = request_bytes(base, False, max_tokens)
+    lat: list[float] = []
+    errors = 0
+    stop_at = time.perf_counter() + duration_s
+
+    async def worker() -> None:
+        nonlocal errors
+        conn = RawConnection(host, port)
+        try:
+            while time.perf_counter() < stop_at:
+                try:
+                    t = await conn.send(raw)
+                except (TimeoutError, OSError):
+                    errors += 1
+                    continue
+                if t.status == 200:
+                    lat.append(t.total_s)
+                else:
+                    errors += 1
+        finally:
+            await conn.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return len(lat) / (time.perf_counter() - t0), lat, errors
+
+
+async def throughput_phase(targets: dict[str, str], concurrency: int, duration_s: float, rounds: int,
+                           max_tokens: int, seed: int) -> dict[str, dict[str, float]]:
+    rng = random.Random(seed + 1)
+    rps: dict[str, list[float]] = {n: [] for n in targets}
+    lats: dict[str, list[float]] = {n: [] for n in targets}
+    errs: dict[str, int] = dict.fromkeys(targets, 0)
+    names = list(targets)
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            r, lat, e = await throughput_once(targets[name], concurrency, duration_s, max_tokens)
+            rps[name].append(r)
+            lats[name].extend(lat)
+            errs[name] += e
+    return {n: {"rps_median": statistics.median(rps[n]), "rps_rounds": rps[n],
+                "p50_s": percentile(lats[n], 50), "p99_s": percentile(lats[n], 99), "errors": errs[n]}
+            for n in targets}
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.3f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=1000, help="latency samples per target and mode")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per throughput measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="throughput rounds per target")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens per response")
+    ap.add_argument("--policies", default="round_robin", help="Dyad policies to measure, comma-separated")
+    ap.add_argument("--anchors-venv", default=str(DEFAULT_ANCHORS))
+    ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write all numbers here")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="dyad-overhead-") as tmp:
+        ps = Processes(Path(tmp))
+        try:
+            targets = start_targets(ps, args)
+            print(f"targets: {', '.join(f'{k} {v}' for k, v in targets.items())}", file=sys.stderr)
+            t_start = time.time()
+            lat_ns = asyncio.run(latency_phase(targets, args.requests, False, args.max_tokens, args.seed))
+            lat_st = asyncio.run(latency_phase(targets, args.requests, True, args.max_tokens, args.seed + 7))
+            thr = asyncio.run(throughput_phase(targets, args.concurrency, args.duration, args.rounds,
+                                               args.max_tokens, args.seed))
+            elapsed = time.time() - t_start
+        finally:
+            ps.stop_all()
+
+    base_ns = percentile(lat_ns["direct"]["total"], 50)
+    base_ns99 = percentile(lat_ns["direct"]["total"], 99)
+    base_st = percentile(lat_st["direct"]["total"], 50)
+    base_ttfb = percentile(lat_st["direct"]["first"], 50)
+    rows = []
+    print(f"\nOne request at a time ({args.requests} per target and mode, interleaved), {args.max_tokens} output "
+          f"tokens; latency in ms; 'added' = target p50 - direct p50:")
+    print(f"{'target':<28}{'non-stream p50':>15}{'p99':>9}{'added p50':>11}{'added p99':>11}"
+          f"{'stream p50':>12}{'p99':>9}{'added p50':>11}{'first-chunk p50':>17}{'added':>9}")
+    for name in targets:
+        ns, st = lat_ns[name]["total"], lat_st[name]["total"]
+        row = {
+            "target": name,
+            "nonstream_p50_s": percentile(ns, 50), "nonstream_p99_s": percentile(ns, 99),
+            "nonstream_added_p50_s": percentile(ns, 50) - base_ns,
+            "nonstream_added_p99_s": percentile(ns, 99) - base_ns99,
+            "stream_p50_s": percentile(st, 50), "stream_p99_s": percentile(st, 99),
+            "stream_added_p50_s": percentile(st, 50) - base_st,
+            "stream_first_chunk_p50_s": percentile(lat_st[name]["first"], 50),
+            "stream_first_chunk_added_p50_s": percentile(lat_st[name]["first"], 50) - base_ttfb,
+            "throughput": thr[name],
+        }
+        rows.append(row)
+        print(f"{name:<28}{ms(row['nonstream_p50_s']):>15}{ms(row['nonstream_p99_s']):>9}"
+              f"{ms(row['nonstream_added_p50_s']):>11}{ms(row['nonstream_added_p99_s']):>11}"
+              f"{ms(row['stream_p50_s']):>12}{ms(row['stream_p99_s']):>9}{ms(row['stream_added_p50_s']):>11}"
+              f"{ms(row['stream_first_chunk_p50_s']):>17}{ms(row['stream_first_chunk_added_p50_s']):>9}")
+    print(f"\nThroughput, closed loop at concurrency {args.concurrency}, non-streaming, {args.rounds} x "
+          f"{args.duration:g} s per target (median of rounds):")
+    print(f"{'target':<28}{'req/s':>9}{'rounds':>26}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}")
+    for name in targets:
+        t = thr[name]
+        rounds = "/".join(f"{r:.0f}" for r in t["rps_rounds"])
+        print(f"{name:<28}{t['rps_median']:>9.0f}{rounds:>26}{ms(t['p50_s']):>9}{ms(t['p99_s']):>9}{t['errors']:>8}")
+    print(f"\n(measurement took {elapsed:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
