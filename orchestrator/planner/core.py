@@ -61,6 +61,7 @@ class PlannerSettings:
     role_change_s: float | None = None  # time a role change takes (None: actuator cannot)
     start_s: float = 60.0  # time an engine takes to start
     correct_from_latency: bool = True
+    headroom: float = 0.0  # plan for (1 + headroom) x the forecast rate: room for surges during start-up
 
 
 @dataclass
@@ -169,6 +170,8 @@ class Planner:
             self.last = PlanDecision(now, obs, None, None, dict(current), current, actions,
                                      asdict(self.correction), self.load.chosen(), reasons + ["no load observed yet"])
             return self.last
+        if s.headroom > 0:
+            forecast = LoadForecast(forecast.request_rate * (1 + s.headroom), forecast.isl, forecast.osl)
         sizing = solve(forecast, self.perf, s.targets, s.limits, self.hit_ratio, self.correction)
         if sizing.infeasible:
             reasons.append("targets unreachable at any count: " + ", ".join(sizing.infeasible))

@@ -34,6 +34,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--perf-profile", default=None,
                         help="planner performance profile JSON (from `dyad profile`); default: sweep --profile")
     parser.add_argument("--predictor", default="auto", choices=["constant", "ewma", "linear", "holt_winters", "auto"])
+    parser.add_argument("--headroom", type=float, default=0.5,
+                        help="planner plans for (1 + headroom) x the forecast rate (surges during engine start)")
     parser.add_argument("--keda-prefill-target", type=float, default=1.0,
                         help="queue-length baseline: requests per prefill worker")
     parser.add_argument("--keda-decode-target", type=float, default=32.0,
@@ -53,7 +55,7 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int) 
     settings = PlannerSettings(
         targets=Targets(args.ttft, args.itl), limits=Limits(budget=budget), interval_s=args.interval,
         predictor=getattr(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
-        cooldown_s=2 * args.interval)
+        cooldown_s=2 * args.interval, headroom=getattr(args, "headroom", 0.5))
     return Planner(perf_model_for(args, profile), settings)
 
 
