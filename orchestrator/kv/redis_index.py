@@ -169,7 +169,7 @@ return out
 """
 
 
-class _Script:
+class LuaScript:
     """A Lua script called by SHA, reloaded transparently after a Redis restart (SCRIPT cache lost)."""
 
     def __init__(self, source: str) -> None:
@@ -216,8 +216,8 @@ class RedisPrefixIndex(PrefixIndex):
         self._client = client or aioredis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         self.mirror = MemoryPrefixIndex(max_blocks=max_blocks)  # this replica's own view; fallback
-        self._store_s, self._remove_s = _Script(_STORE), _Script(_REMOVE)
-        self._clear_s, self._overlaps_s = _Script(_CLEAR), _Script(_OVERLAPS)
+        self._store_s, self._remove_s = LuaScript(_STORE), LuaScript(_REMOVE)
+        self._clear_s, self._overlaps_s = LuaScript(_CLEAR), LuaScript(_OVERLAPS)
         self.available = True
         self._down_since: float | None = None
         self._next_try = 0.0
@@ -251,7 +251,7 @@ class RedisPrefixIndex(PrefixIndex):
             if self._resync_task is None or self._resync_task.done():
                 self._resync_task = asyncio.get_running_loop().create_task(self.resync())
 
-    async def _run(self, script: _Script, args: Sequence[object]) -> object | None:
+    async def _run(self, script: LuaScript, args: Sequence[object]) -> object | None:
         if not self._may_try():
             return None
         try:

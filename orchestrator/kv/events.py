@@ -1,0 +1,283 @@
+"""KV cache events from engines → prefix index updates.
+
+Two parts:
+
+* ``KvEventMapper`` (pure, one per worker): turns vLLM-shaped events into index operations. A
+  ``BlockStored`` is re-hashed from its ``token_ids`` with our own hasher (so engine seeds, hash
+  algorithms and versions do not matter) and the engine hash → our hash pairs are remembered, because
+  ``BlockRemoved`` carries only engine hashes. ``medium`` gives the tier.
+* ``KvEventSubscriber`` (I/O, one per worker): a ZMQ SUB socket on the engine's publisher.
+  Multipart ``[topic, seq (8-byte big-endian), msgpack [ts, [event...], dp_rank]]``. A jump in
+  ``seq`` is a gap: the missed batches are fetched from the engine's replay endpoint (DEALER, send
+  ``[b"", start_seq]``, receive ``[b"", topic, seq, payload]`` until seq = -1). A ``seq`` that goes
+  backwards means the engine restarted: its old entries are cleared first. A subscriber that joins
+  late (first seq > 0) replays from 0 to learn what the engine already holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from orchestrator.kv.hashing import BlockHasher
+from orchestrator.kv.index import Tier
+
+log = logging.getLogger("dyad.kv.events")
+
+END_SEQ = -1
+
+
+@dataclass
+class IndexOp:
+    """One change to the index for one worker: ``store`` / ``remove`` hashes in a tier, or ``clear``."""
+
+    kind: str
+    hashes: list[int] = field(default_factory=list)
+    tier: Tier | None = None
+    block_size: int | None = None
+    namespace: str | None = None
+
+
+def _as_int(h: Any) -> int:
+    if isinstance(h, bytes | bytearray):
+        return int.from_bytes(h[-8:], "big")
+    return int(h) & 0xFFFFFFFFFFFFFFFF
+
+
+class KvEventMapper:
+    """Per-worker translation of engine events into our block hashes (pure; no I/O)."""
+
+    def __init__(self, worker_id: str, namespace: Callable[[], str | None]) -> None:
+        self.worker_id = worker_id
+        self._namespace = namespace  # the worker's canonical model name (resolved lazily)
+        self.engine_to_ours: dict[int, tuple[int, int]] = {}  # engine hash → (our hash, tier mask)
+        self.unmapped = 0  # stored blocks whose parent we never saw (cannot be chained)
+        self.skipped = 0  # blocks we do not index (multimodal keys, non-primary KV groups)
+
+    def reset(self) -> None:
+        self.engine_to_ours.clear()
+
+    def apply(self, event: dict[str, Any]) -> IndexOp | None:
+        kind = event.get("type")
+        if kind == "BlockStored":
+            return self._stored(event)
+        if kind == "BlockRemoved":
+            return self._removed(event)
+        if kind == "AllBlocksCleared":
+            self.reset()
+            return IndexOp("clear")
+        return None
+
+    def _stored(self, ev: dict[str, Any]) -> IndexOp | None:
+        if ev.get("group_idx") not in (None, 0):
+            self.skipped += len(ev.get("block_hashes") or ())
+            return None
+        engine_hashes = [_as_int(h) for h in ev.get("block_hashes") or ()]
+        tokens = ev.get("token_ids") or []
+        block_size = int(ev.get("block_size") or 0)
+        if not engine_hashes or block_size <= 0 or len(tokens) < block_size * len(engine_hashes):
+            return None
+        extra = ev.get("extra_keys") or []
+        lora = ev.get("lora_name")
+        salt: str | None = None
+        for keys in extra:
+            for k in keys or ():
+                if isinstance(k, str):
+                    if k != lora:
+                        salt = k  # cache_salt (first block only, by vLLM's construction)
+                else:
+                    self.skipped += len(engine_hashes)
+                    return None  # multimodal identifiers: text-only requests never match these blocks
+        namespace = lora or self._namespace()
+        if namespace is None:
+            return None
+        parent = ev.get("parent_block_hash")
+        parent_ours: int | None = None
+        if parent is not None:
+            known = self.engine_to_ours.get(_as_int(parent))
+            if known is None:
+                self.unmapped += len(engine_hashes)
+                return None
+            parent_ours = known[0]
+        hasher = BlockHasher(namespace, block_size, None if parent is not None else salt)
+        ours = hasher.hash_blocks(tokens[: block_size * len(engine_hashes)], parent=parent_ours)
+        tier = Tier.from_medium(ev.get("medium"))
+        for eh, oh in zip(engine_hashes, ours, strict=True):
+            prev = self.engine_to_ours.get(eh)
+            self.engine_to_ours[eh] = (oh, (prev[1] if prev else 0) | int(tier))
+        return IndexOp("store", ours, tier, block_size=block_size, namespace=namespace)
+
+    def _removed(self, ev: dict[str, Any]) -> IndexOp | None:
+        if ev.get("group_idx") not in (None, 0):
+            return None
+        tier = Tier.from_medium(ev.get("medium"))
+        ours: list[int] = []
+        for h in ev.get("block_hashes") or ():
+            eh = _as_int(h)
+            known = self.engine_to_ours.get(eh)
+            if known is None:
+                continue
+            ours.append(known[0])
+            left = known[1] & ~int(tier)
+            if left:
+                self.engine_to_ours[eh] = (known[0], left)
+            else:
+                del self.engine_to_ours[eh]
+        return IndexOp("remove", ours, tier) if ours else None
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
+    """msgpack ``[ts, [event...], dp_rank?]`` → (ts, events); events that are not maps are dropped."""
+    batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    if isinstance(batch, dict):  # tolerate a map-shaped batch
+        return float(batch.get("ts", 0.0)), [e for e in batch.get("events", []) if isinstance(e, dict)]
+    ts, events = batch[0], batch[1]
+    return float(ts), [e for e in events if isinstance(e, dict)]
+
+
+BatchHandler = Callable[[str, float, list[dict[str, Any]]], Awaitable[None]]
+ResetHandler = Callable[[str, str], Awaitable[None]]
+
+
+class KvEventSubscriber:
+    """Follows one engine's event stream; calls ``on_batch(worker_id, ts, events)`` in order."""
+
+    def __init__(self, worker_id: str, endpoint: str, on_batch: BatchHandler, on_reset: ResetHandler,
+                 *, replay_endpoint: str | None = None, topic: str = "kv-events",
+                 context: zmq.asyncio.Context | None = None, replay_timeout_s: float = 2.0,
+                 on_gap: Callable[[str, int], None] | None = None, host: str = "127.0.0.1") -> None:
+        self.worker_id = worker_id
+        self.endpoint = _connectable(endpoint, host)
+        self.replay_endpoint = _connectable(replay_endpoint, host) if replay_endpoint else None
+        self.topic = topic
+        self.on_batch = on_batch
+        self.on_reset = on_reset
+        self.on_gap = on_gap
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self.replay_timeout_s = replay_timeout_s
+        self.next_seq: int | None = None  # the seq we expect next; None = nothing seen yet
+        self.batches = 0
+        self.gaps = 0
+        self.replayed = 0
+        self.restarts = 0
+        self._task: asyncio.Task[None] | None = None
+        self._want_full_replay = False
+
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name=f"dyad-kv-events-{self.worker_id}")
+        return self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    def request_full_replay(self) -> None:
+        """Re-learn everything the engine still buffers (after its entries were cleared)."""
+        self._want_full_replay = True
+
+    async def run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.connect(self.endpoint)
+        try:
+            while True:
+                if self._want_full_replay and self.replay_endpoint:
+                    self._want_full_replay = False
+                    self.next_seq = 0
+                    await self._replay(0, None)
+                if not await sub.poll(200):
+                    continue
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                await self._on_live(seq, frames[2])
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the loop must survive bad input; log and continue elsewhere
+            log.exception("kv events for %s: subscriber stopped", self.worker_id)
+        finally:
+            sub.close(linger=0)
+
+    async def _on_live(self, seq: int, payload: bytes) -> None:
+        expected = self.next_seq
+        if expected is not None and seq < expected - 1:
+            # Sequence went backwards: the engine restarted with an empty cache.
+            self.restarts += 1
+            log.info("kv events for %s: sequence reset (%d after %d): engine restarted", self.worker_id, seq,
+                     expected - 1)
+            await self.on_reset(self.worker_id, "restart")
+            expected = None
+            self.next_seq = None
+            if seq > 0:
+                await self._replay(0, seq)
+        elif expected is None and seq > 0 and self.replay_endpoint:
+            await self._replay(0, seq)  # joined late: learn what the engine already holds
+        elif expected is not None and seq > expected:
+            self.gaps += 1
+            if self.on_gap:
+                self.on_gap(self.worker_id, seq - expected)
+            log.info("kv events for %s: gap %d..%d, replaying", self.worker_id, expected, seq - 1)
+            await self._replay(expected, seq)
+        if self.next_seq is not None and seq < self.next_seq:
+            return  # already applied (came through a replay)
+        await self._apply(seq, payload)
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            ts, events = decode_batch(payload)
+        except Exception as e:  # noqa: BLE001 - a corrupt batch is skipped, not fatal
+            log.warning("kv events for %s: undecodable batch %d: %s", self.worker_id, seq, e)
+            self.next_seq = seq + 1
+            return
+        self.next_seq = seq + 1
+        self.batches += 1
+        await self.on_batch(self.worker_id, ts, events)
+
+    async def _replay(self, start: int, stop: int | None) -> None:
+        """Fetch and apply batches ``start <= seq < stop`` (or all buffered when stop is None)."""
+        if not self.replay_endpoint:
+            return
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = time.monotonic() + self.replay_timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await dealer.poll(int(left * 1000)):
+                    log.warning("kv events for %s: replay from %d timed out", self.worker_id, start)
+                    return
+                frames = await dealer.recv_multipart()
+                if len(frames) < 4:
+                    continue
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ:
+                    return
+                if seq < start or (stop is not None and seq >= stop):
+                    continue
+                if self.next_seq is not None and seq < self.next_seq:
+                    continue
+                self.replayed += 1
+                await self._apply(seq, frames[3])
+        finally:
+            dealer.close(linger=0)
+
+
+def _connectable(endpoint: str, host: str = "127.0.0.1") -> str:
+    """vLLM configs bind ``tcp://*:port``; a subscriber connects to the engine's host instead."""
+    return endpoint.replace("tcp://*:", f"tcp://{host}:").replace("tcp://0.0.0.0:", f"tcp://{host}:")

@@ -1,0 +1,135 @@
+"""In-flight load shared between gateway replicas through Redis, as leased reservations.
+
+Each replica reserves, per dispatched request, a member ``<replica>|<request>|<prefill tokens>`` in
+``P:load:<worker>`` (a ZSET scored by expiry in Redis-server milliseconds). Reservations expire
+after ``ttl_s`` unless the replica that made them keeps renewing them (every ``ttl_s / 3``), so a
+crashed replica leaks nothing beyond one TTL. A request that finishes releases its reservation.
+
+``peer_loads`` answers, in one round trip, how many requests and queued prefill tokens the *other*
+replicas have on each candidate (this replica's own load is already in ``Worker.inflight`` /
+``inflight_prefill_tokens``). While Redis is down it answers empty: each replica routes on what it
+knows, and the reservations are re-written when Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from orchestrator.kv.redis_index import REDIS_DOWN_ERRORS, LuaScript
+from orchestrator.router.policies.kv_aware import PeerLoad
+
+log = logging.getLogger("dyad.kv.shared_load")
+
+# ARGV: prefix, ttl_ms, then (worker, member) pairs.  ZADD with expiry = server time + ttl.
+_RESERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local exp = now + tonumber(ARGV[2])
+for i = 3, #ARGV, 2 do
+  redis.call('ZADD', ARGV[1] .. ':load:' .. ARGV[i], exp, ARGV[i + 1])
+  redis.call('PEXPIRE', ARGV[1] .. ':load:' .. ARGV[i], tonumber(ARGV[2]) * 2)
+end
+return now
+"""
+
+# ARGV: prefix, own replica id, workers...  → flat [inflight, prefill_tokens] per worker.
+_PEERS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local own = ARGV[2] .. '|'
+local out = {}
+for i = 3, #ARGV do
+  local key = ARGV[1] .. ':load:' .. ARGV[i]
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local members = redis.call('ZRANGE', key, 0, -1)
+  local n, tokens = 0, 0
+  for _, m in ipairs(members) do
+    if string.sub(m, 1, #own) ~= own then
+      n = n + 1
+      tokens = tokens + tonumber(string.match(m, '|(%d+)$') or '0')
+    end
+  end
+  out[#out + 1] = n
+  out[#out + 1] = tokens
+end
+return out
+"""
+
+
+class SharedLoad:
+    def __init__(self, client: aioredis.Redis, key_prefix: str = "dyad", ttl_s: float = 30.0,
+                 replica_id: str | None = None) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
+        self.ttl_ms = int(ttl_s * 1000)
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self._live: dict[str, tuple[str, str]] = {}  # request id → (worker, member)
+        self._reserve_s, self._peers_s = LuaScript(_RESERVE), LuaScript(_PEERS)
+        self._task: asyncio.Task[None] | None = None
+
+    def _member(self, request_id: str, prefill_tokens: int) -> str:
+        return f"{self.replica_id}|{request_id}|{max(0, int(prefill_tokens))}"
+
+    async def reserve(self, request_id: str, worker_id: str, prefill_tokens: int) -> None:
+        member = self._member(request_id, prefill_tokens)
+        self._live[request_id] = (worker_id, member)
+        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+            await self._reserve_s(self.client, [self.key_prefix, self.ttl_ms, worker_id, member])
+
+    async def release(self, request_id: str) -> None:
+        entry = self._live.pop(request_id, None)
+        if entry is None:
+            return
+        worker_id, member = entry
+        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+            await self.client.zrem(f"{self.key_prefix}:load:{worker_id}", member)
+
+    async def peer_loads(self, worker_ids: Sequence[str]) -> dict[str, PeerLoad]:
+        if not worker_ids:
+            return {}
+        try:
+            flat = await self._peers_s(self.client, [self.key_prefix, self.replica_id, *worker_ids])
+        except REDIS_DOWN_ERRORS:
+            return {}
+        out: dict[str, PeerLoad] = {}
+        values = list(flat)  # type: ignore[call-overload]
+        for i, w in enumerate(worker_ids):
+            n, tokens = int(values[2 * i]), int(values[2 * i + 1])
+            if n or tokens:
+                out[w] = PeerLoad(inflight=n, prefill_tokens=tokens)
+        return out
+
+    async def renew(self) -> None:
+        """Push every live reservation's expiry forward (also re-creates them after a Redis restart)."""
+        if not self._live:
+            return
+        args: list[object] = [self.key_prefix, self.ttl_ms]
+        for worker_id, member in list(self._live.values()):
+            args += [worker_id, member]
+        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+            await self._reserve_s(self.client, args)
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_ms / 3000)
+            await self.renew()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._renew_loop(), name="dyad-shared-load")
+
+    async def stop(self, release: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if release:
+            for rid in list(self._live):
+                await self.release(rid)

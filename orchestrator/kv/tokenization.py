@@ -1,0 +1,249 @@
+"""Router-side tokenization: the token ids an engine will compute for a request, without asking it.
+
+Three sources, tried in this order for a model:
+
+1. **Local tokenizer files** (``models[].tokenizer`` = a directory with ``tokenizer.json``): the
+   ``tokenizers`` library plus the chat template (``chat_template.jinja`` or the ``chat_template``
+   entry of ``tokenizer_config.json``) rendered with jinja2 the way transformers does for vLLM:
+   sandboxed, ``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, ``raise_exception``,
+   ``strftime_now``, a non-escaping ``tojson``, the special tokens as variables. Chat prompts are
+   encoded without extra special tokens, completions prompts with them (vLLM's defaults).
+2. **The simulator's tokenizer** (``tokenizer: sim``, or any worker of engine ``sim``): local and exact.
+3. **The engine's /tokenize** through its adapter (which caches by content), for everything else.
+
+Returns None when the request cannot be tokenized (e.g. images in a chat, engine unreachable):
+routing then falls back to load only for that request. Never raises on client input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+from adapters.base import EngineAdapter, EngineKind
+from orchestrator.config import DyadConfig
+from orchestrator.fleet.worker import Worker
+from orchestrator.sim.tokenizer import SimTokenizer
+
+log = logging.getLogger("dyad.kv.tokenization")
+
+SIM_TOKENIZER = "sim"
+
+
+class Untokenizable(Exception):
+    """This request's content cannot be tokenized locally (non-text parts, template error)."""
+
+
+def message_text(content: Any) -> str:
+    """OpenAI message content → the string vLLM gives a "string"-format chat template.
+
+    A list of parts becomes its text parts joined by newlines (vLLM's behaviour); any non-text part
+    (image, audio) makes the content untokenizable here.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+                texts.append(str(part.get("text", "")))
+            else:
+                raise Untokenizable("non-text message part")
+        return "\n".join(texts)
+    raise Untokenizable("message content of unexpected type")
+
+
+def _special(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled in the same jinja2 environment transformers uses."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class HfTokenizer:
+    """A model's tokenizer files, loaded once: fast tokenizer + chat template."""
+
+    def __init__(self, directory: str | Path) -> None:
+        d = Path(directory).expanduser()
+        self.directory = d
+        self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        cfg_path = d / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = None
+        if (d / "chat_template.jinja").exists():
+            template = (d / "chat_template.jinja").read_text()
+        elif isinstance(cfg.get("chat_template"), str):
+            template = cfg["chat_template"]
+        elif isinstance(cfg.get("chat_template"), list):  # [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in cfg["chat_template"] if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        self.template = compile_chat_template(template) if template else None
+        self.special_tokens = {k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                               if (v := _special(cfg.get(k))) is not None}
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True).ids
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: Any = None, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        if self.template is None:
+            raise Untokenizable("the tokenizer has no chat template")
+        conv = []
+        for m in messages:
+            if not isinstance(m, dict):
+                raise Untokenizable("a message is not an object")
+            conv.append({**m, "content": message_text(m.get("content"))})
+        kwargs = dict(self.special_tokens)
+        kwargs.update(chat_template_kwargs or {})
+        marker = "\x00DYAD_CONTINUE\x00"
+        if continue_final_message and conv:
+            conv[-1] = {**conv[-1], "content": conv[-1]["content"] + marker}
+        try:
+            text = self.template.render(messages=conv, tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **kwargs)
+        except jinja2.exceptions.TemplateError as e:
+            raise Untokenizable(f"chat template: {e}") from e
+        if continue_final_message and marker in text:
+            text = text[: text.rindex(marker)]
+        return text
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], **kw: Any) -> list[int]:
+        return self.tokenizer.encode(self.render_chat(messages, **kw), add_special_tokens=False).ids
+
+
+class SimPromptTokenizer:
+    """The simulator's word tokenizer behind the same two calls."""
+
+    def __init__(self) -> None:
+        self.sim = SimTokenizer()
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.sim.encode(prompt)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    **_: Any) -> list[int]:
+        return self.sim.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
+
+LocalTokenizer = HfTokenizer | SimPromptTokenizer
+
+
+def _chat_options(body: dict[str, Any]) -> dict[str, Any]:
+    cont = bool(body.get("continue_final_message", False))
+    return {
+        "add_generation_prompt": bool(body.get("add_generation_prompt", not cont)),
+        "continue_final_message": cont,
+        "tools": body.get("tools"),
+        "chat_template_kwargs": body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"),
+                                                                                   dict) else None,
+    }
+
+
+class RequestTokenizer:
+    """Token ids of a chat or completions body for a model, from the cheapest exact source."""
+
+    def __init__(self, config: DyadConfig, http: httpx.AsyncClient | None = None,
+                 adapter_for: Callable[[EngineKind], EngineAdapter] | None = None,
+                 timeout_s: float = 5.0) -> None:
+        self.config = config
+        self.http = http
+        self.adapter_for = adapter_for
+        self.timeout_s = timeout_s
+        self._local: dict[str, LocalTokenizer | None] = {}
+        self.engine_calls = 0
+        self.failures = 0
+
+    def local_for(self, model: str, candidates: Sequence[Worker] = ()) -> LocalTokenizer | None:
+        if model in self._local:
+            return self._local[model]
+        mc = self.config.model(model)
+        tok: LocalTokenizer | None = None
+        if mc is not None and mc.tokenizer:
+            if mc.tokenizer == SIM_TOKENIZER:
+                tok = SimPromptTokenizer()
+            else:
+                try:
+                    tok = HfTokenizer(mc.tokenizer)
+                except (OSError, ValueError, Exception) as e:  # noqa: BLE001 - a broken dir must not break routing
+                    log.warning("model %s: cannot load tokenizer from %s (%s); using the engine's /tokenize",
+                                model, mc.tokenizer, e)
+        elif candidates and all(w.engine is EngineKind.SIM for w in candidates):
+            tok = SimPromptTokenizer()
+        if tok is not None or candidates:
+            self._local[model] = tok
+        return tok
+
+    async def token_ids(self, model: str, endpoint: str, body: dict[str, Any],
+                        candidates: Sequence[Worker] = ()) -> list[int] | None:
+        chat = endpoint.endswith("chat/completions")
+        prompt = body.get("prompt")
+        messages = body.get("messages")
+        if not chat:
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return None  # batched or malformed prompts: the gateway validates, routing uses load
+        elif not isinstance(messages, list) or not messages:
+            return None
+        local = self.local_for(model, candidates)
+        if local is not None:
+            try:
+                if chat:
+                    return local.encode_chat(messages, **_chat_options(body))
+                return local.encode_prompt(prompt)
+            except Untokenizable as e:
+                log.debug("model %s: not tokenized locally: %s", model, e)
+                return None
+        return await self._engine_tokenize(model, chat, prompt, messages, candidates)
+
+    async def _engine_tokenize(self, model: str, chat: bool, prompt: Any, messages: Any,
+                               candidates: Sequence[Worker]) -> list[int] | None:
+        if self.http is None or self.adapter_for is None or not candidates:
+            return None
+        worker = candidates[0]
+        adapter = self.adapter_for(worker.engine)
+        self.engine_calls += 1
+        try:
+            if chat:
+                return await adapter.tokenize(self.http, worker.url, model, messages=messages,
+                                              timeout=self.timeout_s)
+            return await adapter.tokenize(self.http, worker.url, model, prompt=prompt, timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - unreachable engine, unsupported dialect: route by load
+            self.failures += 1
+            log.debug("model %s: engine tokenize on %s failed: %s", model, worker.id, e)
+            return None

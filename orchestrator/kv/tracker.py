@@ -1,0 +1,276 @@
+"""PrefixTracker: what the Router calls around the kv_aware policy.
+
+``annotate`` tokenizes the request (locally when possible), hashes its blocks and looks up every
+candidate's cached prefix in the index (plus other replicas' in-flight load when the index is
+shared); ``on_routed`` records the decision (approximate mode for workers without KV events,
+a recency touch otherwise, and a shared load reservation); ``on_finished`` releases it.
+``start``/``stop`` run one KV event subscriber per worker that publishes events, and follow the
+fleet: a worker that goes unhealthy or is removed has its entries cleared.
+
+Built by ``build_prefix_tracker(config, fleet, metrics, clock)`` when ``router.policy == kv_aware``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from adapters.base import EngineAdapter, EngineKind
+from orchestrator.clock import SYSTEM_CLOCK, Clock
+from orchestrator.config import DyadConfig
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.fleet.worker import Worker, WorkerState
+from orchestrator.kv.approximate import ApproximateRecorder
+from orchestrator.kv.events import IndexOp, KvEventMapper, KvEventSubscriber
+from orchestrator.kv.hashing import BlockHasher
+from orchestrator.kv.index import PrefixIndex, Tier
+from orchestrator.kv.memory_index import MemoryPrefixIndex
+from orchestrator.kv.tokenization import RequestTokenizer
+from orchestrator.router.types import RouteDecision, RouteRequest
+from orchestrator.telemetry.metrics import DyadMetrics
+
+log = logging.getLogger("dyad.kv.tracker")
+
+
+class PrefixTracker:
+    def __init__(self, config: DyadConfig, fleet: FleetRegistry, index: PrefixIndex,
+                 tokenizer: RequestTokenizer, metrics: DyadMetrics | None = None,
+                 clock: Clock = SYSTEM_CLOCK, shared_load: Any = None) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.index = index
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.clock = clock
+        self.shared_load = shared_load
+        self.tier_weights = dict(config.router.kv_aware.tier_weights)
+        self.approx = ApproximateRecorder(index, config.index.approximate_ttl_s, config.index.max_blocks)
+        self.mappers: dict[str, KvEventMapper] = {}
+        self.subscribers: dict[str, KvEventSubscriber] = {}
+        self._block_size: dict[str, int] = {}  # namespace → block size learnt from engine events
+        self._hashers: dict[tuple[str, int, str | None], BlockHasher] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._started = False
+        fleet.subscribe(self._on_fleet)
+
+    # --- names and hashers -----------------------------------------------------------------------
+    def namespace(self, model: str) -> str:
+        mc = self.config.model(model)
+        return mc.name if mc is not None else model
+
+    def block_size_for(self, namespace: str) -> int:
+        learnt = self._block_size.get(namespace)
+        if learnt is not None:
+            return learnt
+        mc = self.config.model(namespace)
+        return mc.block_size if mc is not None else 32
+
+    def hasher(self, namespace: str, block_size: int, salt: str | None) -> BlockHasher:
+        key = (namespace, block_size, salt)
+        h = self._hashers.get(key)
+        if h is None:
+            if len(self._hashers) > 10_000:
+                self._hashers.clear()
+            h = self._hashers[key] = BlockHasher(namespace, block_size, salt)
+        return h
+
+    # --- the Router's calls ----------------------------------------------------------------------
+    async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
+                       candidates: Sequence[Worker]) -> None:
+        if req.session_key is None:
+            user = body.get("user")
+            if isinstance(user, str) and user:
+                req.session_key = f"user:{user}"
+        ids = await self.tokenizer.token_ids(req.model, endpoint, body, candidates)
+        if ids is None:
+            return
+        ns = self.namespace(req.model)
+        bs = self.block_size_for(ns)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        req.token_ids = ids
+        req.prompt_tokens = len(ids)
+        req.block_size = bs
+        req.block_hashes = self.hasher(ns, bs, salt).hash_blocks(ids)
+        if len(self.approx):
+            await self.approx.expire(self.clock.now())
+        started = time.perf_counter()
+        ids_of = [w.id for w in candidates]
+        if self.shared_load is not None:
+            overlaps, peers = await asyncio.gather(
+                self.index.overlaps(req.block_hashes, self.tier_weights, ids_of),
+                self.shared_load.peer_loads(ids_of))
+            req.peer_load = peers  # type: ignore[attr-defined]  # read by KvAwarePolicy
+        else:
+            overlaps = await self.index.overlaps(req.block_hashes, self.tier_weights, ids_of)
+        req.overlaps = overlaps
+        if self.metrics is not None:
+            self.metrics.index_lookup_seconds.labels(self.index.backend).observe(time.perf_counter() - started)
+
+    async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
+        holders = [decision.worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
+        if req.block_hashes:
+            for w in holders:
+                if w.id in self.subscribers:
+                    # Engines publish nothing on a cache hit: refresh the matched prefix's recency.
+                    ov = req.overlaps.get(w.id)
+                    if ov is not None and ov.blocks:
+                        self._spawn(self.index.store(w.id, req.block_hashes[: ov.blocks], Tier.DEVICE))
+                else:
+                    await self.approx.record(w.id, req.block_hashes, now)
+        if self.shared_load is not None:
+            uncached = max(0, req.prompt_tokens - decision.predicted_cached_tokens)
+            await self.shared_load.reserve(req.request_id, decision.worker.id, uncached)
+
+    async def on_finished(self, req: RouteRequest, decision: RouteDecision, ok: bool, now: float) -> None:
+        if self.shared_load is not None:
+            await self.shared_load.release(req.request_id)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- KV events ---------------------------------------------------------------------------------
+    async def apply_events(self, worker_id: str, ts: float, events: list[dict[str, Any]]) -> None:
+        mapper = self.mappers.get(worker_id)
+        if mapper is None:
+            return
+        if self.metrics is not None and ts > 0:
+            self.metrics.kv_event_lag.labels(worker_id).set(max(0.0, time.time() - ts))
+        for ev in events:
+            if self.metrics is not None:
+                self.metrics.kv_events.labels(worker_id, str(ev.get("type", "unknown"))).inc()
+            op = mapper.apply(ev)
+            if op is not None:
+                await self.apply_op(worker_id, op)
+
+    async def apply_op(self, worker_id: str, op: IndexOp) -> None:
+        if op.kind == "store":
+            if op.namespace is not None and op.block_size is not None:
+                known = self._block_size.get(op.namespace)
+                if known != op.block_size:
+                    if known is None and op.block_size != self.block_size_for(op.namespace):
+                        log.warning("model %s: engine %s uses block size %d, not the configured %d; "
+                                    "hashing requests with %d", op.namespace, worker_id, op.block_size,
+                                    self.block_size_for(op.namespace), op.block_size)
+                    self._block_size[op.namespace] = op.block_size
+            await self.index.store(worker_id, op.hashes, op.tier or Tier.DEVICE)
+        elif op.kind == "remove":
+            await self.index.remove(worker_id, op.hashes, op.tier)
+        elif op.kind == "clear":
+            await self.index.clear_worker(worker_id)
+
+    async def _on_reset(self, worker_id: str, why: str) -> None:
+        mapper = self.mappers.get(worker_id)
+        if mapper is not None:
+            mapper.reset()
+        await self.index.clear_worker(worker_id)
+
+    def _worker_namespace(self, worker_id: str) -> Callable[[], str | None]:
+        def resolve() -> str | None:
+            w = self.fleet.get(worker_id)
+            if w is None or not w.models:
+                return None
+            return self.namespace(w.models[0])
+        return resolve
+
+    def _subscribe(self, w: Worker) -> None:
+        if w.kv_events is None or w.id in self.subscribers:
+            return
+        self.mappers[w.id] = KvEventMapper(w.id, self._worker_namespace(w.id))
+        gaps = self.metrics.kv_event_gaps if self.metrics is not None else None
+        sub = KvEventSubscriber(
+            w.id, w.kv_events.endpoint, self.apply_events, self._on_reset,
+            replay_endpoint=w.kv_events.replay_endpoint, topic=w.kv_events.topic,
+            host=urlsplit(w.url).hostname or "127.0.0.1",
+            on_gap=(lambda wid, n: gaps.labels(wid).inc()) if gaps is not None else None)
+        self.subscribers[w.id] = sub
+        if self._started:
+            sub.start()
+
+    def _on_fleet(self, event: str, w: Worker) -> None:
+        """Fleet listener (sync): keep subscribers and index entries in step with the fleet."""
+        if event == "added":
+            self._subscribe(w)
+        elif event == "removed":
+            sub = self.subscribers.pop(w.id, None)
+            self.mappers.pop(w.id, None)
+            if sub is not None:
+                self._spawn_if_running(sub.stop())
+            self.approx.forget_worker(w.id)
+            self._spawn_if_running(self.index.clear_worker(w.id))
+        elif event == "state" and w.state is WorkerState.UNHEALTHY:
+            log.info("worker %s unhealthy: clearing its prefix index entries", w.id)
+            mapper = self.mappers.get(w.id)
+            if mapper is not None:
+                mapper.reset()
+            self.approx.forget_worker(w.id)
+            self._spawn_if_running(self.index.clear_worker(w.id))
+            sub = self.subscribers.get(w.id)
+            if sub is not None:
+                sub.request_full_replay()  # when it is back, re-learn what it still holds
+
+    def _spawn_if_running(self, coro: Any) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            coro.close()
+            return
+        self._spawn(coro)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._started = True
+        for w in self.fleet.workers():
+            self._subscribe(w)
+        for sub in self.subscribers.values():
+            if sub._task is None:
+                sub.start()
+        if self.shared_load is not None:
+            self.shared_load.start()
+
+    async def stop(self) -> None:
+        self._started = False
+        for sub in list(self.subscribers.values()):
+            await sub.stop()
+        if self.shared_load is not None:
+            await self.shared_load.stop()
+        for task in list(self._background):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.index.close()
+
+
+def build_index(config: DyadConfig, metrics: DyadMetrics | None = None, clock: Clock = SYSTEM_CLOCK) -> PrefixIndex:
+    ic = config.index
+    if ic.backend == "redis":
+        from orchestrator.kv.redis_index import RedisPrefixIndex
+        return RedisPrefixIndex(ic.redis_url, ic.key_prefix, ic.max_blocks, metrics, clock=clock)
+    return MemoryPrefixIndex(ic.max_blocks, metrics)
+
+
+def build_prefix_tracker(config: DyadConfig, fleet: FleetRegistry, metrics: DyadMetrics | None = None,
+                         clock: Clock = SYSTEM_CLOCK, *, http: httpx.AsyncClient | None = None,
+                         adapter_for: Callable[[EngineKind], EngineAdapter] | None = None) -> PrefixTracker:
+    """The tracker the gateway plugs into its Router when ``router.policy == "kv_aware"``.
+
+    ``http`` / ``adapter_for`` enable the engine /tokenize fallback for models without local
+    tokenizer files. With ``index.backend: redis`` replicas also share in-flight load.
+    """
+    index = build_index(config, metrics, clock)
+    shared = None
+    if config.index.backend == "redis":
+        from orchestrator.kv.redis_index import RedisPrefixIndex
+        from orchestrator.kv.shared_load import SharedLoad
+        assert isinstance(index, RedisPrefixIndex)
+        shared = SharedLoad(index.client, config.index.key_prefix)
+    tokenizer = RequestTokenizer(config, http, adapter_for)
+    return PrefixTracker(config, fleet, index, tokenizer, metrics, clock, shared)
