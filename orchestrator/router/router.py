@@ -70,8 +70,9 @@ class Router:
         if not candidates:
             if self.metrics is not None:
                 self.metrics.routing_decisions.labels(self.policy.name, "no_candidate").inc()
+            served = any(req.model in w.models for w in self.fleet.workers())
             reason = "every worker serving it is unhealthy, draining or already failed this request" \
-                if self.fleet.knows_model(req.model) else "no worker serves it"
+                if served else "no worker serves it"
             raise NoHealthyWorker(req.model, retry_after=self.retry_after_s, reason=reason)
         tracker = self.prefix_tracker
         if tracker is not None:

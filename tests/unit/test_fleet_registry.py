@@ -1,0 +1,101 @@
+"""FleetRegistry: membership, candidates, and the healthy/unhealthy/draining state machine (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.base import Role
+from orchestrator.config import HealthConfig, load_config
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.fleet.worker import Worker, WorkerState
+
+
+def fleet(failure: int = 2, success: int = 2) -> FleetRegistry:
+    return FleetRegistry(health=HealthConfig(failure_threshold=failure, success_threshold=success))
+
+
+def test_config_workers_start_unhealthy_until_probed_then_flip_on_first_success():
+    cfg = load_config({"workers": [{"url": "http://a:1", "models": ["m"]}, {"url": "http://b:1", "id": "bee"}]})
+    reg = FleetRegistry.from_config(cfg)
+    assert [w.id for w in reg.workers()] == ["w0", "bee"]
+    w0 = reg.get("w0")
+    assert w0.state is WorkerState.UNHEALTHY and w0.configured_models and not reg.get("bee").configured_models
+    assert reg.candidates("m") == []
+    reg.record_health(w0, True, now=1.0)  # first success, success_threshold irrelevant
+    assert w0.state is WorkerState.HEALTHY
+    assert reg.candidates("m") == [w0]
+
+
+def test_failure_threshold_then_success_threshold():
+    reg = fleet(failure=2, success=2)
+    w = reg.add(Worker("a", "http://a", models=["m"]))
+    reg.record_health(w, True, 0.0)
+    reg.record_health(w, False, 1.0, "boom")
+    assert w.state is WorkerState.HEALTHY and w.last_error == "boom"  # one failure is not enough
+    reg.record_health(w, False, 2.0, "boom")
+    assert w.state is WorkerState.UNHEALTHY
+    reg.record_health(w, True, 3.0)
+    assert w.state is WorkerState.UNHEALTHY  # needs two successes to come back
+    reg.record_health(w, False, 4.0)
+    reg.record_health(w, True, 5.0)
+    assert w.state is WorkerState.UNHEALTHY  # the failure reset the success streak
+    reg.record_health(w, True, 6.0)
+    assert w.state is WorkerState.HEALTHY and w.last_error is None
+
+
+def test_mark_failed_takes_worker_out_immediately():
+    reg = fleet(failure=3)
+    w = reg.add(Worker("a", "http://a", models=["m"]))
+    reg.record_health(w, True, 0.0)
+    reg.mark_failed(w, 1.0, "connection refused")
+    assert w.state is WorkerState.UNHEALTHY and w.consecutive_failures >= 3
+
+
+def test_drain_survives_health_changes_and_undrain_restores_health_state():
+    reg = fleet(failure=1, success=1)
+    w = reg.add(Worker("a", "http://a", models=["m"]))
+    reg.record_health(w, True, 0.0)
+    reg.drain("a")
+    assert w.state is WorkerState.DRAINING and reg.candidates("m") == []
+    reg.record_health(w, False, 1.0)
+    assert w.state is WorkerState.DRAINING
+    reg.undrain("a")
+    assert w.state is WorkerState.UNHEALTHY  # it failed while drained
+    reg.drain("a")
+    reg.record_health(w, True, 2.0)
+    reg.undrain("a")
+    assert w.state is WorkerState.HEALTHY
+
+
+def test_candidates_filter_model_and_role():
+    reg = FleetRegistry()
+    p = reg.add(Worker("p", "http://p", role=Role.PREFILL, models=["m"]))
+    d = reg.add(Worker("d", "http://d", role=Role.DECODE, models=["m"]))
+    b = reg.add(Worker("b", "http://b", role=Role.BOTH, models=["m", "other"]))
+    assert reg.candidates("m") == [p, d, b]
+    assert reg.candidates("m", Role.DECODE) == [d, b]
+    assert reg.candidates("m", Role.PREFILL) == [p, b]
+    assert reg.candidates("other") == [b]
+    assert reg.candidates("nope") == []
+
+
+def test_models_union_and_knows_model():
+    reg = FleetRegistry([Worker("a", "http://a", models=["x"])], configured_models=["cfg"])
+    reg.add(Worker("b", "http://b", models=["x", "y"]))
+    assert reg.models() == ["cfg", "x", "y"]
+    assert reg.knows_model("cfg") and reg.knows_model("y") and not reg.knows_model("z")
+
+
+def test_add_remove_and_listeners():
+    reg = FleetRegistry()
+    events: list[tuple[str, str]] = []
+    reg.subscribe(lambda event, w: events.append((event, w.id)))
+    reg.add(Worker("a", "http://a", models=["m"]))
+    with pytest.raises(ValueError, match="already exists"):
+        reg.add(Worker("a", "http://a2"))
+    reg.drain("a")
+    reg.remove("a")
+    with pytest.raises(KeyError):
+        reg.remove("a")
+    assert events == [("added", "a"), ("state", "a"), ("removed", "a")]
+    assert reg.get("a") is None and len(reg) == 0

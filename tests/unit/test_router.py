@@ -1,0 +1,124 @@
+"""Router: candidate filtering, the prefix-tracker seam, accounting, recent decisions (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from adapters.base import Role
+from orchestrator.clock import VirtualClock
+from orchestrator.errors import NoHealthyWorker
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.fleet.worker import Worker, WorkerState
+from orchestrator.router.policies.round_robin import RoundRobinPolicy
+from orchestrator.router.router import Router
+from orchestrator.router.types import Overlap, RouteDecision, RouteRequest
+from orchestrator.telemetry.metrics import DyadMetrics
+
+
+def make_router(*workers: Worker, tracker=None) -> tuple[Router, DyadMetrics]:
+    metrics = DyadMetrics()
+    reg = FleetRegistry(workers, configured_models=["m", "ghost"])
+    return Router(RoundRobinPolicy(), reg, VirtualClock(5.0), metrics, tracker, retry_after_s=7), metrics
+
+
+def req(rid: str = "r1", prompt_tokens: int = 100) -> RouteRequest:
+    return RouteRequest(request_id=rid, model="m", prompt_tokens=prompt_tokens)
+
+
+async def test_route_skips_unhealthy_draining_prefill_only_and_excluded():
+    ok = Worker("ok", "http://ok", models=["m"])
+    ok2 = Worker("ok2", "http://ok2", models=["m"])
+    sick = Worker("sick", "http://s", models=["m"], state=WorkerState.UNHEALTHY)
+    drain = Worker("drain", "http://d", models=["m"], state=WorkerState.DRAINING)
+    pre = Worker("pre", "http://p", models=["m"], role=Role.PREFILL)
+    router, _ = make_router(sick, drain, pre, ok, ok2)
+    chosen = {(await router.route(req(), {}, "/v1/completions")).worker.id for _ in range(4)}
+    assert chosen == {"ok", "ok2"}
+    for _ in range(3):
+        assert (await router.route(req(), {}, "/v1/completions", exclude={"ok"})).worker.id == "ok2"
+
+
+async def test_no_candidate_is_503_with_retry_after_and_a_reason():
+    router, metrics = make_router(Worker("a", "http://a", models=["m"], state=WorkerState.UNHEALTHY))
+    with pytest.raises(NoHealthyWorker) as e:
+        await router.route(req(), {}, "/v1/completions")
+    assert e.value.status == 503 and e.value.headers["Retry-After"] == "7"
+    assert "unhealthy" in e.value.message
+    with pytest.raises(NoHealthyWorker, match="no worker serves it"):
+        await router.route(RouteRequest("r", "ghost", 1), {}, "/v1/completions")
+    assert metrics.routing_decisions.labels("round_robin", "no_candidate")._value.get() == 2
+
+
+class Tracker:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.finished: list[bool] = []
+
+    async def annotate(self, r, body, endpoint, candidates):
+        self.calls.append(f"annotate:{endpoint}:{','.join(w.id for w in candidates)}:{body['prompt']}")
+        r.overlaps = {"a": Overlap(blocks=2, weighted_blocks=2.0)}
+
+    async def on_routed(self, r, decision, now):
+        decision.predicted_cached_tokens = 64
+        self.calls.append(f"routed:{decision.worker.id}:{now}")
+
+    async def on_finished(self, r, decision, ok, now):
+        self.finished.append(ok)
+
+
+async def test_tracker_seam_is_called_around_the_policy():
+    t = Tracker()
+    router, metrics = make_router(Worker("a", "http://a", models=["m"]), tracker=t)
+    r = req()
+    d = await router.route(r, {"prompt": "hello"}, "/v1/completions")
+    assert t.calls == ["annotate:/v1/completions:a:hello", "routed:a:5.0"]
+    assert r.overlaps["a"].blocks == 2
+    assert router.recent_decisions[-1]["predicted_cached_tokens"] == 64
+    assert metrics.predicted_cached_tokens.labels("m")._value.get() == 64
+    router.begin(d, r)
+    router.finish(d, r, ok=True)
+    await asyncio.sleep(0)  # the async on_finished runs in the background
+    await asyncio.sleep(0)
+    assert t.finished == [True]
+
+
+async def test_accounting_charges_uncached_prompt_tokens_until_first_token():
+    a = Worker("a", "http://a", models=["m"])
+    router, _ = make_router(a)
+    r1, r2 = req("r1", 100), req("r2", 50)
+    d1 = await router.route(r1, {}, "/v1/completions")
+    d1.predicted_cached_tokens = 30
+    router.begin(d1, r1)
+    d2 = await router.route(r2, {}, "/v1/completions")
+    router.begin(d2, r2)
+    assert (a.inflight, a.inflight_prefill_tokens) == (2, 70 + 50)
+    router.first_token(d1, r1)
+    router.first_token(d1, r1)  # idempotent
+    assert (a.inflight, a.inflight_prefill_tokens) == (2, 50)
+    router.finish(d1, r1, ok=True)
+    router.finish(d2, r2, ok=False)  # finish without first token releases the charge too
+    assert (a.inflight, a.inflight_prefill_tokens) == (0, 0)
+
+
+async def test_prefill_tokens_charged_to_prefill_worker_in_pd_decisions():
+    p = Worker("p", "http://p", models=["m"], role=Role.PREFILL)
+    d = Worker("d", "http://d", models=["m"], role=Role.DECODE)
+    router, _ = make_router(p, d)
+    r = req()
+    decision = RouteDecision(worker=d, policy="x", prefill_worker=p)
+    router.begin(decision, r)
+    assert (d.inflight, d.inflight_prefill_tokens, p.inflight_prefill_tokens) == (1, 0, 100)
+    router.finish(decision, r, ok=True)
+    assert (d.inflight, p.inflight_prefill_tokens) == (0, 0)
+
+
+async def test_recent_decisions_are_bounded():
+    router, _ = make_router(Worker("a", "http://a", models=["m"]))
+    for i in range(250):
+        await router.route(req(f"r{i}"), {}, "/v1/completions")
+    assert len(router.recent_decisions) == 200
+    last = router.recent_decisions[-1]
+    assert last["request_id"] == "r249" and last["worker"] == "a" and last["policy"] == "round_robin"
+    assert set(last) >= {"time", "model", "reason", "predicted_cached_tokens"}
