@@ -26,6 +26,7 @@ from orchestrator.errors import ApiError, error_body
 from orchestrator.gateway import admin, openai_routes
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.telemetry.metrics import DyadMetrics
+from orchestrator.ui import ui_router
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     app.add_route("/admin/workers/{worker_id}/drain", admin.drain_worker, methods=["POST"])
     app.add_route("/admin/workers/{worker_id}/undrain", admin.undrain_worker, methods=["POST"])
     app.include_router(disagg_admin.router)  # POST /admin/workers/{id}/role, GET /admin/pools
+    app.include_router(ui_router())  # the live fleet page, /ui (orchestrator/ui)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

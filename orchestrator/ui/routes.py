@@ -1,0 +1,37 @@
+"""``GET /ui`` (one static HTML page) and ``GET /ui/api/state`` (the JSON it polls every second).
+
+Add to a gateway with ``app.include_router(ui_router())``; the page reads ``app.state.runtime``.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from orchestrator.ui.state import fleet_state
+
+
+@cache
+def _page() -> bytes:
+    return resources.files("orchestrator.ui").joinpath("static/fleet.html").read_bytes()
+
+
+async def ui_page(request: Request) -> Response:
+    return Response(_page(), media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+
+
+async def ui_state(request: Request) -> Response:
+    body = orjson.dumps(fleet_state(request.app.state.runtime))
+    return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+def ui_router() -> APIRouter:
+    router = APIRouter(include_in_schema=False)
+    router.add_api_route("/ui", ui_page, methods=["GET"])
+    router.add_api_route("/ui/", ui_page, methods=["GET"])
+    router.add_api_route("/ui/api/state", ui_state, methods=["GET"])
+    return router
