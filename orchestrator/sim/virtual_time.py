@@ -161,8 +161,8 @@ class FastEngine:
         self._interrupt(now)
 
     def _interrupt(self, now: float) -> None:
-        if self._end == INF:
-            self._plan(now)
+        if self._end == INF or now <= self._start:
+            self._plan(now)  # idle, or the planned step has not begun: plan again with the newcomer
         elif self._steps > 1:
             # cut the decode run at the end of the step in progress; the newcomer joins after it
             done = self._steps_done_by(now - self._start)

@@ -1,0 +1,97 @@
+"""The live planner loop: observe → ``Planner.step`` → actuator, every ``interval_s``.
+
+The gateway owns one ``PlannerService`` (``runtime.planner``) when ``planner.enabled``; the admin
+route ``GET /admin/planner`` (``routes.py``) shows its last decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from orchestrator.clock import Clock
+from orchestrator.fleet.worker import Worker, WorkerState
+from orchestrator.planner.actuators import Actuator, export_metrics
+from orchestrator.planner.core import PlanDecision, Planner, WorkerView
+from orchestrator.planner.metrics_source import Observation
+from orchestrator.telemetry.metrics import DyadMetrics
+
+log = logging.getLogger("dyad.planner")
+
+
+class Source(Protocol):
+    async def observe(self, now: float) -> Observation: ...
+
+
+def views_from_workers(workers: Iterable[Worker]) -> list[WorkerView]:
+    """Registry workers → what the planner sees (a pending role change counts as the new role)."""
+    out = []
+    for w in workers:
+        state = {WorkerState.HEALTHY: "healthy", WorkerState.DRAINING: "draining"}.get(w.state, "unhealthy")
+        role = w.target_role or w.role
+        out.append(WorkerView(w.id, role, state, w.inflight, int(w.load.waiting)))
+    return out
+
+
+class PlannerService:
+    def __init__(self, planner: Planner, source: Source, actuator: Actuator,
+                 fleet: Callable[[], list[WorkerView]], clock: Clock, metrics: DyadMetrics | None = None,
+                 history: int = 50) -> None:
+        self.planner = planner
+        self.source = source
+        self.actuator = actuator
+        self.fleet = fleet
+        self.clock = clock
+        self.metrics = metrics
+        self.history: deque[dict[str, Any]] = deque(maxlen=history)
+        self.last_error: str | None = None
+        self._task: asyncio.Task | None = None
+
+    async def run_once(self) -> PlanDecision:
+        now = self.clock.now()
+        obs = await self.source.observe(now)
+        decision = self.planner.step(obs, self.fleet(), now)
+        done = await self.actuator.apply(decision)
+        if self.metrics is not None and self.actuator.name != "recommend":
+            export_metrics(decision, self.metrics)
+        entry = decision.to_dict()
+        entry["applied"] = done
+        entry["actuator"] = self.actuator.name
+        self.history.append(entry)
+        return decision
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.planner.settings.interval_s)
+            try:
+                await self.run_once()
+                self.last_error = None
+            except Exception as e:  # keep planning; show the error on /admin/planner
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.warning("planner interval failed: %s", self.last_error)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="dyad-planner")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def status(self) -> dict[str, Any]:
+        s = self.planner.settings
+        return {
+            "actuator": self.actuator.name, "interval_s": s.interval_s,
+            "targets": {"ttft_s": s.targets.ttft_s, "itl_s": s.targets.itl_s},
+            "limits": vars(s.limits), "last_error": self.last_error,
+            "draining": self.planner.draining(),
+            "last": self.history[-1] if self.history else None,
+            "history": list(self.history),
+        }
