@@ -105,8 +105,13 @@ class RoleManager:
         return out
 
     async def close(self) -> None:
-        for task in self._pending.values():
-            task.cancel()
+        """Abandon pending changes: the workers keep their current role."""
+        for worker_id, task in self._pending.items():
+            if not task.done():
+                task.cancel()
+                worker = self.fleet.get(worker_id)
+                if worker is not None:
+                    worker.target_role = None
         for task in self._pending.values():
             try:
                 await task

@@ -76,7 +76,11 @@ class Router:
             raise NoHealthyWorker(req.model, retry_after=self.retry_after_s, reason=reason)
         tracker = self.prefix_tracker
         if tracker is not None:
-            await tracker.annotate(req, body, endpoint, candidates)
+            annotate_for = candidates
+            if any(w.role is Role.DECODE for w in candidates):  # P/D: prefill workers' overlaps steer the pair
+                annotate_for = candidates + [w for w in self.fleet.candidates(req.model, Role.PREFILL)
+                                             if w.role is Role.PREFILL]
+            await tracker.annotate(req, body, endpoint, annotate_for)
         now = self.clock.now()
         decision = self.policy.choose(req, candidates, now)
         if tracker is not None:

@@ -1,0 +1,162 @@
+"""Prefill/decode disaggregation through the gateway with REAL vLLM engines (NixlConnector on CPU).
+
+One prefill engine (kv_producer) and one decode engine (kv_consumer) behind a Dyad gateway:
+- the decode engine's ``prompt_tokens_by_source_total{source="external_kv_transfer"}`` grows by
+  the prompt length, and the output equals an aggregated run at temperature 0 (same eager mode);
+- short prompts are prefilled locally (conditional disaggregation);
+- a client that goes away stops the decode engine's work;
+- with the prefill engine killed, requests still succeed (local prefill on the decode engine).
+The last test kills the prefill engine, so it runs last in this module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from tests.fixtures.vllm import MODEL_NAME
+from tests.fixtures.vllm_pd import PdEngines
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ADMIN = "pd-admin-token"
+LONG_PROMPT = "Summarize the inventory: " + " ".join(f"item{i} costs {i * 7 % 97}" for i in range(120))
+SHORT_PROMPT = "Hello there"
+
+
+def engine_counter(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in want):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def external(url: str) -> float:
+    return engine_counter(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def pd_mode_count(gateway_url: str, mode: str) -> float:
+    text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
+    m = re.search(rf'^dyad_pd_requests_total{{mode="{mode}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def pd(vllm_pd_engines: PdEngines):
+    try:
+        prefill, decode = vllm_pd_engines.get("pd")
+    except (RuntimeError, TimeoutError) as e:
+        pytest.fail(str(e), pytrace=False)
+    config = load_config({
+        "models": [{"name": MODEL_NAME, "block_size": 32}],
+        "workers": [
+            {"id": "prefill", "url": prefill.url, "role": "prefill", "models": [MODEL_NAME]},
+            {"id": "decode", "url": decode.url, "role": "decode", "models": [MODEL_NAME]},
+        ],
+        "router": {"policy": "least_load", "debug_headers": True},
+        "gateway": {"admin_token": ADMIN},
+        "health": {"interval_s": 0.5, "timeout_s": 2.0},
+        "disagg": {"min_prefill_tokens": 64, "prefill_timeout_s": 20},
+    })
+    with GatewayThread(config) as gw:
+        yield gw, prefill, decode
+
+
+def completion_body(prompt: str, max_tokens: int = 24, **extra) -> dict:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def test_nixl_completion_transfers_the_prompt_and_matches_aggregated(pd):
+    gw, prefill, decode = pd
+    # Aggregated reference on the prefill engine (cold cache), then forget it again.
+    ref = httpx.post(f"{prefill.url}/v1/completions", json=completion_body(LONG_PROMPT), timeout=60).json()
+    assert httpx.post(f"{prefill.url}/reset_prefix_cache", timeout=10).status_code == 200
+
+    before = external(decode.url)
+    r = httpx.post(f"{gw.url}/v1/completions", json=completion_body(LONG_PROMPT), timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-dyad-prefill-worker"] == "prefill"
+    assert r.headers["x-dyad-worker"] == "decode"
+    out = r.json()
+    prompt_tokens = out["usage"]["prompt_tokens"]
+    assert prompt_tokens > 300
+    assert external(decode.url) - before == prompt_tokens
+    assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert out["usage"]["completion_tokens"] == 24
+    assert "kv_transfer_params" not in out or out["kv_transfer_params"] is None
+
+
+def test_nixl_chat_stream_matches_aggregated(pd):
+    gw, prefill, decode = pd
+    messages = [{"role": "user", "content": "List the prices. " + LONG_PROMPT}]
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 16, "temperature": 0}
+    ref = httpx.post(f"{prefill.url}/v1/chat/completions", json=body, timeout=60).json()
+    httpx.post(f"{prefill.url}/reset_prefix_cache", timeout=10)
+
+    before = external(decode.url)
+    text, usage = "", None
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["x-dyad-prefill-worker"] == "prefill"
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                text += choice["delta"].get("content") or ""
+            usage = chunk.get("usage") or usage
+    assert usage is not None
+    assert external(decode.url) - before == usage["prompt_tokens"]
+    assert text == ref["choices"][0]["message"]["content"]
+
+
+def test_short_prompt_is_prefilled_on_the_decode_engine(pd):
+    gw, prefill, decode = pd
+    before_ext = external(decode.url)
+    before_local = pd_mode_count(gw.url, "local")
+    r = httpx.post(f"{gw.url}/v1/completions", json=completion_body(SHORT_PROMPT, 8), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-dyad-worker"] == "decode"
+    assert "x-dyad-prefill-worker" not in r.headers
+    assert external(decode.url) == before_ext
+    assert pd_mode_count(gw.url, "local") == before_local + 1
+
+
+def test_client_disconnect_stops_the_decode_engine(pd):
+    gw, prefill, decode = pd
+    body = completion_body(LONG_PROMPT + " again", 3000, stream=True, ignore_eos=True)
+    with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # the decode engine is generating (3000 tokens ≈ 35 s at 11.7 ms each)
+        assert engine_counter(decode.url, "vllm:num_requests_running") == 1
+    deadline = time.monotonic() + 15
+    while engine_counter(decode.url, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the decode engine kept generating after the client left"
+        time.sleep(0.25)
+    assert gw.runtime.fleet.get("decode").inflight == 0
+
+
+def test_prefill_engine_killed_requests_still_succeed(pd):
+    gw, prefill, decode = pd
+    prefill.kill()
+    before = pd_mode_count(gw.url, "fallback") + pd_mode_count(gw.url, "local")
+    for i in range(3):
+        r = httpx.post(f"{gw.url}/v1/completions", json=completion_body(f"{i} {LONG_PROMPT}", 8), timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+    # Each was prefilled on the decode engine: either the split was planned and the prefill step
+    # found the engine gone (fallback), or the prefill worker was already out of rotation (local).
+    assert pd_mode_count(gw.url, "fallback") + pd_mode_count(gw.url, "local") == before + 3
+    assert gw.runtime.fleet.get("prefill").state.value == "unhealthy"
+    workers = httpx.get(f"{gw.url}/admin/workers", headers={"authorization": f"Bearer {ADMIN}"}).json()["workers"]
+    assert {w["id"]: w["role"] for w in workers} == {"prefill": "prefill", "decode": "decode"}

@@ -1,0 +1,85 @@
+"""Request shaping for the vLLM and SGLang P/D exchanges (pure functions)."""
+
+from __future__ import annotations
+
+import random
+
+from orchestrator.disagg import resolve_min_prefill_tokens, sglang_flow, vllm_flow
+from orchestrator.sim.profiles import CPU_TINY, GPU_LIKE
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def test_vllm_prefill_step_is_one_unstreamed_token_asking_for_remote_decode():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "stream": True,
+            "stream_options": {"include_usage": True}, "min_tokens": 5, "n": 1, "temperature": 0,
+            "kv_transfer_params": {"evil": 1}}
+    p = vllm_flow.prefill_body(CHAT, body)
+    assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
+    assert p["stream"] is False
+    for dropped in ("stream_options", "min_tokens", "n"):
+        assert dropped not in p
+    assert p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                       "remote_engine_id": None, "remote_block_ids": None,
+                                       "remote_host": None, "remote_port": None}
+    assert p["temperature"] == 0 and p["messages"] == body["messages"]
+    assert body["max_tokens"] == 300 and body["stream"] is True  # the client's body is untouched
+    # Completions have no max_completion_tokens.
+    c = vllm_flow.prefill_body(COMPLETIONS, {"model": "m", "prompt": "x", "max_completion_tokens": 9})
+    assert c["max_tokens"] == 1 and "max_completion_tokens" not in c
+
+
+def test_vllm_example_connector_sends_no_transfer_params():
+    p = vllm_flow.prefill_body(COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 5}, connector="example")
+    assert "kv_transfer_params" not in p and p["max_tokens"] == 1
+
+
+def test_vllm_decode_step_carries_the_prefill_handoff():
+    answer = {"choices": [{"text": "a"}], "kv_transfer_params": {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+        "remote_engine_id": "e", "remote_host": "localhost", "remote_port": 5600, "remote_num_tokens": 90}}
+    params = vllm_flow.handoff_params(answer)
+    assert params is answer["kv_transfer_params"]
+    body = {"model": "m", "prompt": "x", "max_tokens": 50, "stream": True, "kv_transfer_params": {"client": 1}}
+    d = vllm_flow.decode_body(body, params)
+    assert d["kv_transfer_params"] is params
+    assert d["max_tokens"] == 50 and d["stream"] is True
+    assert "kv_transfer_params" not in vllm_flow.local_body(body)
+    # Answers without a usable hand-off.
+    assert vllm_flow.handoff_params({"choices": []}) is None
+    assert vllm_flow.handoff_params({"kv_transfer_params": None}) is None
+    assert vllm_flow.handoff_params({"kv_transfer_params": {"do_remote_prefill": False}}) is None
+    assert vllm_flow.handoff_params([1, 2]) is None
+
+
+def test_sglang_dual_dispatch_shares_one_room_and_points_at_the_prefill_server():
+    body = {"model": "m", "prompt": "x", "max_tokens": 20, "stream": True, "stream_options": {"include_usage": True}}
+    room = sglang_flow.new_room(random.Random(7))
+    p, d = sglang_flow.dual_bodies(body, "http://10.0.0.5:30000", None, room)
+    for b in (p, d):
+        assert b["bootstrap_host"] == "10.0.0.5"
+        assert b["bootstrap_port"] == 8998
+        assert b["bootstrap_room"] == room
+    assert d["stream"] is True and d["stream_options"] == {"include_usage": True}
+    assert p["stream"] is False and "stream_options" not in p
+    assert p["max_tokens"] == 20  # the same request on both sides
+    p2, _ = sglang_flow.dual_bodies(body, "http://h:1", 9000, 5)
+    assert p2["bootstrap_port"] == 9000 and p2["bootstrap_host"] == "h"
+    assert "bootstrap_room" not in body
+
+
+def test_sglang_rooms_are_63_bit_and_distinct():
+    rooms = {sglang_flow.new_room() for _ in range(1000)}
+    assert len(rooms) == 1000
+    assert all(0 <= r < 2**63 for r in rooms)
+    assert max(rooms) > 2**60  # spread over the whole range, not a small counter
+
+
+def test_min_prefill_tokens_default_comes_from_the_engine_profile():
+    assert resolve_min_prefill_tokens(500) == 500
+    assert resolve_min_prefill_tokens(0) == 0
+    gpu = resolve_min_prefill_tokens(None)
+    assert gpu == resolve_min_prefill_tokens(None, GPU_LIKE)
+    assert 50 < gpu < 1000
+    assert resolve_min_prefill_tokens(None, CPU_TINY) != gpu
