@@ -75,12 +75,13 @@ CPU_TINY = EngineProfile(
     # Calibrated to the real CPU vLLM used in the tests (engines.md §1: the 512/4/2048/8/2 Llama,
     # eager, one core, --block-size 32, --kv-cache-memory-bytes 256 MiB): 2,000-token prompt →
     # cold TTFT ≈ 548 ms, prefix-hit TTFT ≈ 33 ms, ≈ 259 ms of prefill per 1k tokens, ≈ 11.7 ms per
-    # decode token. Here: cold TTFT = 20 + 6 + 5.7 + 2000×0.259 ≈ 550 ms; a hit on 62 of 63 blocks
-    # recomputes 16 tokens ≈ 36 ms; a lone decode step 11.7 ms.
+    # decode token. Here: cold TTFT = 20 + 9.7 + 2 + 2000×0.259 ≈ 550 ms; a hit on 62 of 63 blocks
+    # recomputes 16 tokens ≈ 36 ms; a lone decode step 11.7 ms. How a step splits into fixed vs
+    # per-sequence cost was not measured: 2 ms per sequence is an estimate (batch 32 ≈ 74 ms).
     name="cpu-tiny",
-    step_fixed_s=0.006,
+    step_fixed_s=0.0097,
     per_prefill_token_s=0.000259,
-    per_running_seq_s=0.0057,
+    per_running_seq_s=0.002,
     per_context_token_s=0.0,
     request_overhead_s=0.020,
     max_num_batched_tokens=4096,
