@@ -1,0 +1,76 @@
+"""Configuration: validation naming every bad field, env overrides, and the CLI exit status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import main as dyad
+from orchestrator.config import ConfigError, DyadConfig, load_config
+
+
+def test_empty_config_is_valid_with_defaults():
+    cfg = load_config(None, environ={})
+    assert isinstance(cfg, DyadConfig)
+    assert cfg.gateway.max_body_bytes == 10 * 1024 * 1024 and cfg.router.policy == "round_robin"
+
+
+def test_every_bad_field_is_named_in_one_message():
+    raw = {
+        "workers": [{"url": "localhost:8000"}, {"url": "http://ok", "engine": "tgi", "role": "chef"}],
+        "router": {"policy": "fastest"},
+        "gateway": {"port": 70000, "max_body_bytes": 0, "surprise": 1},
+        "health": {"failure_threshold": 0},
+    }
+    with pytest.raises(ConfigError) as e:
+        load_config(raw, environ={})
+    msg = str(e.value)
+    for field in ("workers.0.url", "workers.1.engine", "workers.1.role", "router.policy", "gateway.port",
+                  "gateway.max_body_bytes", "gateway.surprise", "health.failure_threshold"):
+        assert field in msg, field
+    assert msg.startswith("invalid configuration (8 problems)")
+
+
+def test_duplicate_worker_ids_and_generated_ids():
+    cfg = load_config({"workers": [{"url": "http://a"}, {"url": "http://b", "id": "x"}]}, environ={})
+    assert [w.id for w in cfg.workers] == ["w0", "x"]
+    with pytest.raises(ConfigError, match="duplicate worker id 'x'"):
+        load_config({"workers": [{"url": "http://a", "id": "x"}, {"url": "http://b", "id": "x"}]}, environ={})
+
+
+def test_env_overrides_nested_and_list_items():
+    env = {"DYAD_GATEWAY__PORT": "9001", "DYAD_ROUTER__POLICY": "least_load",
+           "DYAD_GATEWAY__API_KEYS": "[k1, k2]", "DYAD_WORKERS__0__URL": "http://override:1",
+           "OTHER": "x"}
+    cfg = load_config({"workers": [{"url": "http://a"}]}, environ=env)
+    assert cfg.gateway.port == 9001 and cfg.router.policy == "least_load"
+    assert cfg.gateway.api_keys == ["k1", "k2"] and cfg.workers[0].url == "http://override:1"
+    with pytest.raises(ConfigError, match="gateway.port"):
+        load_config({}, environ={"DYAD_GATEWAY__PORT": "many"})
+
+
+def test_unreadable_and_non_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workers: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, environ={})
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(top, environ={})
+
+
+def test_worker_url_trailing_slash_stripped():
+    cfg = load_config({"workers": [{"url": "http://a:1/"}]}, environ={})
+    assert cfg.workers[0].url == "http://a:1"
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config"])
+def test_cli_invalid_config_exits_2_listing_fields(tmp_path, capsys, command):
+    path = tmp_path / "c.yaml"
+    path.write_text("gateway:\n  port: -1\nrouter:\n  policy: nope\n")
+    args = [command, "--config", str(path)] if command == "serve" else [command, str(path)]
+    assert dyad(args) == 2
+    err = capsys.readouterr().err
+    assert "gateway.port" in err and "router.policy" in err
