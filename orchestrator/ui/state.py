@@ -70,6 +70,23 @@ def decision_view(decision: dict[str, Any], now: float) -> dict[str, Any]:
     return view
 
 
+def planner_view(planner: Any) -> dict[str, Any]:
+    """The planner's latest decision: ``last_recommendation`` if it keeps one, else its newest
+    history entry (``PlannerService.history``)."""
+    if planner is None:
+        return {"enabled": False, "recommendation": None}
+    rec = getattr(planner, "last_recommendation", None)
+    history = getattr(planner, "history", None)
+    if rec is None and history:
+        rec = history[-1]
+    return {
+        "enabled": True,
+        "actuator": getattr(getattr(planner, "actuator", None), "name", None),
+        "last_error": getattr(planner, "last_error", None),
+        "recommendation": jsonable(rec),
+    }
+
+
 def fleet_state(runtime: Any) -> dict[str, Any]:
     """The snapshot behind ``GET /ui/api/state``."""
     now = runtime.clock.now()
@@ -77,7 +94,6 @@ def fleet_state(runtime: Any) -> dict[str, Any]:
     router = runtime.router
     decisions = list(getattr(router, "recent_decisions", ()))[-MAX_DECISIONS:]
     planner = getattr(runtime, "planner", None)
-    recommendation = getattr(planner, "last_recommendation", None) if planner is not None else None
     views = [worker_view(w, now) for w in workers]
     return {
         "generated_at": time.time(),
@@ -89,6 +105,6 @@ def fleet_state(runtime: Any) -> dict[str, Any]:
             "inflight": sum(v["inflight"] for v in views),
         },
         "workers": views,
-        "planner": {"enabled": planner is not None, "recommendation": jsonable(recommendation)},
+        "planner": planner_view(planner),
         "decisions": [decision_view(d, now) for d in reversed(decisions)],  # newest first
     }
