@@ -170,7 +170,8 @@ class KvEventSubscriber:
         self.replayed = 0
         self.restarts = 0
         self._task: asyncio.Task[None] | None = None
-        self._want_full_replay = False
+        # On start, learn what the engine already holds (its replay buffer) before following it live.
+        self._want_full_replay = self.replay_endpoint is not None
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.get_running_loop().create_task(self.run(), name=f"dyad-kv-events-{self.worker_id}")

@@ -28,6 +28,7 @@ class MemoryPrefixIndex(PrefixIndex):
         self._blocks: dict[int, dict[str, int]] = {}
         self._lru: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._by_worker: dict[str, set[int]] = {}
+        self._offloaded: dict[int, int] = {}  # block → holders without the device tier
         self.evictions = 0
 
     # --- writes
@@ -42,7 +43,8 @@ class MemoryPrefixIndex(PrefixIndex):
             holders = self._blocks.get(h)
             if holders is None:
                 holders = self._blocks[h] = {}
-            holders[worker_id] = holders.get(worker_id, 0) | int(tier)
+            old = holders.get(worker_id, 0)
+            self._set_mask(h, holders, worker_id, old, old | int(tier))
             key = (worker_id, h)
             if key in lru:
                 lru.move_to_end(key)
@@ -60,9 +62,10 @@ class MemoryPrefixIndex(PrefixIndex):
             holders = self._blocks.get(h)
             if holders is None or worker_id not in holders:
                 continue
-            mask = 0 if tier is None else holders[worker_id] & ~int(tier)
+            old = holders[worker_id]
+            mask = 0 if tier is None else old & ~int(tier)
             if mask:
-                holders[worker_id] = mask
+                self._set_mask(h, holders, worker_id, old, mask)
             else:
                 self._drop(worker_id, h, holders)
         self._gauge()
@@ -78,8 +81,24 @@ class MemoryPrefixIndex(PrefixIndex):
         self._by_worker.pop(worker_id, None)
         self._gauge()
 
+    def _set_mask(self, h: int, holders: dict[str, int], worker_id: str, old: int, new: int) -> None:
+        holders[worker_id] = new
+        was_off = bool(old) and not old & Tier.DEVICE
+        is_off = not new & Tier.DEVICE
+        if was_off != is_off:
+            self._count_offloaded(h, 1 if is_off else -1)
+
+    def _count_offloaded(self, h: int, delta: int) -> None:
+        n = self._offloaded.get(h, 0) + delta
+        if n > 0:
+            self._offloaded[h] = n
+        else:
+            self._offloaded.pop(h, None)
+
     def _drop(self, worker_id: str, h: int, holders: dict[str, int]) -> None:
-        holders.pop(worker_id, None)
+        old = holders.pop(worker_id, None)
+        if old is not None and not old & Tier.DEVICE:
+            self._count_offloaded(h, -1)
         if not holders:
             del self._blocks[h]
         self._lru.pop((worker_id, h), None)
@@ -95,7 +114,9 @@ class MemoryPrefixIndex(PrefixIndex):
             (worker_id, h), _v = self._lru.popitem(last=False)
             holders = self._blocks.get(h)
             if holders is not None:
-                holders.pop(worker_id, None)
+                old = holders.pop(worker_id, None)
+                if old is not None and not old & Tier.DEVICE:
+                    self._count_offloaded(h, -1)
                 if not holders:
                     del self._blocks[h]
             mine = self._by_worker.get(worker_id)
@@ -124,38 +145,47 @@ class MemoryPrefixIndex(PrefixIndex):
         tier_weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
         workers: Sequence[str] | None = None,
     ) -> dict[str, Overlap]:
-        """Walk the request's blocks while some worker still holds every block so far."""
-        result: dict[str, Overlap] = {}
+        """Walk the request's blocks while some worker still holds every block so far.
+
+        The per-block test "do all still-matching workers hold this block" is a set comparison done
+        in C; per-worker tier credit is only computed for blocks that some worker holds outside
+        the device tier (counted in ``_offloaded``), so the common all-device walk stays cheap.
+        """
         if not block_hashes:
-            return result
-        allowed = None if workers is None else set(workers)
-        credit = {m: best_tier_weight(m, tier_weights) for m in range(1, 8)}
-        first = self._blocks.get(block_hashes[0])
-        if not first:
-            return result
-        active: list[str] = []
-        for w, mask in first.items():
-            if allowed is None or w in allowed:
-                result[w] = Overlap(blocks=1, weighted_blocks=credit[mask])
-                active.append(w)
+            return {}
         blocks = self._blocks
-        for h in block_hashes[1:]:
-            if not active:
-                break
+        first = blocks.get(block_hashes[0])
+        if not first:
+            return {}
+        active = set(first) if workers is None else set(first).intersection(workers)
+        if not active:
+            return {}
+        credit = {m: best_tier_weight(m, tier_weights) for m in range(1, 8)}
+        wd = credit[int(Tier.DEVICE)]
+        device_is_best = all(wd >= c for c in credit.values())
+        offloaded = self._offloaded
+        depth: dict[str, int] = {}
+        deficit: dict[str, float] = dict.fromkeys(active, 0.0)
+        walked = 0
+        for h in block_hashes:
             holders = blocks.get(h)
             if not holders:
                 break
-            still: list[str] = []
-            for w in active:
-                mask = holders.get(w)
-                if mask is None:
-                    continue
-                ov = result[w]
-                ov.blocks += 1
-                ov.weighted_blocks += credit[mask]
-                still.append(w)
-            active = still
-        return result
+            keys = holders.keys()
+            if not active <= keys:
+                still = active.intersection(keys)
+                for w in active - still:
+                    depth[w] = walked
+                active = still
+                if not active:
+                    break
+            if not device_is_best or offloaded.get(h):
+                for w in active:
+                    deficit[w] += wd - credit[holders[w]]
+            walked += 1
+        for w in active:
+            depth[w] = walked
+        return {w: Overlap(blocks=n, weighted_blocks=n * wd - deficit[w]) for w, n in depth.items() if n > 0}
 
     async def size(self) -> int:
         return len(self._lru)

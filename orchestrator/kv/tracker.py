@@ -140,8 +140,9 @@ class PrefixTracker:
     # --- KV events ---------------------------------------------------------------------------------
     async def apply_events(self, worker_id: str, ts: float, events: list[dict[str, Any]]) -> None:
         mapper = self.mappers.get(worker_id)
-        if mapper is None:
-            return
+        w = self.fleet.get(worker_id)
+        if mapper is None or (w is not None and w.state is WorkerState.UNHEALTHY):
+            return  # an unhealthy worker's entries stay cleared; re-learnt by replay when it is back
         if self.metrics is not None and ts > 0:
             self.metrics.kv_event_lag.labels(worker_id).set(max(0.0, time.time() - ts))
         for ev in events:
@@ -213,9 +214,10 @@ class PrefixTracker:
                 mapper.reset()
             self.approx.forget_worker(w.id)
             self._spawn_if_running(self.index.clear_worker(w.id))
+        elif event == "state" and w.state is WorkerState.HEALTHY:
             sub = self.subscribers.get(w.id)
             if sub is not None:
-                sub.request_full_replay()  # when it is back, re-learn what it still holds
+                sub.request_full_replay()  # back: re-learn what it still holds
 
     def _spawn_if_running(self, coro: Any) -> None:
         try:

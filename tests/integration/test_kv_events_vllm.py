@@ -1,0 +1,132 @@
+"""Prefix tracking against a real vLLM 0.32 engine (tiny local Llama, block size 32, KV events on ZMQ).
+
+Checked: router-side tokenization (local tokenizer files + chat template) equals the engine's own
+/tokenize; a subscriber that joins after traffic learns the engine's blocks through the replay
+endpoint; blocks mapped from the engine's ``token_ids`` match the hashes the router computes for the
+same prompt (so the index predicts the real hit); ``/reset_prefix_cache`` (AllBlocksCleared) empties
+the worker's entries; a worker that goes unhealthy is cleared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.fleet.worker import WorkerState
+from orchestrator.kv.tracker import build_prefix_tracker
+from orchestrator.router.types import RouteRequest
+from orchestrator.telemetry.metrics import DyadMetrics
+from tests.fixtures.vllm import VllmEngine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPT = " ".join(f"worker {i} keeps the shared prefix number {i} warm." for i in range(40))
+MESSAGES = [{"role": "system", "content": "You are a terse assistant. " * 20},
+            {"role": "user", "content": [{"type": "text", "text": "first part"}, {"type": "text", "text": "second"}]}]
+
+
+def config_for(engine: VllmEngine):
+    return load_config({
+        "models": [{"name": engine.model, "tokenizer": str(engine.paths.model_dir), "block_size": 32}],
+        "workers": [{"id": "v0", "url": engine.url, "models": [engine.model],
+                     "kv_events": {"endpoint": f"tcp://*:{engine.kv_events_port}",
+                                   "replay_endpoint": engine.kv_replay_endpoint}}],
+        "router": {"policy": "kv_aware"},
+    }, environ={})
+
+
+async def until(pred, timeout=20.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        v = await pred()
+        if v:
+            return v
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.1)
+
+
+async def test_local_tokenization_equals_engine_tokenize(vllm_engine: VllmEngine):
+    cfg = config_for(vllm_engine)
+    tracker = build_prefix_tracker(cfg, FleetRegistry.from_config(cfg), DyadMetrics())
+    tok = tracker.tokenizer
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(f"{vllm_engine.url}/tokenize", json={"model": vllm_engine.model, "prompt": PROMPT})
+        engine_prompt = r.json()["tokens"]
+        r = await c.post(f"{vllm_engine.url}/tokenize", json={
+            "model": vllm_engine.model, "messages": MESSAGES, "add_generation_prompt": True,
+            "add_special_tokens": False})
+        engine_chat = r.json()["tokens"]
+    assert await tok.token_ids(vllm_engine.model, "/v1/completions", {"prompt": PROMPT}) == engine_prompt
+    assert await tok.token_ids(vllm_engine.model, "/v1/chat/completions", {"messages": MESSAGES}) == engine_chat
+    assert tok.engine_calls == 0  # all local
+
+
+async def test_engine_events_map_to_the_routers_hashes(vllm_engine: VllmEngine):
+    cfg = config_for(vllm_engine)
+    fleet = FleetRegistry.from_config(cfg)
+    worker = fleet.get("v0")
+    fleet.record_health(worker, True, 0.0)
+    metrics = DyadMetrics()
+    tracker = build_prefix_tracker(cfg, fleet, metrics)
+    async with httpx.AsyncClient(timeout=120) as c:
+        r = await c.post(f"{vllm_engine.url}/reset_prefix_cache")
+        assert r.status_code == 200
+        # Traffic before the tracker listens: it must learn these blocks by replay.
+        r = await c.post(f"{vllm_engine.url}/v1/completions",
+                         json={"model": vllm_engine.model, "prompt": PROMPT, "max_tokens": 1})
+        r.raise_for_status()
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        await tracker.start()
+        try:
+            req = RouteRequest(request_id="r1", model=vllm_engine.model, prompt_tokens=0)
+
+            async def overlap():
+                await tracker.annotate(req, {"prompt": PROMPT}, "/v1/completions", [worker])
+                ov = req.overlaps.get("v0")
+                return ov.blocks if ov else 0
+
+            full_blocks = prompt_tokens // 32
+            assert full_blocks >= 5
+            assert await until(lambda: overlap()) == full_blocks
+            assert len(req.block_hashes) == full_blocks
+            sub = tracker.subscribers["v0"]
+            assert sub.replayed >= 1  # learnt through the engine's replay endpoint
+            assert metrics.registry.get_sample_value("dyad_kv_events_total",
+                                                     {"worker": "v0", "type": "BlockStored"}) >= 1
+            # A chat request: its blocks show up live, mapped from the event token ids.
+            r = await c.post(f"{vllm_engine.url}/v1/chat/completions",
+                             json={"model": vllm_engine.model, "messages": MESSAGES, "max_tokens": 1})
+            r.raise_for_status()
+            chat_req = RouteRequest(request_id="r2", model=vllm_engine.model, prompt_tokens=0)
+
+            async def chat_overlap():
+                await tracker.annotate(chat_req, {"messages": MESSAGES}, "/v1/chat/completions", [worker])
+                ov = chat_req.overlaps.get("v0")
+                return ov is not None and ov.blocks == r.json()["usage"]["prompt_tokens"] // 32
+            await until(chat_overlap)
+            # The engine empties its cache: AllBlocksCleared empties the worker's entries.
+            r = await c.post(f"{vllm_engine.url}/reset_prefix_cache")
+            assert r.status_code == 200
+            # The clear event is published at the next engine step: give it one.
+            await c.post(f"{vllm_engine.url}/v1/completions",
+                         json={"model": vllm_engine.model, "prompt": "x", "max_tokens": 1})
+            assert await until(lambda: _blocks_zero(tracker, req))
+            # And a worker that turns unhealthy is forgotten.
+            await c.post(f"{vllm_engine.url}/v1/completions",
+                         json={"model": vllm_engine.model, "prompt": PROMPT, "max_tokens": 1})
+            await until(lambda: overlap())
+            for _ in range(cfg.health.failure_threshold):
+                fleet.record_health(worker, False, 1.0, "test")
+            assert worker.state is WorkerState.UNHEALTHY
+            assert await until(lambda: _blocks_zero(tracker, req))
+        finally:
+            await tracker.stop()
+
+
+async def _blocks_zero(tracker, req) -> bool:
+    ov = await tracker.index.overlaps(req.block_hashes)
+    return "v0" not in ov
