@@ -1,0 +1,171 @@
+"""The gateway in front of two real vLLM engines: the OpenAI surface end to end.
+
+Chat and completions, streamed and not, ``usage`` and ``stream_options.include_usage``, unknown
+model, engine errors passed through, X-Request-Id reaching the engine, a client disconnect
+aborting the engine's request, and one engine killed while traffic keeps succeeding. The killing
+test is last in the file: the ``vllm_engines`` fixture restarts the engine only if a later test
+needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from adapters.prometheus_text import MetricSet
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from tests.fixtures.vllm import VllmEngine, VllmPool
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "hello world, tell me about the cache"}]
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_pool: VllmPool) -> Iterator[GatewayThread]:
+    try:
+        engines = vllm_pool.get(2)
+    except (RuntimeError, TimeoutError) as e:
+        pytest.fail(str(e), pytrace=False)
+    config = load_config({
+        "models": [{"name": MODEL}],
+        "workers": [{"id": f"w{i}", "url": e.url, "engine": "vllm", "models": [MODEL]} for i, e in enumerate(engines)],
+        "router": {"policy": "round_robin", "debug_headers": True},
+        "health": {"interval_s": 0.5, "timeout_s": 1.0, "failure_threshold": 1},
+        "scrape": {"interval_s": 0.5},
+    }, environ={})
+    with GatewayThread(config) as gw:
+        yield gw
+
+
+@pytest.fixture
+def client(gateway: GatewayThread, vllm_engines: list[VllmEngine]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=120) as c:
+        yield c
+
+
+def engine_of(response: httpx.Response, engines: list[VllmEngine]) -> VllmEngine:
+    return engines[int(response.headers["x-dyad-worker"].removeprefix("w"))]
+
+
+def engine_metrics(engine: VllmEngine) -> MetricSet:
+    return MetricSet.parse(httpx.get(f"{engine.url}/metrics", timeout=10).text, ("vllm:",))
+
+
+def sse_events(lines: Iterator[str]) -> list[str]:
+    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+
+
+def test_chat_and_completions_non_streaming_with_usage(client: httpx.Client):
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 6,
+                                                  "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    chat = r.json()
+    assert chat["object"] == "chat.completion" and chat["model"] == MODEL
+    assert chat["choices"][0]["message"]["role"] == "assistant" and chat["choices"][0]["message"]["content"]
+    assert chat["usage"]["completion_tokens"] == 6 and chat["usage"]["prompt_tokens"] > 0
+    assert chat["usage"]["total_tokens"] == chat["usage"]["prompt_tokens"] + 6
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "the model", "max_tokens": 5,
+                                             "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "text_completion" and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_round_robin_reaches_both_engines(client: httpx.Client):
+    served = set()
+    for _ in range(4):
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        served.add(r.headers["x-dyad-worker"])
+    assert served == {"w0", "w1"}
+
+
+def test_chat_stream_with_include_usage_through_openai_client(gateway: GatewayThread, vllm_engines):
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=7, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_stream_without_usage_ends_with_done(client: httpx.Client):
+    with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "the model", "max_tokens": 4,
+                                                        "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert sum(len(c["choices"]) for c in chunks) == 4  # one token per chunk
+    assert all(c.get("usage") is None for c in chunks)
+
+
+def test_unknown_model_is_openai_404(client: httpx.Client):
+    r = client.post("/v1/chat/completions", json={"model": "no-such-model", "messages": CHAT})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["param"] == "model" and "no-such-model" in err["message"] and err["type"]
+
+
+def test_engine_error_keeps_engine_status_and_message(client: httpx.Client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 100_000})
+    assert r.status_code == 400, r.text
+    assert "error" in r.json() and "4096" in r.json()["error"]["message"]  # vLLM's max-model-len complaint
+
+
+def test_request_id_reaches_engine(client: httpx.Client):
+    rid = f"dyad-it-{uuid.uuid4().hex[:12]}"
+    r = client.post("/v1/chat/completions", headers={"X-Request-Id": rid},
+                    json={"model": MODEL, "messages": CHAT, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == rid
+    assert r.json()["id"] == f"chatcmpl-{rid}"  # vLLM names its request after the header it received
+
+
+def test_client_disconnect_aborts_engine_request(client: httpx.Client, vllm_engines: list[VllmEngine]):
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        engine = engine_of(r, vllm_engines)
+        before = engine_metrics(engine)
+        lines = r.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert engine_metrics(engine).sum("vllm:num_requests_running") == 1  # decoding, ~40 s of work left
+    # The client is gone; the engine must stop generating (not finish 3,000 tokens).
+    closed_at = time.monotonic()
+    while time.monotonic() < closed_at + 10:
+        ms = engine_metrics(engine)
+        if ms.sum("vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("engine still running the request 10 s after the client disconnected")
+    generated = ms.sum("vllm:generation_tokens_total") - before.sum("vllm:generation_tokens_total")
+    assert generated < 3000  # stopped early: an abort, not a finished request
+    finished = ms.sum_by("finished_reason", "vllm:request_success_total")
+    assert finished["length"] == before.sum_by("finished_reason", "vllm:request_success_total")["length"]
+    print(f"engine stopped {time.monotonic() - closed_at:.2f} s after the disconnect, {generated:.0f} tokens")
+
+
+def test_one_engine_killed_requests_keep_succeeding(client: httpx.Client, vllm_engines: list[VllmEngine]):
+    vllm_engines[1].kill()
+    statuses = []
+    for i in range(8):
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": f"after the crash {i}", "max_tokens": 2})
+        statuses.append(r.status_code)
+        assert r.headers.get("x-dyad-worker") in (None, "w0")
+    assert statuses == [200] * 8
