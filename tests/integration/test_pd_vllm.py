@@ -137,8 +137,12 @@ def test_client_disconnect_stops_the_decode_engine(pd):
     body = completion_body(LONG_PROMPT + " again", 3000, stream=True, ignore_eos=True)
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
-        next(r.iter_raw())  # the decode engine is generating (3000 tokens ≈ 35 s at 11.7 ms each)
-        assert engine_counter(decode.url, "vllm:num_requests_running") == 1
+        # The decode engine is generating (3000 tokens ≈ 35 s at 11.7 ms each); its gauge lags a little.
+        deadline = time.monotonic() + 10
+        for _ in r.iter_raw():
+            if engine_counter(decode.url, "vllm:num_requests_running") == 1:
+                break
+            assert time.monotonic() < deadline, "the decode engine never reported the request running"
     deadline = time.monotonic() + 15
     while engine_counter(decode.url, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the decode engine kept generating after the client left"

@@ -1,0 +1,209 @@
+"""Benchmark: disaggregated vs aggregated vs conditional fleets, in virtual time (simulator only).
+
+    .venv/bin/python -m orchestrator.disagg.sim_bench [--limit N] [--json out.json]
+
+Eight simulated GPU-like engines (``orchestrator/sim/profiles.py``: an 8B-class model on one
+H100-class GPU) serve the same trace three ways:
+
+- ``8 aggregated``: every engine prefills (chunked, 8,192-token steps) and decodes; least-load routing.
+- ``2P+6D``: every request is prefilled on one of two prefill engines, its KV moved to one of six
+  decode engines (``profile.transfer_seconds``), decoded there. Pairs from Dyad's pair selection
+  (``orchestrator.router.pd_selection.select_pair``).
+- ``2P+6D conditional``: the same fleet, but a request whose uncached prompt is shorter than the
+  profile-derived threshold, or that arrives while the prefill pool is backed up, is prefilled on
+  its decode engine (Dyad's conditional disaggregation).
+
+The event loop is the planner's ``VirtualFleet`` (``orchestrator/sim/virtual_time.py``);
+``PdVirtualFleet`` only replaces where a request goes on arrival with Dyad's pair selection.
+Real engines cannot run at GPU scale here, so every number from this module is a simulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from adapters.base import Role
+from orchestrator.bench.traces import load_azure, rescale_time
+from orchestrator.router.pd_selection import PdSelectionSettings, select_pair, threshold_from_profile
+from orchestrator.router.types import Overlap, RouteRequest
+from orchestrator.sim.profiles import GPU_LIKE, EngineProfile
+from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
+
+AZURE = Path("/work/shared/traces/azure2023_code.csv")
+
+
+class PdVirtualFleet(VirtualFleet):
+    """``VirtualFleet`` whose arrivals are placed by Dyad's P/D pair selection.
+
+    The decode worker is chosen (and charged) on arrival, as the gateway does; a local prefill runs
+    on the decode engine itself (chunked with its decodes, like an aggregated engine).
+    """
+
+    def __init__(self, profile: EngineProfile, spec: FleetSpec, settings: PdSelectionSettings, **kw: Any) -> None:
+        super().__init__(profile, spec, **kw)
+        self.settings = settings
+        self._planned_decode: dict[int, str] = {}
+        self.local_prefills = 0
+        self.split = 0
+
+    def _dispatch(self, req: SimRequest, role: Role, now: float) -> None:
+        if role is Role.PREFILL:
+            self._place(req, now)
+        elif role is Role.DECODE and req.id in self._planned_decode:
+            sw = self.workers.get(self._planned_decode.pop(req.id))
+            if sw is None or sw.state != "healthy":
+                super()._dispatch(req, role, now)
+                return
+            req.decode_worker = sw.worker.id
+            sw.engine.submit_decode(req, now)  # already counted in flight on arrival
+            self._schedule_engine(sw)
+        else:
+            super()._dispatch(req, role, now)
+
+    def _place(self, req: SimRequest, now: float) -> None:
+        cands = self._candidates(Role.PREFILL) + self._candidates(Role.DECODE)
+        rr = RouteRequest(request_id=str(req.id), model="sim", prompt_tokens=req.isl, max_tokens=req.osl,
+                          block_size=req.block_tokens)
+        if req.blocks:
+            for w in cands:
+                m = self.workers[w.id].engine.cache.match(req.blocks, touch=False)
+                if m:
+                    rr.overlaps[w.id] = Overlap(blocks=m, weighted_blocks=float(m))
+        decision = select_pair(rr, cands, now, self.settings)
+        if decision is None:  # no decode worker right now: wait for one
+            self._pending[Role.PREFILL].append(req)
+            return
+        decode = self.workers[decision.worker.id]
+        decode.worker.inflight += 1
+        if decision.prefill_worker is None:
+            self.local_prefills += 1
+            req.prefill_worker = req.decode_worker = decode.worker.id
+            decode.engine.submit_prefill(req, now)
+            self._schedule_engine(decode)
+            return
+        self.split += 1
+        self._planned_decode[req.id] = decode.worker.id
+        sw = self.workers[decision.prefill_worker.id]
+        sw.worker.inflight += 1
+        req.prefill_worker = sw.worker.id
+        sw.engine.submit_prefill(req, now)
+        sw.worker.inflight_prefill_tokens += req.prefill_left
+        self._schedule_engine(sw)
+
+
+# --- workloads ---------------------------------------------------------------------------------------
+
+def azure_code(limit: int | None, time_scale: float) -> list[SimRequest]:
+    """The Azure 2023 code trace (prefill-heavy: input mean 2,048, output mean 28), time compressed."""
+    trace = rescale_time(load_azure(AZURE, limit=limit), time_scale)
+    return requests_from_trace(trace, block_tokens=16)
+
+
+def long_output_mix(limit: int | None, time_scale: float, seed: int = 4) -> list[SimRequest]:
+    """Azure code arrivals and prompt lengths, with outputs drawn uniformly from 200..800 tokens
+    (seeded): a decode-heavy mix, the chat/agent shape where long decodes dominate."""
+    rng = random.Random(seed)
+    reqs = azure_code(limit, time_scale)
+    return [replace(r, osl=rng.randint(200, 800)) for r in reqs]
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float = 1.0
+    itl_s: float = 0.05
+
+
+def run_fleet(kind: str, profile: EngineProfile, requests: Sequence[SimRequest]) -> dict[str, Any]:
+    reqs = [replace(r) for r in requests]  # fresh progress fields per run
+    if kind == "aggregated":
+        fleet: VirtualFleet = VirtualFleet(profile, FleetSpec(aggregated=8), policy="least_load")
+    elif kind == "disaggregated":
+        fleet = PdVirtualFleet(profile, FleetSpec(prefill=2, decode=6), PdSelectionSettings(min_prefill_tokens=0))
+    elif kind == "conditional":
+        settings = PdSelectionSettings(min_prefill_tokens=threshold_from_profile(profile),
+                                       max_prefill_queue_tokens=2 * profile.max_num_batched_tokens)
+        fleet = PdVirtualFleet(profile, FleetSpec(prefill=2, decode=6), settings)
+    else:
+        raise ValueError(kind)
+    result = fleet.run(reqs)
+    out: dict[str, Any] = {"fleet": kind, "result": result}
+    if isinstance(fleet, PdVirtualFleet):
+        out["local_prefills"] = fleet.local_prefills
+        out["split"] = fleet.split
+    return out
+
+
+def pct(xs: Sequence[float], q: float) -> float | None:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else None
+
+
+def summarize(run: dict[str, Any], slo: Slo) -> dict[str, Any]:
+    res = run["result"]
+    done = [r for r in res.requests if r.finish is not None]
+    ttft = [r.ttft for r in done if r.ttft is not None]
+    itl = [r.itl for r in done if r.itl is not None]
+    good = [r for r in done if r.ttft is not None and r.ttft <= slo.ttft_s and (r.itl is None or r.itl <= slo.itl_s)]
+    return {
+        "fleet": run["fleet"], "requests": len(res.requests), "finished": len(done),
+        "ttft_p50_ms": _ms(pct(ttft, 0.5)), "ttft_p99_ms": _ms(pct(ttft, 0.99)),
+        "itl_p50_ms": _ms(pct(itl, 0.5)), "itl_p99_ms": _ms(pct(itl, 0.99)),
+        "slo_attainment": round(len(good) / len(res.requests), 4) if res.requests else None,
+        "goodput_rps": round(len(good) / res.duration_s, 3) if res.duration_s else None,
+        "local_prefills": run.get("local_prefills"), "split": run.get("split"),
+        "wall_s": round(res.wall_s, 2),
+    }
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000, 1)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cols = ["workload", "fleet", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "slo_attainment",
+            "goodput_rps", "local_prefills"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace (default: all 8,819)")
+    ap.add_argument("--time-scales", default="0.1,0.05", help="arrival-time compression factors (comma list)")
+    ap.add_argument("--ttft", type=float, default=Slo.ttft_s)
+    ap.add_argument("--itl", type=float, default=Slo.itl_s)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    slo = Slo(args.ttft, args.itl)
+    profile = GPU_LIKE
+    rows = []
+    for scale in (float(s) for s in args.time_scales.split(",")):
+        for name, make in (("azure-code", azure_code), ("long-output", long_output_mix)):
+            reqs = make(args.limit, scale)
+            span = max(r.arrival for r in reqs) or 1.0
+            label = f"{name} {len(reqs) / span:.1f} rps"
+            for kind in ("aggregated", "disaggregated", "conditional"):
+                row = summarize(run_fleet(kind, profile, reqs), slo)
+                row["workload"] = label
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    print(f"profile {profile.name}; SLO: TTFT <= {slo.ttft_s:g} s and per-request mean ITL <= {slo.itl_s * 1000:g} ms; "
+          f"conditional threshold {threshold_from_profile(profile)} uncached tokens, prefill queue cap "
+          f"{2 * profile.max_num_batched_tokens} tokens")
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

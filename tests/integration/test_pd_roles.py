@@ -1,0 +1,134 @@
+"""Role changes without restart, with REAL vLLM ``kv_both`` engines behind the gateway.
+
+Two NIXL ``kv_both`` engines start as decode workers (no prefill pool: each prefills its own
+requests). Under steady load one of them is moved to the prefill pool — from then on requests are
+split, prefilled on it and decoded on the other — and back, with zero failed requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from tests.fixtures.vllm import MODEL_NAME
+from tests.fixtures.vllm_pd import PdEngines
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ADMIN = "roles-admin-token"
+AUTH = {"authorization": f"Bearer {ADMIN}"}
+
+
+def gateway_sample(url: str, name: str, labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}{{{re.escape(labels)}}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def external(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_by_source_total{") and "external_kv_transfer" in line)
+
+
+@pytest.fixture(scope="module")
+def both(vllm_pd_engines: PdEngines):
+    try:
+        a, b = vllm_pd_engines.get("both")
+    except (RuntimeError, TimeoutError) as e:
+        pytest.fail(str(e), pytrace=False)
+    config = load_config({
+        "models": [{"name": MODEL_NAME, "block_size": 32}],
+        "workers": [
+            {"id": "a", "url": a.url, "role": "decode", "models": [MODEL_NAME]},
+            {"id": "b", "url": b.url, "role": "decode", "models": [MODEL_NAME]},
+        ],
+        "router": {"policy": "least_load", "debug_headers": True},
+        "gateway": {"admin_token": ADMIN},
+        "health": {"interval_s": 0.5},
+        "disagg": {"min_prefill_tokens": 64, "prefill_timeout_s": 20},
+    })
+    with GatewayThread(config) as gw:
+        yield gw, a, b
+
+
+class SteadyLoad:
+    """``concurrency`` clients sending long-prompt requests back to back until stopped."""
+
+    def __init__(self, url: str, concurrency: int = 2) -> None:
+        self.url = url
+        self.concurrency = concurrency
+        self.results: list[tuple[int, str | None, str]] = []  # (status, prefill worker, decode worker)
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def _client(self, n: int) -> None:
+        async with httpx.AsyncClient(timeout=120) as http:
+            i = 0
+            while not self._stop.is_set():
+                prompt = f"client {n} request {i}: " + " ".join(f"part{j} of {j * 3}" for j in range(90))
+                body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+                try:
+                    r = await http.post(f"{self.url}/v1/completions", json=body)
+                    self.results.append((r.status_code, r.headers.get("x-dyad-prefill-worker"),
+                                         r.headers.get("x-dyad-worker", "")))
+                except httpx.HTTPError as e:
+                    self.results.append((-1, None, repr(e)))
+                i += 1
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._client(n)) for n in range(self.concurrency)]
+
+    async def until(self, count: int, timeout: float = 180) -> None:
+        async with asyncio.timeout(timeout):
+            while len(self.results) < count:
+                await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+
+async def test_move_a_worker_decode_to_prefill_and_back_under_load_without_failures(both):
+    gw, a, b = both
+    load = SteadyLoad(gw.url)
+    load.start()
+    try:
+        async with httpx.AsyncClient(timeout=300, headers=AUTH) as admin:
+            await load.until(4)
+            assert {r[1] for r in load.results} == {None}  # no prefill pool yet: every request local
+            ext_a = external(a.url)
+
+            r = await admin.post(f"{gw.url}/admin/workers/b/role", json={"role": "prefill", "wait": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["role"] == "prefill" and r.json()["target_role"] is None
+            assert r.json()["pools"]["prefill"] == ["b"] and r.json()["pools"]["decode"] == ["a"]
+            moved_at = len(load.results)
+            await load.until(moved_at + 6)
+            split = [x for x in load.results[moved_at:] if x[1] == "b"]
+            assert len(split) >= 4  # requests now prefill on b and decode on a
+            assert all(x[2] == "a" for x in split)
+            assert external(a.url) > ext_a  # a really pulled KV from b over NIXL
+
+            r = await admin.post(f"{gw.url}/admin/workers/b/role", json={"role": "decode", "wait": True})
+            assert r.status_code == 200, r.text
+            back_at = len(load.results)
+            await load.until(back_at + 6)
+            assert {x[1] for x in load.results[back_at + 2:]} == {None}
+            assert {x[2] for x in load.results[back_at:]} == {"a", "b"}
+
+            workers = (await admin.get(f"{gw.url}/admin/workers")).json()["workers"]
+            assert {w["id"]: (w["role"], w["target_role"]) for w in workers} == {
+                "a": ("decode", None), "b": ("decode", None)}
+    finally:
+        await load.stop()
+    failed = [x for x in load.results if x[0] != 200]
+    assert failed == [], failed
+    assert gateway_sample(gw.url, "dyad_role_changes_total", 'from_role="decode",to_role="prefill"') == 1
+    assert gateway_sample(gw.url, "dyad_role_changes_total", 'from_role="prefill",to_role="decode"') == 1
+    assert gateway_sample(gw.url, "dyad_worker_role", 'worker="b",role="decode"') == 1
