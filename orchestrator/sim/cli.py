@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         disaggregation_mode=args.disaggregation_mode, bootstrap_timeout_s=args.bootstrap_timeout,
         kv_pull_timeout_s=args.kv_pull_timeout, kv_load_failure_policy=args.kv_load_failure_policy,
         prefill_delay_s=args.prefill_delay, fail_next=args.fail_next, die_after_tokens=args.die_after_tokens, **kw)
-    print(f"dyad sim-engine: model={args.model} profile={profile.name} dialect={args.dialect} "
-          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    print(f"dyad sim-engine: model={args.model} profile={profile.name} dialect={args.dialect}",
+          file=sys.stderr, flush=True)
     run_forever(cfg, args.port)
     return 0

@@ -1180,4 +1180,5 @@ def run_forever(config: SimServerConfig, port: int) -> None:
     app.port = sock.getsockname()[1]
     server = uvicorn.Server(_uvicorn_config(app, config.host))
     app.on_die = lambda: os._exit(17)  # a crash, as a real engine process would
+    print(f"dyad sim-engine: listening on http://{config.host}:{app.port}", flush=True)
     server.run(sockets=[sock])
