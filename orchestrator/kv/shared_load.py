@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from orchestrator.kv.redis_index import REDIS_DOWN_ERRORS, LuaScript
-from orchestrator.router.policies.kv_aware import PeerLoad
+from orchestrator.router.types import PeerLoad
 
 log = logging.getLogger("dyad.kv.shared_load")
 

@@ -106,7 +106,7 @@ class PrefixTracker:
             overlaps, peers = await asyncio.gather(
                 self.index.overlaps(req.block_hashes, self.tier_weights, ids_of),
                 self.shared_load.peer_loads(ids_of))
-            req.peer_load = peers  # type: ignore[attr-defined]  # read by KvAwarePolicy
+            req.peer_load = peers  # read by KvAwarePolicy
         else:
             overlaps = await self.index.overlaps(req.block_hashes, self.tier_weights, ids_of)
         req.overlaps = overlaps

@@ -23,6 +23,14 @@ class Overlap:
     weighted_blocks: float = 0.0  # blocks credited by tier (device 1.0, host 0.75, disk 0.25)
 
 
+@dataclass(frozen=True)
+class PeerLoad:
+    """Load other gateway replicas have placed on a worker (from shared reservations in Redis)."""
+
+    inflight: int = 0
+    prefill_tokens: int = 0
+
+
 @dataclass
 class RouteRequest:
     request_id: str
@@ -33,6 +41,7 @@ class RouteRequest:
     block_hashes: list[int] = field(default_factory=list)  # our chained block hashes
     block_size: int = 32
     overlaps: dict[str, Overlap] = field(default_factory=dict)  # worker id → overlap (from the index)
+    peer_load: dict[str, PeerLoad] = field(default_factory=dict)  # worker id → other replicas' load
     session_key: str | None = None
     priority: int = 0
 

@@ -11,8 +11,8 @@ from orchestrator.config import KvAwareConfig
 from orchestrator.fleet.worker import Worker
 from orchestrator.kv.hashing import BlockHasher
 from orchestrator.kv.memory_index import MemoryPrefixIndex
-from orchestrator.router.policies.kv_aware import KvAwarePolicy, PeerLoad
-from orchestrator.router.types import Overlap, RouteRequest
+from orchestrator.router.policies.kv_aware import KvAwarePolicy
+from orchestrator.router.types import Overlap, PeerLoad, RouteRequest
 
 BS = 32
 

@@ -36,21 +36,13 @@ from dataclasses import dataclass
 
 from orchestrator.config import KvAwareConfig
 from orchestrator.fleet.worker import Worker
-from orchestrator.router.types import Overlap, RouteDecision, RouteRequest
+from orchestrator.router.types import Overlap, PeerLoad, RouteDecision, RouteRequest
 
 log = logging.getLogger("dyad.router.kv_aware")
 
 POLICY_NAME = "kv_aware"
 AFFINITY_SLACK = 1.5  # a session stays put while its worker costs ≤ this × the cheapest
 MAX_SESSIONS = 100_000
-
-
-@dataclass(frozen=True)
-class PeerLoad:
-    """Load other gateway replicas have placed on a worker (from shared reservations)."""
-
-    inflight: int = 0
-    prefill_tokens: int = 0
 
 
 @dataclass
@@ -65,7 +57,7 @@ class WorkerCost:
 
 def peer_load_of(req: RouteRequest) -> Mapping[str, PeerLoad]:
     """Other replicas' load, attached to the request by the prefix tracker (empty when alone)."""
-    return getattr(req, "peer_load", None) or {}
+    return req.peer_load
 
 
 class KvAwarePolicy:
