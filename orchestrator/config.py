@@ -132,15 +132,68 @@ class DisaggConfig(_Section):
 
 
 class PlannerConfig(_Section):
-    """The SLO planner (recommend-only unless an actuator is configured)."""
+    """The SLO planner: how many prefill and decode workers to run (``orchestrator/planner``).
 
-    enabled: bool = False
-    interval_s: float = Field(60.0, gt=0)
-    ttft_target_s: float = Field(0.5, gt=0)
-    itl_target_s: float = Field(0.05, gt=0)
-    max_workers: int = Field(8, ge=1)
-    prometheus_url: str | None = None
+    Recommend-only unless an actuator is configured. ``actuator: role_change`` keeps the fleet's size
+    and only moves workers between the prefill and decode pools (no restart); ``local`` starts/stops
+    engine processes from ``local_commands`` (and switches roles instead when ``role_change_s`` is
+    set and shorter than ``start_s``); ``kubernetes`` scales one workload per role.
+    """
+
+    enabled: bool = Field(False, description="Run the planner loop inside the gateway")
+    interval_s: float = Field(60.0, gt=0, description="Seconds between planning steps")
+    ttft_target_s: float = Field(0.5, gt=0, description="Time-to-first-token target (a tail target, seconds)")
+    itl_target_s: float = Field(0.05, gt=0, description="Inter-token latency target (seconds)")
+    max_workers: int = Field(8, ge=2, description="Worker budget: most prefill + decode workers")
+    min_prefill: int = Field(1, ge=0, description="Fewest prefill workers")
+    max_prefill: int | None = Field(None, ge=0, description="Most prefill workers (None: budget bound only)")
+    min_decode: int = Field(1, ge=1, description="Fewest decode workers")
+    max_decode: int | None = Field(None, ge=1, description="Most decode workers (None: budget bound only)")
+    profile: str | None = Field(
+        None, description="Performance profile JSON from `dyad profile`; None = a sweep of the simulator's "
+                          "gpu-like profile (replace it with a profile of your engines)")
+    predictor: Literal["constant", "ewma", "linear", "holt_winters", "auto"] = Field(
+        "auto", description="Load predictor; auto = lowest rolling backtest error")
+    season: int = Field(24, ge=2, description="Holt-Winters season length, in intervals")
+    headroom: float = Field(0.0, ge=0, description="Plan for (1 + headroom) x the forecast request rate")
+    burst_window_s: float = Field(
+        0.0, ge=0, description="Keep capacity for the highest rate seen over this window (0 = off); "
+                               "set it longer than an engine's start time to ride out bursts")
+    scale_in_margin: float = Field(0.15, ge=0, description="Headroom kept before giving a worker back")
+    scale_in_intervals: int = Field(2, ge=1, description="Intervals below capacity before scaling in")
+    cooldown_s: float = Field(0.0, ge=0, description="No scale-in of a role for this long after it changed")
+    start_s: float = Field(60.0, ge=0, description="Seconds an engine takes to start (for the actuator choice)")
+    role_change_s: float | None = Field(
+        None, ge=0, description="Seconds a role change takes; set it to let the planner move workers between "
+                                "roles (always on for actuator role_change)")
+    correct_from_latency: bool = Field(True, description="Correct the profile from observed TTFT/ITL")
+    prometheus_url: str | None = Field(
+        None, description="Read inputs from this Prometheus (HTTP API); None = scrape the gateway's own metrics")
+    prometheus_window_s: float | None = Field(
+        None, gt=0, description="PromQL rate window (default: interval_s, at least 2 scrape intervals)")
+    model: str | None = Field(None, description="Plan for this model only (Prometheus label filter)")
     actuator: Literal["recommend", "local", "kubernetes", "role_change"] = "recommend"
+    local_commands: dict[Role, str] = Field(
+        default_factory=dict, description="actuator local: command template per role; {port}, {role} and "
+                                          "{worker_id} are filled in")
+    local_engine: EngineKind = Field(EngineKind.VLLM, description="actuator local: engine kind of started workers")
+    local_models: list[str] = Field(default_factory=list, description="actuator local: models they serve")
+    kubernetes_api: str = Field("https://kubernetes.default.svc", description="actuator kubernetes: API server")
+    kubernetes_namespace: str = "default"
+    kubernetes_workloads: dict[Role, str] = Field(
+        default_factory=dict, description="actuator kubernetes: role → deployments/<name> or statefulsets/<name>")
+    kubernetes_token_file: str | None = Field(
+        "/var/run/secrets/kubernetes.io/serviceaccount/token", description="Bearer token file (None: no auth)")
+
+    @model_validator(mode="after")
+    def _limits(self) -> PlannerConfig:
+        if self.min_prefill + self.min_decode > self.max_workers:
+            raise ValueError(f"max_workers {self.max_workers} is below min_prefill + min_decode")
+        if self.actuator == "local" and not self.local_commands:
+            raise ValueError("local_commands: required for actuator local (a command template per role)")
+        if self.actuator == "kubernetes" and not self.kubernetes_workloads:
+            raise ValueError("kubernetes_workloads: required for actuator kubernetes (a workload per role)")
+        return self
 
 
 class DyadConfig(_Section):

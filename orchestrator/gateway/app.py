@@ -25,6 +25,8 @@ from orchestrator.disagg import admin_routes as disagg_admin
 from orchestrator.errors import ApiError, error_body
 from orchestrator.gateway import admin, openai_routes
 from orchestrator.gateway.runtime import GatewayRuntime
+from orchestrator.planner.install import install as planner_install
+from orchestrator.planner.routes import planner_router
 from orchestrator.telemetry.metrics import DyadMetrics
 from orchestrator.ui import ui_router
 
@@ -91,6 +93,12 @@ async def metrics_endpoint(request: Request) -> Response:
     return Response(rt.metrics.render(), media_type=rt.metrics.content_type)
 
 
+def metrics_text(rt: GatewayRuntime) -> bytes:
+    """The gateway's exposition text, as /metrics serves it (the planner reads it in-process)."""
+    refresh_worker_gauges(rt)
+    return rt.metrics.render()
+
+
 def refresh_worker_gauges(rt: GatewayRuntime) -> None:
     """Per-worker gauges are set at scrape time from the registry (always current, never stale)."""
     from adapters.base import Role
@@ -127,6 +135,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
         disagg.install(rt)  # P/D pair selection, the P/D executor and role changes (orchestrator.disagg)
         app.state.runtime = rt
         await rt.start()
+        planner_install(rt, lambda: metrics_text(rt))  # the SLO planner loop, when planner.enabled
         try:
             yield
         finally:
@@ -146,6 +155,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     app.add_route("/admin/workers/{worker_id}/undrain", admin.undrain_worker, methods=["POST"])
     app.include_router(disagg_admin.router)  # POST /admin/workers/{id}/role, GET /admin/pools
     app.include_router(ui_router())  # the live fleet page, /ui (orchestrator/ui)
+    app.include_router(planner_router())  # GET /admin/planner (orchestrator/planner)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -223,11 +223,15 @@ class RoleChangeActuator:
                 if a.worker_id in self._requested:
                     self._requested.discard(a.worker_id)  # already asked for when the drain began
                     continue
-                if decision.actions and any(x.kind == "drain" and x.worker_id == a.worker_id for x in decision.actions):
+                try:
+                    r = self.set_role(a.worker_id, a.role)
+                    if asyncio.iscoroutine(r):
+                        await r
+                except Exception as e:  # e.g. the last decoder: refused; the next interval re-plans
+                    done.append(f"{a.worker_id} → {a.role.value} refused: {e}")
+                    continue
+                if any(x.kind == "drain" and x.worker_id == a.worker_id for x in decision.actions):
                     self._requested.add(a.worker_id)
-                r = self.set_role(a.worker_id, a.role)
-                if asyncio.iscoroutine(r):
-                    await r
                 done.append(f"{a.worker_id} → {a.role.value}")
             elif a.kind == "drain" and a.worker_id and self.drain is not None:
                 r = self.drain(a.worker_id)

@@ -13,15 +13,16 @@ is preferred over stop+start when the actuator says it is faster than starting a
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from adapters.base import Role
 from orchestrator.planner.metrics_source import Observation
 from orchestrator.planner.perf_model import LatencyCorrection, PerfModel
 from orchestrator.planner.predictors import LoadForecast, LoadPredictor
-from orchestrator.planner.solver import Limits, Sizing, Targets, solve
+from orchestrator.planner.solver import Limits, Sizing, Targets, fit_budget, solve
 
 ROLES = (Role.PREFILL, Role.DECODE)
 
@@ -62,6 +63,8 @@ class PlannerSettings:
     start_s: float = 60.0  # time an engine takes to start
     correct_from_latency: bool = True
     headroom: float = 0.0  # plan for (1 + headroom) x the forecast rate: room for surges during start-up
+    burst_window_s: float = 0.0  # plan for at least the peak rate observed over this window (0 = off)
+    fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
 
 
 @dataclass
@@ -99,6 +102,7 @@ class Planner:
         self._pending: dict[str, str] = {}  # worker id → "stop" | role value, while draining
         self._below: dict[Role, int] = dict.fromkeys(ROLES, 0)
         self._last_change: dict[Role, float] = dict.fromkeys(ROLES, -math.inf)
+        self._peaks: deque[tuple[float, float]] = deque()  # (time, observed rate) for the burst floor
         self.last: PlanDecision | None = None
 
     # ------------------------------------------------------------ inputs
@@ -106,6 +110,7 @@ class Planner:
         if obs.window_s <= 0:
             return
         self.load.observe(obs.request_rate, obs.mean_isl, obs.mean_osl)
+        self._peaks.append((obs.at, obs.request_rate))
         if obs.prefix_hit_ratio is not None:
             self.hit_ratio = 0.5 * self.hit_ratio + 0.5 * min(1.0, max(0.0, obs.prefix_hit_ratio))
         if not self.settings.correct_from_latency or obs.request_rate <= 0 or not obs.mean_isl:
@@ -170,8 +175,7 @@ class Planner:
             self.last = PlanDecision(now, obs, None, None, dict(current), current, actions,
                                      asdict(self.correction), self.load.chosen(), reasons + ["no load observed yet"])
             return self.last
-        if s.headroom > 0:
-            forecast = LoadForecast(forecast.request_rate * (1 + s.headroom), forecast.isl, forecast.osl)
+        forecast = self._floor(forecast, now, reasons)
         sizing = solve(forecast, self.perf, s.targets, s.limits, self.hit_ratio, self.correction)
         if sizing.infeasible:
             reasons.append("targets unreachable at any count: " + ", ".join(sizing.infeasible))
@@ -179,15 +183,43 @@ class Planner:
             reasons.append(f"budget {s.limits.budget} caps the fleet")
         want = {Role.PREFILL: sizing.prefill, Role.DECODE: sizing.decode}
         exact = {Role.PREFILL: sizing.prefill_exact, Role.DECODE: sizing.decode_exact}
-        target = self._hysteresis(want, exact, counts, now, reasons)
+        budget = s.limits.budget
+        total = sum(counts.values())
+        if s.fixed_fleet and total >= s.limits.min_prefill + s.limits.min_decode:
+            budget = total  # split the workers we have in proportion to need
+            p, d = fit_budget(sizing.prefill_exact, sizing.decode_exact, replace(s.limits, budget=total))
+            want = {Role.PREFILL: p, Role.DECODE: d}
+        target = self._hysteresis(want, exact, counts, now, reasons, budget)
         actions += self._actions(target, counts, fleet, now)
         desired = {r.value: target[r] for r in ROLES}
         self.last = PlanDecision(now, obs, forecast, sizing, desired, current, actions,
                                  asdict(self.correction), self.load.chosen(), reasons)
         return self.last
 
+    def _floor(self, forecast: LoadForecast, now: float, reasons: list[str]) -> LoadForecast:
+        """Headroom, and the burst floor: never plan below the peak rate of the last ``burst_window_s``.
+
+        A burst shorter than an engine's start time is over before scale-out helps; only capacity
+        already running absorbs it. Keeping the recent peak's capacity for a window longer than the
+        start time means a burst that came once is met by running workers when it comes again.
+        """
+        s = self.settings
+        rate = forecast.request_rate
+        if s.burst_window_s > 0:
+            while self._peaks and self._peaks[0][0] < now - s.burst_window_s:
+                self._peaks.popleft()
+            peak = max((r for _, r in self._peaks), default=0.0)
+            if peak > rate:
+                reasons.append(f"burst floor: planning for the {s.burst_window_s:g}s peak {peak:.2f} req/s")
+                rate = peak
+        if s.headroom > 0:
+            rate *= 1 + s.headroom
+        if rate == forecast.request_rate:
+            return forecast
+        return LoadForecast(rate, forecast.isl, forecast.osl)
+
     def _hysteresis(self, want: dict[Role, int], exact: dict[Role, float], counts: dict[Role, int],
-                    now: float, reasons: list[str]) -> dict[Role, int]:
+                    now: float, reasons: list[str], budget: int) -> dict[Role, int]:
         s = self.settings
         lim = s.limits
         mins = {Role.PREFILL: lim.min_prefill, Role.DECODE: lim.min_decode}
@@ -210,7 +242,7 @@ class Planner:
                 target[r] = have
                 reasons.append(f"{r.value}: holding {have} (wants {max(keep, want[r])}, hysteresis/cooldown)")
         # the budget beats hysteresis: a growing role takes what the shrinking one is holding
-        over = sum(target.values()) - lim.budget
+        over = sum(target.values()) - budget
         if over > 0:
             for r in ROLES:
                 give = min(over, target[r] - max(want[r], mins[r]))

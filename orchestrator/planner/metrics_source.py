@@ -11,6 +11,7 @@ Two sources, same output:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -186,23 +187,38 @@ def observation_from_scrapes(prev: Scrape, cur: Scrape) -> Observation:
 
 
 class DirectSource:
-    """Scrapes ``{gateway}/metrics`` each interval; the first call only primes (rate 0, no lengths)."""
+    """Scrapes the gateway's metrics each interval; the first call only primes (rate 0, no lengths).
 
-    def __init__(self, metrics_url: str, client: httpx.AsyncClient | None = None, timeout_s: float = 5.0) -> None:
+    Give ``metrics_url`` (``{gateway}/metrics`` over HTTP) or ``read`` (a callable returning the
+    exposition text: what the gateway itself uses, no round trip through its own port).
+    """
+
+    def __init__(self, metrics_url: str | None = None, client: httpx.AsyncClient | None = None,
+                 timeout_s: float = 5.0, *, read: Callable[[], bytes | str] | None = None) -> None:
+        if (metrics_url is None) == (read is None):
+            raise ValueError("DirectSource needs exactly one of metrics_url and read")
         self.metrics_url = metrics_url
+        self.read = read
         self._client = client
         self.timeout_s = timeout_s
         self._prev: Scrape | None = None
 
-    async def observe(self, now: float) -> Observation:
+    async def _text(self) -> str:
+        if self.read is not None:
+            text = self.read()
+            return text.decode() if isinstance(text, bytes) else text
+        assert self.metrics_url is not None
         client = self._client or httpx.AsyncClient()
         try:
             r = await client.get(self.metrics_url, timeout=self.timeout_s)
             r.raise_for_status()
+            return r.text
         finally:
             if self._client is None:
                 await client.aclose()
-        cur = parse_gateway_metrics(r.text, now)
+
+    async def observe(self, now: float) -> Observation:
+        cur = parse_gateway_metrics(await self._text(), now)
         prev, self._prev = self._prev, cur
         if prev is None:
             return Observation(at=now, window_s=0.0)

@@ -64,7 +64,8 @@ class PlannerService:
         self.history.append(entry)
         return decision
 
-    async def _loop(self) -> None:
+    async def run(self) -> None:
+        """Plan every ``interval_s`` until cancelled (``GatewayRuntime.add_task`` runs it)."""
         while True:
             await asyncio.sleep(self.planner.settings.interval_s)
             try:
@@ -76,7 +77,7 @@ class PlannerService:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="dyad-planner")
+            self._task = asyncio.create_task(self.run(), name="dyad-planner")
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -1,0 +1,150 @@
+"""Plug the planner into a running gateway: ``install(runtime, read_metrics)`` builds the
+``PlannerService`` that ``planner.*`` configures and runs it beside the request path.
+
+Inputs: the gateway's own metrics (``DirectSource`` over ``read_metrics``, no HTTP round trip) or,
+when ``planner.prometheus_url`` is set, a Prometheus that scrapes the gateway (``PrometheusSource``).
+Actuators: recommend-only, local processes (added to / removed from the registry as they start and
+stop), Kubernetes, or role changes through the disagg ``RoleManager`` (``runtime.roles``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from adapters.base import Role
+from orchestrator.config import PlannerConfig
+from orchestrator.fleet.worker import Worker, WorkerState
+from orchestrator.planner.actuators import (
+    Actuator,
+    KubernetesActuator,
+    LocalProcess,
+    LocalProcessActuator,
+    RecommendOnly,
+    RoleChangeActuator,
+)
+from orchestrator.planner.core import Planner, PlannerSettings
+from orchestrator.planner.metrics_source import DirectSource, PrometheusSource
+from orchestrator.planner.perf_model import PerfModel
+from orchestrator.planner.service import PlannerService, Source, views_from_workers
+from orchestrator.planner.solver import Limits, Targets
+
+log = logging.getLogger("dyad.planner")
+
+ROLE_CHANGE_S = 1.0  # what a role change costs when the config does not say: a drain, no restart
+
+
+def settings_from_config(cfg: PlannerConfig) -> PlannerSettings:
+    role_change_s = cfg.role_change_s
+    if cfg.actuator == "role_change" and role_change_s is None:
+        role_change_s = ROLE_CHANGE_S
+    if cfg.actuator not in ("role_change", "local"):
+        role_change_s = None  # only these actuators can carry a role change out
+    return PlannerSettings(
+        targets=Targets(cfg.ttft_target_s, cfg.itl_target_s),
+        limits=Limits(budget=cfg.max_workers, min_prefill=cfg.min_prefill, max_prefill=cfg.max_prefill,
+                      min_decode=cfg.min_decode, max_decode=cfg.max_decode),
+        interval_s=cfg.interval_s, predictor=cfg.predictor, season=cfg.season,
+        scale_in_margin=cfg.scale_in_margin, scale_in_intervals=cfg.scale_in_intervals,
+        cooldown_s=cfg.cooldown_s, role_change_s=role_change_s, start_s=cfg.start_s,
+        correct_from_latency=cfg.correct_from_latency, headroom=cfg.headroom,
+        burst_window_s=cfg.burst_window_s, fixed_fleet=cfg.actuator == "role_change")
+
+
+def perf_model_from_config(cfg: PlannerConfig) -> PerfModel:
+    """The configured profile, or a sweep of the simulator's gpu-like profile (a stand-in)."""
+    if cfg.profile:
+        return PerfModel.load(cfg.profile)
+    from orchestrator.sim.profiles import load_profile
+    from orchestrator.sim.virtual_time import sweep_profile
+
+    log.warning("planner.profile is not set: planning with the simulator's gpu-like profile; "
+                "run `dyad profile --url <engine>` and set planner.profile")
+    return PerfModel.from_dict(sweep_profile(load_profile("gpu-like")))
+
+
+def source_from_config(cfg: PlannerConfig, read_metrics: Callable[[], bytes | str], http: Any = None) -> Source:
+    if cfg.prometheus_url:
+        window = cfg.prometheus_window_s or cfg.interval_s
+        return PrometheusSource(cfg.prometheus_url, window_s=window, model=cfg.model)
+    return DirectSource(read=read_metrics)
+
+
+def actuator_from_config(cfg: PlannerConfig, runtime: Any) -> Actuator:
+    if cfg.actuator == "recommend":
+        return RecommendOnly(runtime.metrics)
+    if cfg.actuator == "kubernetes":
+        token = None
+        if cfg.kubernetes_token_file and Path(cfg.kubernetes_token_file).exists():
+            token = Path(cfg.kubernetes_token_file).read_text().strip()
+        return KubernetesActuator(cfg.kubernetes_api, cfg.kubernetes_namespace, dict(cfg.kubernetes_workloads),
+                                  token=token)
+    roles = getattr(runtime, "roles", None)
+
+    def set_role(worker_id: str, role: Role) -> None:
+        if roles is None:
+            raise RuntimeError("role changes need the disagg RoleManager (disagg.install)")
+        roles.request(worker_id, role)  # returns at once; the worker drains, then switches
+
+    if cfg.actuator == "role_change":
+        return RoleChangeActuator(set_role)
+    # local processes, plus role changes when they are configured as faster than a start
+    local = LocalProcessActuator(dict(cfg.local_commands), on_started=_registrar(runtime, cfg),
+                                 on_stopped=lambda p: _unregister(runtime, p))
+    if cfg.role_change_s is not None and cfg.role_change_s < cfg.start_s:
+        return RoleChangeActuator(set_role, drain=lambda wid: runtime.fleet.drain(wid), fallback=local)
+    return _DrainingLocal(local, runtime)
+
+
+def _registrar(runtime: Any, cfg: PlannerConfig) -> Callable[[LocalProcess], None]:
+    def register(p: LocalProcess) -> None:
+        # Unhealthy until the health loop sees the engine up: no request goes to a starting engine.
+        runtime.fleet.add(Worker(id=p.worker_id, url=p.url, engine=cfg.local_engine, role=p.role,
+                                 models=list(cfg.local_models), configured_models=bool(cfg.local_models),
+                                 state=WorkerState.UNHEALTHY))
+    return register
+
+
+def _unregister(runtime: Any, p: LocalProcess) -> None:
+    if runtime.fleet.get(p.worker_id) is not None:
+        runtime.fleet.remove(p.worker_id)
+
+
+class _DrainingLocal:
+    """The local actuator with drains carried out on the registry (stop follows once idle)."""
+
+    name = "local"
+
+    def __init__(self, local: LocalProcessActuator, runtime: Any) -> None:
+        self.local = local
+        self.runtime = runtime
+
+    async def apply(self, decision: Any) -> list[str]:
+        done = []
+        for a in decision.actions:
+            if a.kind == "drain" and a.worker_id and self.runtime.fleet.get(a.worker_id) is not None:
+                self.runtime.fleet.drain(a.worker_id)
+                done.append(f"draining {a.worker_id}")
+        return done + await self.local.apply(decision)
+
+
+def build_service(runtime: Any, read_metrics: Callable[[], bytes | str]) -> PlannerService:
+    cfg: PlannerConfig = runtime.config.planner
+    planner = Planner(perf_model_from_config(cfg), settings_from_config(cfg))
+    runtime.metrics.planner_max_workers.set(cfg.max_workers)
+    return PlannerService(planner, source_from_config(cfg, read_metrics), actuator_from_config(cfg, runtime),
+                          fleet=lambda: views_from_workers(runtime.fleet.workers()), clock=runtime.clock,
+                          metrics=runtime.metrics)
+
+
+def install(runtime: Any, read_metrics: Callable[[], bytes | str]) -> PlannerService | None:
+    """When ``planner.enabled``: set ``runtime.planner`` and run its loop as a runtime task (stopped
+    with the runtime). Call after ``runtime.start()``. Returns the service (None when disabled)."""
+    if not runtime.config.planner.enabled:
+        return None
+    service = build_service(runtime, read_metrics)
+    runtime.planner = service
+    runtime.add_task(service.run(), name="dyad-planner")
+    return service
