@@ -96,7 +96,7 @@ class DemoFleet:
                 endpoint = getattr(eng, "kv_events_endpoint", None)
                 if kv_events and endpoint:
                     w["kv_events"] = {"endpoint": endpoint,
-                                      "replay_endpoint": getattr(eng, "kv_replay_endpoint", None)}
+                                      "replay_endpoint": getattr(eng, "replay_endpoint", None)}
                 workers.append(w)
             from orchestrator.sim.profiles import load_profile
 
@@ -188,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"Dyad demo: gateway {fleet.url} over {args.workers} simulated engines "
               f"(profile {args.profile}, model {args.model}), policy {policy}", flush=True)
+        print("engines: " + ",".join(e.url for e in fleet.engines), flush=True)
         print(curl_example(fleet.url, args.model), flush=True)
         if args.requests is not None:
             reqs = demo_workload(args.requests, seed=args.seed)

@@ -161,7 +161,7 @@ def start_fleet(ps: Processes, args: argparse.Namespace, profile_path: Path, eng
         procs.append(ps.start(f"engine{i}", [
             py, "-m", "orchestrator.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(e.port), "--model", MODEL,
             "--profile", str(profile_path), "--seed", str(i), "--dialect", dialect,
-            "--kv-events-endpoint", e.kv_endpoint, "--kv-replay-endpoint", e.replay_endpoint]))
+            "--kv-events-port", str(e.kv_port), "--kv-replay-port", str(e.replay_port)]))
     for e, p in zip(engines, procs, strict=True):
         wait_http(f"{e.url}/health", p)
     return engines, procs
