@@ -79,6 +79,10 @@ class GatewayRuntime:
         self.scraper = MetricsScraper(self.fleet, self.http, config.scrape, self.clock, self.adapter_for,
                                       self.metrics)
         self._tasks: list[asyncio.Task[Any]] = []
+        if config.router.policy == "kv_aware":  # prefix-aware routing: tokenizer, index, KV events (orchestrator.kv)
+            from orchestrator.kv.tracker import build_prefix_tracker
+            self.prefix_tracker = build_prefix_tracker(config, self.fleet, self.metrics, self.clock,
+                                                       http=self.http, adapter_for=self.adapter_for)
 
     @property
     def prefix_tracker(self) -> PrefixTracker | None:
@@ -108,6 +112,9 @@ class GatewayRuntime:
             await asyncio.wait_for(self.health.check_all(), self.config.health.timeout_s + 1.0)
         except TimeoutError:
             pass
+        start_tracker = getattr(self.prefix_tracker, "start", None)
+        if start_tracker is not None:  # KV event subscribers, shared-load lease renewal
+            await start_tracker()
         self._tasks.append(asyncio.create_task(self._after(self.config.health.interval_s, self.health.run),
                                                name="dyad-health"))
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="dyad-scrape"))
@@ -130,4 +137,8 @@ class GatewayRuntime:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        stop_tracker = getattr(self.prefix_tracker, "stop", None)
+        if stop_tracker is not None:
+            with contextlib.suppress(Exception):
+                await stop_tracker()
         await self.http.aclose()

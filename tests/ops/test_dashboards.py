@@ -209,8 +209,9 @@ def test_every_dashboard_query_runs_in_prometheus(live_fleet, prometheus_server)
     prom = prometheus_server
     prom.set_targets([(f"{live_fleet.url}/metrics", {"job": "dyad-gateway"})]
                      + [(f"{e.url}/metrics", {"job": "engine"}) for e in live_fleet.engines.values()])
-    prom.wait_for('dyad_requests_total{job="dyad-gateway"}')
-    prom.wait_for('vllm:prompt_tokens_total{job="engine"}')
+    # rate() needs two samples in its window: wait until it has them.
+    prom.wait_for('rate(dyad_requests_total{job="dyad-gateway"}[1m])')
+    prom.wait_for('rate(vllm:prompt_tokens_total{job="engine"}[1m])')
     # Grafana variables as "All": the query text is what Grafana would send.
     subst = {"$__rate_interval": "1m", "$model": ".*", "$instance": ".*"}
     errors, empty = [], []

@@ -165,6 +165,16 @@ def test_gateway_config_is_valid_and_names_every_engine_pod():
         env = {k: v["value"] for k, v in _env(_find("Deployment", name)).items()
                if k.startswith("DYAD_") and "value" in v}
         load_config(yaml.safe_load(cm["data"]["dyad.yaml"]), environ=env)
+    # The planner scales workloads that exist, in the namespace they live in, through the
+    # subresource its Role allows.
+    planner = load_config(yaml.safe_load(cm["data"]["dyad.yaml"]),
+                          environ={"DYAD_PLANNER__ACTUATOR": "kubernetes"}).planner
+    assert planner.kubernetes_namespace == "dyad"
+    for role, workload in planner.kubernetes_workloads.items():
+        kind, _, name = workload.partition("/")
+        sts = _find({"statefulsets": "StatefulSet", "deployments": "Deployment"}[kind], name)
+        assert sts is not None, workload
+        assert sts["spec"]["template"]["metadata"]["labels"]["dyad.dev/role"] == role.value
     assert _env(_find("Deployment", "dyad-gateway"))["DYAD_PLANNER__ENABLED"]["value"] == "false"
     assert _env(_find("Deployment", "dyad-planner"))["DYAD_PLANNER__ENABLED"]["value"] == "true"
     assert _find("Deployment", "dyad-planner")["spec"]["replicas"] == 1
