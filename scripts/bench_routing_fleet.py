@@ -8,11 +8,11 @@ The fleet is the project's simulator (``dyad sim-engine``), one process per work
 machine cannot run 8 real engines (2 cores, no GPU). Its profile is ``gpu-like`` with the overrides
 below, and the trace is scaled so that one router's run takes about two minutes here:
 
-- lengths x ``--scale-len`` (default 1/4: every 512-token Mooncake block becomes 128 words, which the
-  simulator's tokenizer counts as 128 tokens; block sharing is preserved exactly), outputs x
-  ``--scale-output`` (default 1/4);
+- lengths x ``--scale-len`` (default 1/8: every 512-token Mooncake block becomes 64 words, which the
+  simulator's tokenizer counts as 64 tokens; block sharing is preserved exactly), outputs x
+  ``--scale-output`` (default 1/8);
 - time x 1/``--speed`` (default 8: the 1,022 s trace in ~128 s);
-- KV capacity per worker x ``--scale-len`` (26,880 → 6,720 blocks of 16), so that cache capacity
+- KV capacity per worker x ``--scale-len`` (26,880 → 3,360 blocks of 16), so that cache capacity
   relative to the trace's distinct prefix tokens stays what it would be unscaled (8 workers hold
   ~15% of them: eviction and placement matter);
 - prefill cost per (scaled) token set so that the fleet's prefill utilization at the trace's ideal hit
@@ -217,13 +217,15 @@ def main() -> int:
     ap.add_argument("--routers", default=",".join(ALL_ROUTERS))
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--scale-len", type=float, default=0.25)
-    ap.add_argument("--scale-output", type=float, default=0.25)
+    ap.add_argument("--scale-len", type=float, default=0.125)
+    ap.add_argument("--scale-output", type=float, default=0.125)
     ap.add_argument("--speed", type=float, default=8.0)
     ap.add_argument("--utilization", type=float, default=0.6)
     ap.add_argument("--limit", type=int, help="first N requests only (for quick checks)")
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--anchors-venv", default=str(DEFAULT_ANCHORS))
+    ap.add_argument("--sglang-dialect", action="store_true",
+                    help="serve sglang-router from engines speaking the SGLang dialect (no token hit counters)")
     ap.add_argument("--json", help="write all summaries here")
     ap.add_argument("--keep-logs", help="copy process logs to this directory")
     args = ap.parse_args()
@@ -249,7 +251,9 @@ def main() -> int:
         engines: list[Engine] | None = None
         try:
             for name in routers:
-                dialect = "sglang" if name.startswith("sglang-router") else "vllm"
+                # One fleet for all: the vLLM dialect (its prefix-cache counters give the hit ratio);
+                # sglang-router only needs the OpenAI endpoints, which both dialects serve.
+                dialect = "sglang" if name.startswith("sglang-router") and args.sglang_dialect else "vllm"
                 engines, eprocs = start_fleet(ps, args, profile_path, engines, dialect)
                 try:
                     url, rproc = start_router(ps, name, engines, args, block_size)
