@@ -183,14 +183,21 @@ class LuaScript:
             # A pooled connection may have died with a previous server (restart): one fresh try.
             return await self._call(client, args)
 
-    async def _call(self, client: aioredis.Redis, args: Sequence[object]) -> object:
+    async def call_keys(self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[object]) -> object:
+        """Call with declared KEYS (scripts that touch only keys they are given)."""
+        try:
+            return await self._call(client, args, keys)
+        except REDIS_DOWN_ERRORS:
+            return await self._call(client, args, keys)
+
+    async def _call(self, client: aioredis.Redis, args: Sequence[object], keys: Sequence[str] = ()) -> object:
         if self.sha is None:
             self.sha = await client.script_load(self.source)
         try:
-            return await client.evalsha(self.sha, 0, *args)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             self.sha = await client.script_load(self.source)
-            return await client.evalsha(self.sha, 0, *args)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
 
 
 class RedisPrefixIndex(PrefixIndex):

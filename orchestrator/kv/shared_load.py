@@ -3,7 +3,10 @@
 Each replica reserves, per dispatched request, a member ``<replica>|<request>|<prefill tokens>`` in
 ``P:load:<worker>`` (a ZSET scored by expiry in Redis-server milliseconds). Reservations expire
 after ``ttl_s`` unless the replica that made them keeps renewing them (every ``ttl_s / 3``), so a
-crashed replica leaks nothing beyond one TTL. A request that finishes releases its reservation.
+crashed replica leaks nothing beyond one TTL. When a request's first token arrives its prefill is
+over: the reservation is swapped for one with 0 prefill tokens (it still counts as in flight), and
+when it finishes the reservation is released. Swap and release commute: a release that reaches Redis
+first removes both members, and the swap only re-adds when the original member is still there.
 
 ``peer_loads`` answers, in one round trip, how many requests and queued prefill tokens the *other*
 replicas have on each candidate (this replica's own load is already in ``Worker.inflight`` /
@@ -38,6 +41,17 @@ end
 return now
 """
 
+# KEYS: the worker's load key.  ARGV: old member, new member.  Swap, keeping the expiry.
+_SWAP = """
+local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if s then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('ZADD', KEYS[1], s, ARGV[2])
+  return 1
+end
+return 0
+"""
+
 # ARGV: prefix, own replica id, workers...  → flat [inflight, prefill_tokens] per worker.
 _PEERS = """
 local t = redis.call('TIME')
@@ -69,8 +83,9 @@ class SharedLoad:
         self.key_prefix = key_prefix
         self.ttl_ms = int(ttl_s * 1000)
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
-        self._live: dict[str, tuple[str, str]] = {}  # request id → (worker, member)
-        self._reserve_s, self._peers_s = LuaScript(_RESERVE), LuaScript(_PEERS)
+        self._live: dict[str, tuple[str, str]] = {}  # request id → (worker, current member)
+        self._first: dict[str, str] = {}  # request id → its original member, once swapped at first token
+        self._reserve_s, self._peers_s, self._swap_s = LuaScript(_RESERVE), LuaScript(_PEERS), LuaScript(_SWAP)
         self._task: asyncio.Task[None] | None = None
 
     def _member(self, request_id: str, prefill_tokens: int) -> str:
@@ -82,13 +97,29 @@ class SharedLoad:
         with contextlib.suppress(*REDIS_DOWN_ERRORS):
             await self._reserve_s(self.client, [self.key_prefix, self.ttl_ms, worker_id, member])
 
+    async def first_token(self, request_id: str) -> None:
+        """Prefill done: keep the request counted in flight, with no queued prefill tokens left."""
+        entry = self._live.get(request_id)
+        if entry is None or request_id in self._first:
+            return
+        worker_id, member = entry
+        done = self._member(request_id, 0)
+        if done == member:
+            return
+        self._live[request_id] = (worker_id, done)
+        self._first[request_id] = member
+        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+            await self._swap_s.call_keys(self.client, [f"{self.key_prefix}:load:{worker_id}"], [member, done])
+
     async def release(self, request_id: str) -> None:
         entry = self._live.pop(request_id, None)
+        original = self._first.pop(request_id, None)
         if entry is None:
             return
         worker_id, member = entry
+        members = [member] if original is None else [member, original]
         with contextlib.suppress(*REDIS_DOWN_ERRORS):
-            await self.client.zrem(f"{self.key_prefix}:load:{worker_id}", member)
+            await self.client.zrem(f"{self.key_prefix}:load:{worker_id}", *members)
 
     async def peer_loads(self, worker_ids: Sequence[str]) -> dict[str, PeerLoad]:
         if not worker_ids:

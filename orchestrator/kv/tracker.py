@@ -3,7 +3,8 @@
 ``annotate`` tokenizes the request (locally when possible), hashes its blocks and looks up every
 candidate's cached prefix in the index (plus other replicas' in-flight load when the index is
 shared); ``on_routed`` records the decision (approximate mode for workers without KV events,
-a recency touch otherwise, and a shared load reservation); ``on_finished`` releases it.
+a recency touch otherwise, and a shared load reservation); ``on_first_token`` drops the
+reservation's prefill tokens; ``on_finished`` releases it.
 ``start``/``stop`` run one KV event subscriber per worker that publishes events, and follow the
 fleet: a worker that goes unhealthy or is removed has its entries cleared.
 
@@ -127,6 +128,11 @@ class PrefixTracker:
         if self.shared_load is not None:
             uncached = max(0, req.prompt_tokens - decision.predicted_cached_tokens)
             await self.shared_load.reserve(req.request_id, decision.worker.id, uncached)
+
+    async def on_first_token(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
+        """Prefill is over: other replicas stop counting this request's prompt as queued work."""
+        if self.shared_load is not None:
+            await self.shared_load.first_token(req.request_id)
 
     async def on_finished(self, req: RouteRequest, decision: RouteDecision, ok: bool, now: float) -> None:
         if self.shared_load is not None:

@@ -37,6 +37,7 @@ class PrefixTracker(Protocol):
 
     async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None: ...
 
+    # optional: def on_first_token(self, req, decision, now: float) -> None (sync or async)
     # optional: def on_finished(self, req, decision, ok: bool, now: float) -> None (sync or async)
 
 
@@ -121,18 +122,26 @@ class Router:
     def first_token(self, decision: RouteDecision, req: RouteRequest) -> None:
         """Prefill is over: release the prompt tokens charged in ``begin`` (idempotent)."""
         pw = self._prefill_worker(decision)
-        tokens = self._charged.pop((id(req), pw.id), 0)
+        tokens = self._charged.pop((id(req), pw.id), None)
+        if tokens is None:
+            return
         pw.inflight_prefill_tokens = max(0, pw.inflight_prefill_tokens - tokens)
+        self._tell_tracker("on_first_token", req, decision)  # e.g. shrink a shared reservation
 
     def finish(self, decision: RouteDecision, req: RouteRequest, ok: bool) -> None:
         """The request left the worker (success, error or cancellation)."""
         self.first_token(decision, req)
         decision.worker.inflight = max(0, decision.worker.inflight - 1)
+        self._tell_tracker("on_finished", req, decision, ok)
+
+    def _tell_tracker(self, hook: str, *args: Any) -> None:
+        """Call the tracker's optional ``hook(*args, now)``; an async one runs without holding the response."""
         tracker = self.prefix_tracker
-        on_finished = getattr(tracker, "on_finished", None) if tracker is not None else None
-        if on_finished is not None:
-            result = on_finished(req, decision, ok, self.clock.now())
-            if inspect.isawaitable(result):  # an async tracker: let it run without holding the response
-                task = asyncio.ensure_future(result)
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+        fn = getattr(tracker, hook, None) if tracker is not None else None
+        if fn is None:
+            return
+        result = fn(*args, self.clock.now())
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(result)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
