@@ -41,12 +41,13 @@ _RAW_SUMS = {
 
 
 def select_model(ms: MetricSet, model: str | None, label: str = "model_name") -> MetricSet:
-    """Keep the series of one model: ``model`` if given, else the first one the scrape names.
+    """Keep the series of one model: ``model`` if the page has it, else the first one it names.
 
-    Series without the label (process-wide ones) are kept.
+    A name the page does not know (a served-name/alias mismatch) falls back to the first model
+    rather than to an empty — falsely idle — snapshot. Series without the label are kept.
     """
-    if model is None:
-        names = ms.label_values(label)
+    names = ms.label_values(label)
+    if model not in names:
         if len(names) <= 1:
             return ms
         model = names[0]

@@ -161,6 +161,11 @@ def test_vllm_other_model_selected():
     assert snap.running == 50 and snap.waiting == 0
 
 
+def test_vllm_unknown_model_name_falls_back_to_the_page_model():
+    snap = VllmAdapter().parse_metrics(REAL_VLLM_032, now=0.0, model="served-under-another-name")
+    assert snap.prompt_tokens == 323  # not an empty, falsely idle snapshot
+
+
 def test_vllm_v0_hit_rate_gauge():
     snap = VllmAdapter().parse_metrics(V0_HIT_RATE, now=0.0)
     assert snap.prefix_cache_queries is None
