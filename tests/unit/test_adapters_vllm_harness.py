@@ -40,7 +40,7 @@ def test_engine_command_and_environment(tmp_path: Path):
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
 
 
-def test_pool_per_engine_args_and_limits(tmp_path: Path):
+def test_pool_writes_sitecustomize_and_caps_engines(tmp_path: Path):
     pool = VllmPool(VllmPaths(venv=tmp_path, model_dir=tmp_path), tmp_path)
     assert (tmp_path / "site/sitecustomize.py").read_text().count("syscall(158") == 1
     with pytest.raises(ValueError):
