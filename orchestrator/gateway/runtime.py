@@ -24,6 +24,7 @@ from orchestrator.fleet.health import HealthChecker
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.scrape import MetricsScraper
 from orchestrator.gateway.executor import AggregatedExecutor, Executor
+from orchestrator.gateway.transport import FastTransport
 from orchestrator.router.policies import make_policy
 from orchestrator.router.router import PrefixTracker, Router
 from orchestrator.router.types import RouteDecision
@@ -47,14 +48,15 @@ def default_adapter_for(kind: EngineKind) -> EngineAdapter:
 
 
 def http_client(config: DyadConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The pooled client for every engine call. Read timeout = first-byte timeout (also the longest
-    silence allowed between streamed chunks); the whole request is bounded by the proxy."""
+    """The pooled client for every engine call, on the lean HTTP/1.1 transport (``transport.py``).
+    Read timeout = first-byte timeout (also the longest silence allowed between streamed chunks);
+    the whole request is bounded by the proxy."""
     gw = config.gateway
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=gw.connect_timeout_s, read=gw.first_byte_timeout_s,
                               write=gw.connect_timeout_s, pool=gw.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60),
-        transport=transport,
+        transport=transport if transport is not None else FastTransport(),
         trust_env=False,
     )
 

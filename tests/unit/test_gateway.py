@@ -397,7 +397,8 @@ def test_streaming_client_disconnect_cancels_upstream(client, engines, gateway):
     before = sum(e.cancelled for e in engines), _disconnects(client)
     with client.stream("POST", "/v1/completions", json={"model": "m", "prompt": "SLOW", "stream": True}) as r:
         assert r.status_code == 200
-        next(r.iter_raw())  # first chunk arrived: the request is running on an engine
+        chunks = r.iter_raw()  # keep a reference: a collected iterator closes the connection at once
+        next(chunks)  # first chunk arrived: the request is running on an engine
         assert sum(e.active for e in engines) == 1
     # leaving the block closes the client connection mid-stream
     assert wait_until(lambda: sum(e.cancelled for e in engines) == before[0] + 1)

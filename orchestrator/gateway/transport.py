@@ -1,0 +1,271 @@
+"""A lean HTTP/1.1 transport for httpx: asyncio protocols + the httptools parser.
+
+Why: on the request path httpx's default stack (httpcore + h11 + anyio) costs more per request
+than the rest of the gateway put together. This transport plugs in underneath the same
+``httpx.AsyncClient`` (so every caller keeps httpx's API) and speaks plain-HTTP/1.1 keep-alive to
+the engines with a C parser. ``https://`` URLs go to httpx's own transport.
+
+Semantics kept from httpx: timeouts from the request's ``timeout`` extension (connect, read =
+longest wait for headers or between body chunks, pool unused: connections are unbounded), errors
+as ``httpx.ConnectError`` / ``ConnectTimeout`` / ``ReadTimeout`` / ``ReadError`` /
+``RemoteProtocolError``. A keep-alive connection that the engine closed while idle is retried
+once on a fresh connection (nothing of the request can have been processed: no response byte came).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httptools
+import httpx
+
+_READ_HIGH_WATER = 1 << 20  # pause reading from the engine when this much body is unconsumed
+
+
+class _Conn(asyncio.Protocol):
+    """One TCP connection to an engine, carrying one request/response at a time."""
+
+    def __init__(self, pool: FastTransport, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.status = 0
+        self.headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.body: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.complete = False
+        self.keep_alive = False
+        self.got_bytes = False
+        self.error: Exception | None = None
+        self.wakeup: asyncio.Future[None] | None = None
+        self.paused = False
+
+    # --- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(httpx.RemoteProtocolError("unexpected protocol upgrade from the engine"))
+        except httptools.HttpParserError as e:
+            self._fail(httpx.RemoteProtocolError(f"malformed HTTP response from the engine: {e}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        if not self.complete:
+            if not self.got_bytes:
+                self._fail(httpx.RemoteProtocolError("server disconnected without sending a response"))
+            else:
+                self._fail(httpx.ReadError(f"connection to the engine lost mid-response: {exc or 'closed'}"))
+
+    # --- httptools callbacks -------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if not self.headers_done.done():
+            self.headers_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+        if self.buffered > _READ_HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is done
+        self.complete = True
+        self._wake()
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self.wakeup is not None and not self.wakeup.done():
+            self.wakeup.set_result(None)
+
+    def _fail(self, error: Exception) -> None:
+        if self.error is None:
+            self.error = error
+        if not self.headers_done.done():
+            self.headers_done.set_exception(error)
+            self.headers_done.exception()  # mark retrieved: the waiter may be gone (cancelled)
+        self._wake()
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+            self.pool._forget(self)
+
+    async def next_chunk(self, timeout: float | None) -> bytes | None:
+        """The next body chunk, or None at the end of the response."""
+        while True:
+            if self.body:
+                chunk = self.body.popleft()
+                self.buffered -= len(chunk)
+                if self.paused and self.buffered < _READ_HIGH_WATER // 2 and self.transport is not None:
+                    self.paused = False
+                    self.transport.resume_reading()
+                return chunk
+            if self.complete:
+                return None
+            if self.error is not None:
+                raise self.error
+            self.wakeup = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self.wakeup, timeout)
+            except TimeoutError:
+                self.close()
+                raise httpx.ReadTimeout("timed out waiting for the engine's response body") from None
+            finally:
+                self.wakeup = None
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, conn: _Conn, read_timeout: float | None) -> None:
+        self.conn = conn
+        self.read_timeout = read_timeout
+        self._released = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while True:
+            chunk = await self.conn.next_chunk(self.read_timeout)
+            if chunk is None:
+                break
+            yield chunk
+        self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        conn = self.conn
+        if conn.complete and conn.keep_alive and not conn.closed and conn.error is None:
+            conn.pool._put_idle(conn)
+        else:
+            conn.close()
+
+    async def aclose(self) -> None:
+        self._release()  # an unfinished body closes the connection: the engine sees the client leave
+
+
+class FastTransport(httpx.AsyncBaseTransport):
+    def __init__(self, max_idle_per_host: int = 512) -> None:
+        self.max_idle_per_host = max_idle_per_host
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._all: set[_Conn] = set()
+        self._fallback: httpx.AsyncHTTPTransport | None = None
+
+    # --- pool ----------------------------------------------------------------------------------
+
+    def _put_idle(self, conn: _Conn) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) >= self.max_idle_per_host:
+            conn.close()
+            return
+        conn._reset()
+        idle.append(conn)
+
+    def _forget(self, conn: _Conn) -> None:
+        self._all.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    async def _connect(self, key: tuple[str, int], timeout: float | None) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(self, key), key[0], key[1]), timeout)
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"connecting to {key[0]}:{key[1]} timed out") from None
+        except OSError as e:
+            raise httpx.ConnectError(f"cannot connect to {key[0]}:{key[1]}: {e.strerror or e}") from None
+        self._all.add(conn)
+        return conn
+
+    # --- httpx interface ---------------------------------------------------------------------------
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if url.scheme != "http":
+            if self._fallback is None:
+                self._fallback = httpx.AsyncHTTPTransport()
+            return await self._fallback.handle_async_request(request)
+        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
+        key = (url.host, url.port or 80)
+        head = _request_head(request)
+        body = await _request_body(request)
+        for attempt in range(2):
+            idle = self._idle.get(key)
+            reused = bool(idle)
+            conn = idle.pop() if idle else await self._connect(key, timeouts.get("connect"))
+            if conn.closed:
+                continue
+            assert conn.transport is not None
+            conn.transport.write(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                conn.transport.write(body)
+            try:
+                await asyncio.wait_for(asyncio.shield(conn.headers_done), timeouts.get("read"))
+            except TimeoutError:
+                conn.close()
+                raise httpx.ReadTimeout("timed out waiting for the engine's response headers",
+                                        request=request) from None
+            except httpx.RemoteProtocolError as e:
+                if reused and attempt == 0 and not conn.got_bytes:
+                    continue  # a stale keep-alive connection: try once more on a fresh one
+                e.request = request
+                raise
+            except asyncio.CancelledError:
+                conn.close()
+                raise
+            return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, timeouts.get("read")),
+                                  extensions={"http_version": b"HTTP/1.1"}, request=request)
+        raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
+
+    async def aclose(self) -> None:
+        for conn in list(self._all):
+            conn.close()
+        self._idle.clear()
+        if self._fallback is not None:
+            await self._fallback.aclose()
+
+
+def _request_head(request: httpx.Request) -> bytes:
+    target = request.url.raw_path
+    lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]
+    for name, value in request.headers.raw:
+        lines.append(name + b": " + value)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+async def _request_body(request: httpx.Request) -> bytes:
+    """The request body, encoded for the wire (chunked when httpx declared it chunked)."""
+    if isinstance(request.stream, httpx.ByteStream):
+        return request.content
+    chunks = [chunk async for chunk in request.stream]  # type: ignore[union-attr]
+    if request.headers.get("transfer-encoding", "").lower() == "chunked":
+        out = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks if c)
+        return out + b"0\r\n\r\n"
+    return b"".join(chunks)
