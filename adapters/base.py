@@ -166,8 +166,13 @@ class EngineAdapter(ABC):
         prompt: str | list[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
         timeout: float = 5.0,
+        chat_options: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids exactly as the engine would compute them for this prompt / chat."""
+        """Token ids exactly as the engine would compute them for this prompt / chat.
+
+        ``chat_options`` is the client's chat request body (or any dict): the adapter picks the
+        fields that change the rendered prompt (``add_generation_prompt``, ``tools``, ...).
+        """
 
     def shape_request(self, endpoint: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """Engine-specific changes to a client body before it is forwarded (default: none)."""

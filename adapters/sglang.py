@@ -120,6 +120,7 @@ class SglangAdapter(EngineAdapter):
         prompt: str | list[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
         timeout: float = 5.0,
+        chat_options: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a completions prompt via SGLang's ``/tokenize``.
 

@@ -27,6 +27,16 @@ from adapters.tokenize_cache import TokenizeCache, content_key
 
 P = "vllm:"
 
+# Chat request fields that change the prompt vLLM renders (TokenizeChatRequest accepts them all).
+CHAT_TEMPLATE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
+
 # Extra series kept in LoadSnapshot.raw (summed across ranks) when the engine exports them.
 _RAW_SUMS = {
     "external_prefix_cache_queries": ("vllm:external_prefix_cache_queries_total",),
@@ -129,12 +139,14 @@ class VllmAdapter(EngineAdapter):
         prompt: str | list[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
         timeout: float = 5.0,
+        chat_options: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids as vLLM's completions (``prompt``) or chat (``messages``) endpoint computes them.
 
         Completions add the tokenizer's special tokens (BOS); chat renders the template with the
         generation prompt and adds no further special tokens — the same defaults the engine's
-        own endpoints use. A prompt that is already token ids is returned as is.
+        own endpoints use — unless ``chat_options`` (the client's chat body) overrides a
+        template field. A prompt that is already token ids is returned as is.
         """
         if (prompt is None) == (messages is None):
             raise ValueError("tokenize needs exactly one of prompt or messages")
@@ -145,12 +157,12 @@ class VllmAdapter(EngineAdapter):
             body: dict[str, Any] = {"model": model, "prompt": prompt, "add_special_tokens": True}
         else:
             kind, content = "chat", messages
-            body = {
-                "model": model,
-                "messages": messages,
-                "add_generation_prompt": True,
-                "add_special_tokens": False,
-            }
+            options = {k: chat_options[k] for k in CHAT_TEMPLATE_FIELDS if chat_options and k in chat_options}
+            if options.get("continue_final_message"):
+                options.setdefault("add_generation_prompt", False)  # vLLM refuses both at once
+            body = {"add_generation_prompt": True, "add_special_tokens": False, **options,
+                    "model": model, "messages": messages}
+            content = [messages, options] if options else messages
         key = content_key(model, kind, content)
         cached = self.cache.get(key)
         if cached is not None:

@@ -51,6 +51,21 @@ async def test_tokenize_matches_tokens_the_engine_used(vllm_engine: VllmEngine):
     assert adapter.cache.hits == 1
 
 
+async def test_tokenize_follows_the_clients_chat_template_options(vllm_engine: VllmEngine):
+    adapter = VllmAdapter()
+    url, model = vllm_engine.url, vllm_engine.model
+    body = {"model": model, "max_tokens": 1, "return_token_ids": True, "continue_final_message": True,
+            "add_generation_prompt": False,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the answer is"}]}
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await adapter.tokenize(c, url, model, messages=body["messages"], chat_options=body)
+        default_ids = await adapter.tokenize(c, url, model, messages=body["messages"])
+        r = await c.post(f"{url}/v1/chat/completions", json=body)
+        r.raise_for_status()
+    assert r.json()["prompt_token_ids"] == ids
+    assert ids != default_ids  # the options really change the rendered prompt
+
+
 async def test_scrape_after_traffic(vllm_engine: VllmEngine):
     adapter = VllmAdapter()
     url, model = vllm_engine.url, vllm_engine.model

@@ -159,3 +159,21 @@ def test_content_key_is_canonical():
     assert a == b and len(a) == 16
     assert a != content_key("m2", "chat", [{"role": "user", "content": "x"}])
     assert content_key("m", "prompt", "x") != content_key("m", "chat", "x")
+
+
+async def test_chat_options_pass_template_fields_and_key_the_cache():
+    engine = Engine()
+    adapter = VllmAdapter()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "partial"}]
+    client_body = {"model": "m", "messages": msgs, "continue_final_message": True, "temperature": 0.3,
+                   "chat_template_kwargs": {"enable_thinking": False}}
+    async with engine.client() as c:
+        await adapter.tokenize(c, BASE, "m", messages=msgs, chat_options=client_body)
+        await adapter.tokenize(c, BASE, "m", messages=msgs)  # other options: another cache entry
+        await adapter.tokenize(c, BASE, "m", messages=msgs, chat_options=client_body)  # cached
+    assert len(engine.requests) == 2
+    sent = engine.requests[0][1]
+    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
+    assert sent["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "temperature" not in sent and sent["model"] == "m"
+    assert engine.requests[1][1]["add_generation_prompt"] is True
