@@ -152,8 +152,13 @@ class EngineAdapter(ABC):
     async def scrape(
         self, client: httpx.AsyncClient, base_url: str, timeout: float, now: float, model: str | None = None
     ) -> LoadSnapshot:
-        r = await client.get(f"{base_url}/metrics", timeout=timeout)
-        r.raise_for_status()
+        """GET ``/metrics`` and parse it; an unreachable engine or non-2xx answer raises ``AdapterError``."""
+        try:
+            r = await client.get(f"{base_url}/metrics", timeout=timeout)
+        except httpx.HTTPError as e:
+            raise AdapterError(f"{base_url}/metrics: {type(e).__name__}: {e}") from e
+        if not r.is_success:
+            raise AdapterError(f"{base_url}/metrics: HTTP {r.status_code}", status=r.status_code)
         return self.parse_metrics(r.text, now, model)
 
     @abstractmethod

@@ -177,3 +177,13 @@ async def test_chat_options_pass_template_fields_and_key_the_cache():
     assert sent["chat_template_kwargs"] == {"enable_thinking": False}
     assert "temperature" not in sent and sent["model"] == "m"
     assert engine.requests[1][1]["add_generation_prompt"] is True
+
+
+async def test_scrape_failures_are_adapter_errors():
+    async with httpx.AsyncClient() as c:
+        with pytest.raises(AdapterError):
+            await VllmAdapter().scrape(c, "http://127.0.0.1:9", timeout=1.0, now=0.0)
+    async with Engine(status=404, body={"detail": "Not Found"}).client() as c:
+        with pytest.raises(AdapterError) as e:
+            await SglangAdapter().scrape(c, BASE, timeout=1.0, now=0.0)
+    assert e.value.status == 404
