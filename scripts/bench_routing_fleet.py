@@ -141,7 +141,7 @@ def fleet_profile(args: argparse.Namespace, reqs) -> dict:
 
     ideal = ideal_prefix_hit_ratio(reqs)
     info = summarize(reqs)
-    uncached_per_s = info["input_mean"] * (1 - ideal) * info["rate_rps"] * args.speed
+    uncached_per_s = info["input_mean"] * (1 - ideal) * info["rate_rps"]  # reqs are already time-scaled
     per_token = args.utilization * args.workers / uncached_per_s
     return {"base": "gpu-like", "name": "gpu-like-fleet-bench",
             "num_gpu_blocks": max(64, round(GPU_LIKE.num_gpu_blocks * args.scale_len)),
