@@ -72,9 +72,9 @@ class GatewayThread:
     and benchmarks never collide on the default port."""
 
     def __init__(self, config: DyadConfig, *, clock: Clock | None = None, port: int = 0,
-                 startup_timeout_s: float = 30.0) -> None:
+                 startup_timeout_s: float = 30.0, runtime: GatewayRuntime | None = None) -> None:
         self.config = config
-        self.app = create_app(config, clock=clock)
+        self.app = create_app(config, clock=clock, runtime=runtime)
         self._sock = bind_socket(config.gateway.host, port)
         self.port = self._sock.getsockname()[1]
         host = config.gateway.host
