@@ -9,9 +9,11 @@ the proxy streams it to the client unchanged.
   down, slow, or answers without a hand-off, the decode worker prefills locally: the client sees
   no error, ``dyad_pd_requests_total{mode="fallback"}`` counts it.
 * **SGLang**: dual dispatch with a fresh bootstrap room. The executor waits for whichever comes
-  first — the decode's first bytes or the prefill's answer. A prefill that fails takes the decode
-  request down with it (it would only wait for its bootstrap timeout) and the pair is retried with
-  another prefill worker; a prefill that does not answer in time ends the request with a 504.
+  first — the decode's first bytes or the prefill's answer. A prefill that fails or does not answer
+  within ``disagg.prefill_timeout_s`` takes the decode request down with it (it would only wait
+  for its bootstrap timeout) and the pair is retried with another prefill worker (503 when none
+  is left). A streamed decode that sends nothing within the same bound after its prefill finished
+  (a lost bootstrap) counts as a failed decode attempt: the proxy tries another decode worker.
 
 A decode worker that fails before answering raises ``AttemptFailed`` (or answers 5xx): the proxy
 then routes again, excluding it, which picks another decode worker. Cancellation reaches both
@@ -35,7 +37,7 @@ from adapters.base import EngineAdapter, EngineKind
 from orchestrator.clock import Clock
 from orchestrator.config import DisaggConfig
 from orchestrator.disagg import sglang_flow, vllm_flow
-from orchestrator.errors import GatewayTimeout, NoHealthyWorker
+from orchestrator.errors import NoHealthyWorker
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
@@ -203,6 +205,14 @@ class PdExecutor:
                 # for its bootstrap timeout), so abandon it; on success the first token is near.
                 await prefill_task  # raises _PrefillFailed
                 self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
+                if call.stream:
+                    try:
+                        async with asyncio.timeout(self.config.prefill_timeout_s):
+                            await asyncio.shield(decode_task)
+                    except TimeoutError:
+                        raise AttemptFailed(decode, "protocol", f"{decode.url} sent no token within "
+                                            f"{self.config.prefill_timeout_s:g}s of the prefill finishing "
+                                            f"(bootstrap room {room} lost?)", reachable=True) from None
             response, head, rest = await decode_task
         except BaseException:
             for task in (prefill_task, decode_task):
@@ -225,9 +235,8 @@ class PdExecutor:
                 r = await self.http.post(prefill.url + call.endpoint, content=orjson.dumps(body),
                                          headers=engine_headers(call, prefill))
         except TimeoutError:
-            raise GatewayTimeout(f"SGLang prefill worker {prefill.id} did not finish within "
-                                 f"disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s",
-                                 code="prefill_timeout") from None
+            raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s") \
+                from None
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
             raise _PrefillFailed(f"cannot reach {prefill.url}: {type(e).__name__}", reachable=False) from e
         except httpx.HTTPError as e:

@@ -139,7 +139,8 @@ def test_client_disconnect_stops_the_decode_engine(pd):
         assert r.status_code == 200
         # The decode engine is generating (3000 tokens ≈ 35 s at 11.7 ms each); its gauge lags a little.
         deadline = time.monotonic() + 10
-        for _ in r.iter_raw():
+        chunks = r.iter_raw()  # keep a reference: a collected iterator closes the connection at once
+        for _ in chunks:
             if engine_counter(decode.url, "vllm:num_requests_running") == 1:
                 break
             assert time.monotonic() < deadline, "the decode engine never reported the request running"
