@@ -5,14 +5,13 @@ live gateway's policies (``make_policy`` on ``Worker`` objects whose load and in
 loop keeps current); scaling uses the live planner (``Planner.step``) or a baseline behind the same
 interface. What is simulated, and how:
 
-- **Engines** (``FastEngine``): vLLM-style continuous batching with the cost model of an
-  ``EngineProfile`` (``orchestrator/sim/profiles.py``): a step costs fixed + per sequence + per
-  prefill token + per context token. Steps that contain prefill work are simulated one by one; a
-  run of pure decode steps with an unchanged batch is computed in closed form (step k lasts
-  ``A + B*k`` because every sequence's context grows by one token per step) and cut short exactly
-  at the step boundary where a new request joins. That is what makes an hour of a 32-worker fleet
-  take seconds. Per-engine prefix cache: an LRU of prefix blocks (Mooncake hash ids), with the
-  profile's KV capacity. Not modelled: the API server's per-request overhead, preemption.
+- **Engines** (``ModelEngine``): the simulated engine server's own pure core
+  (``orchestrator/sim/engine_model.py``: vLLM-style continuous batching, chunked prefill, a block
+  prefix cache with LRU eviction, the ``EngineProfile`` cost model), one per worker. One block = one
+  trace prefix block (512 tokens for Mooncake), so trace hash ids are block hashes. The core plans a
+  run of pure-decode steps at once and the fleet wakes up only at the run's end (a newcomer cuts
+  the run at the step boundary), so cost scales with requests, not tokens: an hour of a 32-worker
+  fleet takes seconds of CPU. There is one engine model for the live sim server and this simulator.
 - **P/D**: a prefill worker prefills, the KV moves to a decode worker in
   ``profile.transfer_seconds(prompt)``, the decode worker produces every output token. Aggregated
   workers (role both) do chunked prefill and decode in the same steps.
@@ -26,9 +25,9 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from adapters.base import EngineKind, Role
@@ -39,6 +38,8 @@ from orchestrator.planner.core import Action, PlanDecision, WorkerView
 from orchestrator.planner.metrics_source import Observation
 from orchestrator.router.policies import make_policy
 from orchestrator.router.types import Overlap, RouteRequest
+from orchestrator.sim.engine_model import EngineModel
+from orchestrator.sim.engine_model import SimRequest as ModelRequest
 from orchestrator.sim.profiles import EngineProfile
 
 INF = math.inf
@@ -78,192 +79,118 @@ class SimRequest:
 
 # ------------------------------------------------------------------------------------------ engine
 
-class PrefixCache:
-    """LRU of prefix blocks held by one engine."""
+class _ModelCacheView:
+    """``PrefixCache.match`` over an ``EngineModel``'s block cache (for kv_aware routing)."""
 
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity = max(1, capacity_blocks)
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+    def __init__(self, model: EngineModel) -> None:
+        self.model = model
 
-    def match(self, blocks: Sequence[int], touch: bool = True) -> int:
+    def match(self, blocks: Sequence[int], touch: bool = False) -> int:
+        cache = self.model._cache  # read-only look at the core's block table (hash → refcount)
         n = 0
         for b in blocks:
-            if b not in self._blocks:
+            if b not in cache:
                 break
-            if touch:
-                self._blocks.move_to_end(b)
             n += 1
         return n
 
-    def insert(self, blocks: Sequence[int]) -> None:
-        for b in blocks:
-            self._blocks[b] = None
-            self._blocks.move_to_end(b)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
 
-    def __len__(self) -> int:
-        return len(self._blocks)
+class ModelEngine:
+    """One simulated engine of the fleet: the sim server's own core (``EngineModel``) in virtual time.
 
+    ``submit_prefill`` / ``submit_decode`` / ``advance(now) -> [(kind, request, t)]`` with kinds
+    ``first_token``, ``prefilled`` (prefill-only worker done: the fleet moves the KV) and ``finished``.
 
-class FastEngine:
-    """One engine: a prefill queue, a queue of prefilled requests waiting for a decode slot, a batch.
-
-    ``next_event_time()`` is when the planned step(s) end; ``advance(now)`` applies them and returns
-    ``(kind, request)`` events: ``first_token`` (aggregated prefill done, or first decode step of a
-    handed-off request), ``prefilled`` (prefill-only worker done; hand the KV off), ``finished``.
+    One simulated block = one trace prefix block (``block_tokens``, 512 for Mooncake), so trace hash
+    ids are the engine's block hashes and no token ids are materialized (the prompt is a ``range``).
+    The KV transfer is charged by the fleet (``handoff``), so the engine's own transfer cost is 0.
+    Two reads of the core's private state (``_run`` for the run's end, ``_cache`` for kv_aware
+    overlap) stand in for public accessors the core does not have yet.
     """
 
     def __init__(self, profile: EngineProfile, role: Role, block_tokens: int = 512) -> None:
-        self.p = profile
+        blocks = max(1, profile.cache_tokens // block_tokens)
+        # a trace request longer than the profile's context still runs (the trace is the ground truth)
+        self.p = replace(profile, block_size=block_tokens, num_gpu_blocks=blocks, max_model_len=1 << 30,
+                         transfer_bandwidth_bytes_s=0.0, transfer_fixed_s=0.0, kv_lease_s=0.0)
         self.role = role
-        self.cache = PrefixCache(profile.cache_tokens // max(1, block_tokens))
-        self.prefill_q: deque[SimRequest] = deque()
-        self.decode_q: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self.ctx_tokens = 0  # sum of running contexts
-        # the plan
-        self._start = 0.0
-        self._steps = 0
-        self._a = 0.0
-        self._b = 0.0
-        self._chunk: list[tuple[SimRequest, int]] = []  # prefill work in the (single) mixed step
-        self._end = INF
+        self.model = EngineModel(self.p, record_kv_events=False, track_histograms=False)
+        self.cache = _ModelCacheView(self.model)
+        self.reqs: dict[str, SimRequest] = {}
 
-    # -- queries
     def next_event_time(self) -> float:
-        return self._end
+        """When the fleet must look again: the end of the core's planned run of decode steps, not of
+        each step (the core plans per-step ends for streaming; nothing here needs them one by one,
+        and a submit cuts the run anyway). This is what keeps an hour of 32 engines at seconds of CPU."""
+        run = self.model._run  # read-only; see the class docstring
+        if run is not None:
+            return run.ends[-1]
+        t = self.model.next_event_time()
+        return INF if t is None else t
 
     @property
     def idle(self) -> bool:
-        return not (self.prefill_q or self.decode_q or self.running)
+        return not self.reqs
 
     @property
     def waiting(self) -> int:
-        return len(self.prefill_q) + len(self.decode_q)
+        return self.model.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.model.num_running
 
     @property
     def kv_usage(self) -> float:
-        return min(1.0, self.ctx_tokens / max(1, self.p.cache_tokens))
+        return self.model.kv_usage
 
-    # -- inputs
+    def in_flight(self) -> list[SimRequest]:
+        return list(self.reqs.values())
+
     def submit_prefill(self, req: SimRequest, now: float) -> None:
         hit = self.cache.match(req.blocks)
         req.cached = min(req.isl - 1, hit * req.block_tokens) if req.isl > 1 else 0
         req.prefill_left = max(1, req.isl - req.cached)
-        self.prefill_q.append(req)
-        self._interrupt(now)
+        remote = self.role is Role.PREFILL
+        self._submit(req, ModelRequest(str(req.id), range(req.isl), 1 if remote else req.osl,
+                                       do_remote_decode=remote, output_seed=req.id, block_hashes=req.blocks), now)
 
     def submit_decode(self, req: SimRequest, now: float) -> None:
-        """A request whose KV arrived from a prefill worker: it decodes all ``osl`` tokens here."""
-        req.decode_left = req.osl
-        self.decode_q.append(req)
-        self._interrupt(now)
+        self._submit(req, ModelRequest(str(req.id), range(req.isl), req.osl, remote_prefill=True,
+                                       output_seed=req.id, block_hashes=req.blocks), now)
 
-    def _interrupt(self, now: float) -> None:
-        if self._end == INF or now <= self._start:
-            self._plan(now)  # idle, or the planned step has not begun: plan again with the newcomer
-        elif self._steps > 1:
-            # cut the decode run at the end of the step in progress; the newcomer joins after it
-            done = self._steps_done_by(now - self._start)
-            if done + 1 < self._steps:
-                self._steps = done + 1
-                self._end = self._start + self._elapsed(self._steps)
+    def _submit(self, req: SimRequest, mreq: ModelRequest, now: float) -> None:
+        self.reqs[mreq.request_id] = req
+        self.model.submit(mreq, now)
 
-    def _elapsed(self, n: int) -> float:
-        return n * self._a + self._b * n * (n - 1) / 2
-
-    def _steps_done_by(self, dt: float) -> int:
-        a, b = self._a, self._b
-        if b <= 0:
-            n = int(dt / a) if a > 0 else self._steps
-        else:  # largest n with b/2 n^2 + (a - b/2) n <= dt
-            h = a - b / 2
-            n = int((-h + math.sqrt(h * h + 2 * b * dt)) / b)
-        while n > 0 and self._elapsed(n) > dt:
-            n -= 1
-        while self._elapsed(n + 1) <= dt and n < self._steps:
-            n += 1
-        return max(0, min(n, self._steps))
-
-    # -- the step loop
-    def _admit(self) -> None:
-        cap = self.p.cache_tokens
-        while self.decode_q and len(self.running) < self.p.max_num_seqs:
-            r = self.decode_q[0]
-            r.context = max(r.context, r.isl)
-            if self.running and self.ctx_tokens + r.context + r.decode_left > cap:
-                break
-            self.decode_q.popleft()
-            self.running.append(r)
-            self.ctx_tokens += r.context
-
-    def _plan(self, now: float) -> None:
-        self._admit()
-        self._start, self._chunk = now, []
-        p, b = self.p, len(self.running)
-        if self.prefill_q:
-            budget = max(1, p.max_num_batched_tokens - b)
-            tokens = 0
-            for r in self.prefill_q:
-                if tokens >= budget:
-                    break
-                take = min(r.prefill_left, budget - tokens)
-                self._chunk.append((r, take))
-                tokens += take
-            seqs = b + len(self._chunk)
-            self._a = p.step_fixed_s + p.per_running_seq_s * seqs + p.per_prefill_token_s * tokens \
-                + p.per_context_token_s * self.ctx_tokens
-            self._b, self._steps = 0.0, 1
-        elif self.running:
-            self._steps = min(r.decode_left for r in self.running)
-            self._a = p.decode_step_seconds(b, self.ctx_tokens)
-            self._b = p.per_context_token_s * b
-        else:
-            self._steps, self._end = 0, INF
-            return
-        self._end = self._start + self._elapsed(self._steps)
+    def abort_all(self, now: float) -> list[SimRequest]:
+        out = list(self.reqs.values())
+        for rid in list(self.reqs):
+            self.model.abort(rid, now)
+        self.reqs.clear()
+        return out
 
     def advance(self, now: float) -> list[tuple[str, SimRequest, float]]:
-        """Apply the planned steps (call at ``next_event_time()``) and plan the next ones."""
         events: list[tuple[str, SimRequest, float]] = []
-        n, start = self._steps, self._start
-        if n == 0:
-            return events
-        t_first = start + self._a  # end of the first step
-        still: list[SimRequest] = []
-        for r in self.running:
+        prefill_only = self.role is Role.PREFILL
+        for o in self.model.advance(now):
+            r = self.reqs.get(o.request_id)
+            if r is None:
+                continue
+            t0, t1 = o.times[0], o.times[-1]
+            if prefill_only:
+                if o.finished:
+                    self.model.release_lease(o.request_id, t1)  # the fleet moves the KV
+                    del self.reqs[o.request_id]
+                    events.append(("prefilled", r, t1))
+                continue
             if r.first_token is None:
-                r.first_token = t_first
-                events.append(("first_token", r, t_first))
-            r.decode_left -= n
-            r.context += n
-            self.ctx_tokens += n
-            if r.decode_left <= 0:
-                r.finish = self._end
-                self.ctx_tokens -= r.context
-                events.append(("finished", r, self._end))
-            else:
-                still.append(r)
-        self.running = still
-        for r, take in self._chunk:
-            r.prefill_left -= take
-            if r.prefill_left > 0:
-                continue
-            self.prefill_q.remove(r)
-            self.cache.insert(r.blocks)
-            if self.role is Role.PREFILL:
-                events.append(("prefilled", r, self._end))
-                continue
-            r.first_token = self._end
-            events.append(("first_token", r, self._end))
-            if r.osl <= 1:
-                r.finish = self._end
-                events.append(("finished", r, self._end))
-            else:
-                r.decode_left, r.context = r.osl - 1, r.isl
-                self.decode_q.appendleft(r)
-        self._plan(self._end)
+                r.first_token = t0
+                events.append(("first_token", r, t0))
+            if o.finished:
+                r.finish = t1
+                del self.reqs[o.request_id]
+                events.append(("finished", r, t1))
         return events
 
 
@@ -278,7 +205,7 @@ class Scaler(Protocol):
 @dataclass(eq=False)
 class SimWorker:
     worker: Worker
-    engine: FastEngine
+    engine: ModelEngine
     started_at: float  # when it was asked for (worker-hours count from here)
     ready_at: float
     state: str = "starting"  # starting | healthy | draining | switching
@@ -370,7 +297,7 @@ class VirtualFleet:
         wid = f"{role.value[0]}{self._next_id}"
         self._next_id += 1
         w = Worker(id=wid, url=f"sim://{wid}", engine=EngineKind.SIM, role=role, models=["sim"])
-        sw = SimWorker(w, FastEngine(self.profile, role, self.block_tokens), now,
+        sw = SimWorker(w, ModelEngine(self.profile, role, self.block_tokens), now,
                        now if ready else now + self.start_s, "healthy" if ready else "starting")
         if not ready:
             w.state = WorkerState.UNHEALTHY
@@ -403,7 +330,7 @@ class VirtualFleet:
             if sw.state != "healthy" or sw.worker.role is not role:
                 continue
             w, e = sw.worker, sw.engine
-            w.load.running = float(len(e.running))
+            w.load.running = float(e.num_running)
             w.load.waiting = float(e.waiting)
             w.load.kv_usage = e.kv_usage
             out.append(w)
@@ -482,7 +409,7 @@ class VirtualFleet:
             elif a.kind == "stop" and sw is not None:
                 self._accrue(now)
                 del self.workers[a.worker_id]
-                for r in list(sw.engine.prefill_q) + list(sw.engine.decode_q) + sw.engine.running:
+                for r in sw.engine.abort_all(now):
                     self._dispatch(r, sw.worker.role, now)  # a stopped busy worker: its work moves
             elif a.kind == "set_role" and sw is not None:
                 sw.state, sw.switch_to = "switching", a.role
@@ -588,7 +515,7 @@ def sweep_profile(profile: EngineProfile, isls: Sequence[int] = (128, 512, 1024,
     for n in isls:
         if n > profile.max_model_len:
             continue
-        e = FastEngine(profile, Role.BOTH)
+        e = ModelEngine(profile, Role.BOTH)
         r = SimRequest(id=0, arrival=0.0, isl=n, osl=2)
         e.submit_prefill(r, 0.0)
         while r.first_token is None:
@@ -599,7 +526,7 @@ def sweep_profile(profile: EngineProfile, isls: Sequence[int] = (128, 512, 1024,
         for c in concurrencies:
             if c > profile.max_num_seqs or c * (ctx + decode_tokens) > profile.cache_tokens:
                 continue
-            e = FastEngine(profile, Role.DECODE)
+            e = ModelEngine(profile, Role.DECODE)
             reqs = [SimRequest(id=i, arrival=0.0, isl=ctx, osl=decode_tokens) for i in range(c)]
             for r in reqs:
                 e.submit_decode(r, 0.0)

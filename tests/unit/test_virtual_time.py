@@ -11,13 +11,14 @@ from orchestrator.planner.baselines import QueueAutoscaler
 from orchestrator.planner.core import Planner, PlannerSettings
 from orchestrator.planner.perf_model import PerfModel
 from orchestrator.planner.solver import Limits, Targets
+from orchestrator.sim.engine_model import SimRequest as ModelRequest
 from orchestrator.sim.profiles import load_profile
-from orchestrator.sim.virtual_time import FastEngine, FleetSpec, SimRequest, VirtualFleet, sweep_profile
+from orchestrator.sim.virtual_time import FleetSpec, ModelEngine, SimRequest, VirtualFleet, sweep_profile
 
 GPU = load_profile("gpu-like")
 
 
-def _run(engine: FastEngine, until: float = 1e9) -> list:
+def _run(engine: ModelEngine, until: float = 1e9) -> list:
     out = []
     while engine.next_event_time() <= until:
         out += engine.advance(engine.next_event_time())
@@ -25,49 +26,62 @@ def _run(engine: FastEngine, until: float = 1e9) -> list:
 
 
 def test_lone_prefill_costs_what_the_profile_says():
-    e = FastEngine(GPU, Role.BOTH)
+    e = ModelEngine(GPU, Role.BOTH)
     r = SimRequest(id=0, arrival=0.0, isl=10_000, osl=1)
     e.submit_prefill(r, 0.0)
     _run(e)
-    assert r.first_token == pytest.approx(GPU.prefill_seconds(10_000))
+    assert r.first_token == pytest.approx(GPU.request_overhead_s + GPU.prefill_seconds(10_000))
     assert r.finish == r.first_token
 
 
-def test_closed_form_decode_run_equals_step_by_step():
-    # 4 sequences of context 1000 decoding 50 tokens: step k costs decode_step_seconds(4, ctx + 4k)
-    e = FastEngine(GPU, Role.DECODE)
-    reqs = [SimRequest(id=i, arrival=0.0, isl=1000, osl=50) for i in range(4)]
-    for r in reqs:
-        e.submit_decode(r, 0.0)
-    _run(e)
-    t, ctx = 0.0, 4000
-    for _ in range(50):
-        t += GPU.decode_step_seconds(4, ctx)
-        ctx += 4
-    assert all(r.finish == pytest.approx(t) for r in reqs)
-    assert reqs[0].first_token == pytest.approx(GPU.decode_step_seconds(4, 4000))
+def _stepwise(arrivals: list[tuple[float, SimRequest]]) -> None:
+    """The same requests on a bare EngineModel advanced one step at a time (its own event times)."""
+    m = ModelEngine(GPU, Role.DECODE).model
+    by_id = {}
+    pending = sorted(arrivals, key=lambda x: x[0])
+    while pending or m.next_event_time() is not None:
+        t_next = m.next_event_time()
+        if pending and (t_next is None or pending[0][0] <= t_next):
+            t, r = pending.pop(0)
+            by_id[str(r.id)] = r
+            m.submit(ModelRequest(str(r.id), range(r.isl), r.osl, remote_prefill=True, block_hashes=()), t)
+            continue
+        for o in m.advance(t_next):
+            r = by_id[o.request_id]
+            if r.first_token is None:
+                r.first_token = o.times[0]
+            if o.finished:
+                r.finish = o.times[-1]
 
 
-def test_a_newcomer_joins_at_the_next_step_boundary():
-    e = FastEngine(GPU, Role.DECODE)
-    a = SimRequest(id=0, arrival=0.0, isl=100, osl=1000)
-    e.submit_decode(a, 0.0)
-    step1 = GPU.decode_step_seconds(1, 100)
-    t_join = 10.5 * step1  # mid-way through step 11
-    assert e.next_event_time() > t_join
-    e.advance  # noqa: B018 - nothing happens before the event
-    b = SimRequest(id=1, arrival=t_join, isl=100, osl=5)
-    e.submit_decode(b, t_join)
-    assert e.next_event_time() == pytest.approx(sum(GPU.decode_step_seconds(1, 100 + k) for k in range(11)))
-    _run(e)
-    # b's first token comes one (2-sequence) step after the boundary where it joined
-    boundary = sum(GPU.decode_step_seconds(1, 100 + k) for k in range(11))
-    assert b.first_token == pytest.approx(boundary + GPU.decode_step_seconds(2, 111 + 100))
-    assert a.finish is not None and b.finish is not None and b.finish < a.finish
+def test_coalesced_decode_runs_equal_step_by_step():
+    """The fleet wakes an engine only at the end of a planned decode run; a newcomer mid-run must
+    still join at the next step boundary, exactly as when the core is stepped token by token."""
+    def scenario() -> list[tuple[float, SimRequest]]:
+        a = [SimRequest(id=i, arrival=0.0, isl=1000, osl=300) for i in range(4)]
+        late = SimRequest(id=9, arrival=0.5123, isl=100, osl=40)
+        return [(0.0, r) for r in a] + [(late.arrival, late)]
+
+    ref = scenario()
+    _stepwise(ref)
+    got = scenario()
+    e = ModelEngine(GPU, Role.DECODE)
+    wakeups = 0
+    for t, r in got:
+        _run(e, until=t)
+        e.submit_decode(r, t)
+    while e.next_event_time() < float("inf"):
+        e.advance(e.next_event_time())
+        wakeups += 1
+    for (_, want), (_, have) in zip(ref, got, strict=True):
+        assert have.first_token == pytest.approx(want.first_token)
+        assert have.finish == pytest.approx(want.finish)
+    assert got[-1][1].finish < got[0][1].finish
+    assert wakeups < 20  # runs, not 300 tokens
 
 
 def test_prefix_cache_hits_skip_prefill_work():
-    e = FastEngine(GPU, Role.PREFILL, block_tokens=512)
+    e = ModelEngine(GPU, Role.PREFILL, block_tokens=512)
     first = SimRequest(id=0, arrival=0.0, isl=8 * 512, osl=10, blocks=tuple(range(8)))
     e.submit_prefill(first, 0.0)
     events = _run(e)
@@ -77,6 +91,7 @@ def test_prefix_cache_hits_skip_prefill_work():
     _run(e)
     assert again.cached == 8 * 512 - 1  # at least one token is always computed
     assert e.cache.match(range(8), touch=False) == 8
+    assert e.idle
 
 
 def _trace(n: int, rate: float, isl: int, osl: int, start: float = 0.0) -> list[SimRequest]:
