@@ -8,6 +8,9 @@ simulator tokenizer) since it depends on the model.
 
     .venv/bin/python scripts/bench_routing_decision.py [--iterations 2000] [--workers 64] [--tokens 8192]
 
+With Redis the lookup is measured alone and together with the shared in-flight load read
+(``SharedLoad.peer_loads``, issued concurrently as the tracker does).
+
 Index contents: every worker holds a shared 2k-token system prompt; each worker also holds
 ``--prompts-per-worker`` distinct 8k-token prompts; the measured request shares the system prompt
 and continues one worker's cached prompt for half its length (so the walk goes deep for one worker
@@ -33,10 +36,12 @@ from orchestrator.kv.hashing import BlockHasher
 from orchestrator.kv.index import PrefixIndex
 from orchestrator.kv.memory_index import MemoryPrefixIndex
 from orchestrator.kv.redis_index import RedisPrefixIndex
+from orchestrator.kv.shared_load import SharedLoad
 from orchestrator.router.policies.kv_aware import KvAwarePolicy
 from orchestrator.router.types import RouteRequest
 
 BS = 32
+WARMUP = 300  # decisions discarded first (also lets Redis finish rehashing after the bulk fill)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -60,22 +65,27 @@ async def fill(index: PrefixIndex, workers: int, prompts_per_worker: int, tokens
 
 
 async def measure(index: PrefixIndex, request_ids: list[int], workers: list[Worker], iterations: int,
-                  hasher: BlockHasher) -> dict[str, float]:
+                  hasher: BlockHasher, shared: SharedLoad | None = None) -> dict[str, float]:
+    """``shared``: also read other replicas' in-flight load, concurrently, as PrefixTracker does."""
     policy = KvAwarePolicy(KvAwareConfig(), seed=0)
     totals, lookups, hashes_t = [], [], []
     chosen = None
-    for i in range(iterations + 50):
+    for i in range(iterations + WARMUP):
         t0 = time.perf_counter()
         hashes = hasher.hash_blocks(request_ids)
         t1 = time.perf_counter()
-        overlaps = await index.overlaps(hashes, workers=[w.id for w in workers])
+        ids = [w.id for w in workers]
+        if shared is None:
+            overlaps = await index.overlaps(hashes, workers=ids)
+        else:
+            overlaps, _peers = await asyncio.gather(index.overlaps(hashes, workers=ids), shared.peer_loads(ids))
         t2 = time.perf_counter()
         req = RouteRequest(request_id=str(i), model="m", prompt_tokens=len(request_ids), block_size=BS,
                            token_ids=request_ids, block_hashes=hashes, overlaps=overlaps)
         d = policy.choose(req, workers, 0.0)
         t3 = time.perf_counter()
         chosen = d
-        if i >= 50:  # warm-up excluded
+        if i >= WARMUP:  # warm-up excluded
             totals.append(t3 - t0)
             lookups.append(t2 - t1)
             hashes_t.append(t1 - t0)
@@ -158,9 +168,17 @@ async def main() -> None:
         try:
             red = RedisPrefixIndex(f"redis://127.0.0.1:{port}/0", key_prefix="bench")
             ids = await fill(red, args.workers, args.prompts_per_worker, args.tokens, random.Random(0), hasher)
+            await asyncio.sleep(2.0)  # Redis rehashes its keyspace incrementally after the bulk load
             print(f"redis: {await red.size()} index entries")
             for k, v in (await measure(red, ids, workers, args.iterations, hasher)).items():
                 print(f"  redis {k}: {v:.3f}")
+            shared = SharedLoad(red.client, "bench")
+            for i in range(0, args.workers, 4):  # another replica has requests in flight on some workers
+                await shared.reserve(f"r{i}", f"w{i}", 1000)
+            shared.replica_id = "this-replica"
+            for k, v in (await measure(red, ids, workers, args.iterations, hasher, shared)).items():
+                if k.startswith("decision") or k.startswith("lookup"):
+                    print(f"  redis+peer_load {k}: {v:.3f}")
             await red.close()
         finally:
             proc.kill()

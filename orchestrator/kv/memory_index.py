@@ -1,20 +1,25 @@
 """In-process prefix index (the default backend).
 
-Layout: ``block → {worker: tier mask}`` for lookups, an ordered dict of ``(worker, block)`` entries
-for LRU eviction, and ``worker → blocks`` so clearing a worker costs only its own entries.
+Layout (``orchestrator/kv/masks.py``): each worker id gets a slot; ``block → holder mask`` (one
+byte per slot holding that worker's tier mask) answers lookups with a few int operations per
+block whatever the fleet size. An ordered dict of ``(slot, block)`` entries gives the LRU order
+for the cap, and ``slot → blocks`` lets clearing a worker touch only its own entries.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier, best_tier_weight
+from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier
+from orchestrator.kv.masks import SLOT_BITS, TierCredit, slot_bit, tier_of, walk
 from orchestrator.router.types import Overlap
 
 if TYPE_CHECKING:
     from orchestrator.telemetry.metrics import DyadMetrics
+
+MAX_CANDIDATE_MASKS = 256  # cached "candidate set → slot mask" entries
 
 
 class MemoryPrefixIndex(PrefixIndex):
@@ -25,11 +30,49 @@ class MemoryPrefixIndex(PrefixIndex):
             raise ValueError("max_blocks must be >= 1")
         self.max_blocks = max_blocks
         self._metrics = metrics
-        self._blocks: dict[int, dict[str, int]] = {}
-        self._lru: OrderedDict[tuple[str, int], None] = OrderedDict()
-        self._by_worker: dict[str, set[int]] = {}
-        self._offloaded: dict[int, int] = {}  # block → holders without the device tier
+        self._slots: dict[str, int] = {}
+        self._ids: list[str] = []  # slot → worker id
+        self._blocks: dict[int, int] = {}  # block hash → holder mask
+        self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # (slot, block), oldest first
+        self._by_slot: dict[int, set[int]] = {}
+        self._candidate_masks: dict[tuple[str, ...], int] = {}
+        self._credits: dict[tuple[tuple[str, float], ...], TierCredit] = {}
         self.evictions = 0
+
+    # --- slots
+    def _slot(self, worker_id: str) -> int:
+        slot = self._slots.get(worker_id)
+        if slot is None:  # slots are never reused: a worker id keeps its slot for the index's life
+            slot = self._slots[worker_id] = len(self._ids)
+            self._ids.append(worker_id)
+            self._candidate_masks.clear()
+        return slot
+
+    def _candidates(self, workers: Sequence[str] | None) -> int:
+        if workers is None:
+            return sum(slot_bit(s) for s in range(len(self._ids)))
+        key = tuple(workers)
+        mask = self._candidate_masks.get(key)
+        if mask is None:
+            slots = self._slots
+            mask = 0
+            for w in workers:
+                s = slots.get(w)
+                if s is not None:
+                    mask |= slot_bit(s)
+            if len(self._candidate_masks) >= MAX_CANDIDATE_MASKS:
+                self._candidate_masks.clear()
+            self._candidate_masks[key] = mask
+        return mask
+
+    def _credit(self, weights: Mapping[str, float]) -> TierCredit:
+        key = tuple(sorted(weights.items()))
+        credit = self._credits.get(key)
+        if credit is None:
+            if len(self._credits) > 64:
+                self._credits.clear()
+            credit = self._credits[key] = TierCredit(weights)
+        return credit
 
     # --- writes
     async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
@@ -37,15 +80,13 @@ class MemoryPrefixIndex(PrefixIndex):
 
     def store_now(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
         """Synchronous ``store`` (the virtual-time simulator and the Redis fallback use it)."""
-        mine = self._by_worker.setdefault(worker_id, set())
-        lru = self._lru
+        slot = self._slot(worker_id)
+        bits = int(tier) << (SLOT_BITS * slot)
+        mine = self._by_slot.setdefault(slot, set())
+        blocks, lru = self._blocks, self._lru
         for h in block_hashes:
-            holders = self._blocks.get(h)
-            if holders is None:
-                holders = self._blocks[h] = {}
-            old = holders.get(worker_id, 0)
-            self._set_mask(h, holders, worker_id, old, old | int(tier))
-            key = (worker_id, h)
+            blocks[h] = blocks.get(h, 0) | bits
+            key = (slot, h)
             if key in lru:
                 lru.move_to_end(key)
             else:
@@ -58,51 +99,46 @@ class MemoryPrefixIndex(PrefixIndex):
         self.remove_now(worker_id, block_hashes, tier)
 
     def remove_now(self, worker_id: str, block_hashes: Sequence[int], tier: Tier | None = None) -> None:
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            return
+        shift = SLOT_BITS * slot
+        clear = ~((0xFF if tier is None else int(tier)) << shift)
+        blocks = self._blocks
         for h in block_hashes:
-            holders = self._blocks.get(h)
-            if holders is None or worker_id not in holders:
+            mask = blocks.get(h)
+            if mask is None or not (mask >> shift) & 0xFF:
                 continue
-            old = holders[worker_id]
-            mask = 0 if tier is None else old & ~int(tier)
-            if mask:
-                self._set_mask(h, holders, worker_id, old, mask)
+            mask &= clear
+            if (mask >> shift) & 0xFF:
+                blocks[h] = mask
             else:
-                self._drop(worker_id, h, holders)
+                self._drop(slot, h, mask)
         self._gauge()
 
     async def clear_worker(self, worker_id: str) -> None:
         self.clear_worker_now(worker_id)
 
     def clear_worker_now(self, worker_id: str) -> None:
-        for h in list(self._by_worker.get(worker_id, ())):
-            holders = self._blocks.get(h)
-            if holders is not None:
-                self._drop(worker_id, h, holders)
-        self._by_worker.pop(worker_id, None)
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            return
+        keep = ~(0xFF << (SLOT_BITS * slot))
+        for h in list(self._by_slot.get(slot, ())):
+            mask = self._blocks.get(h)
+            if mask is not None:
+                self._drop(slot, h, mask & keep)
+        self._by_slot.pop(slot, None)
         self._gauge()
 
-    def _set_mask(self, h: int, holders: dict[str, int], worker_id: str, old: int, new: int) -> None:
-        holders[worker_id] = new
-        was_off = bool(old) and not old & Tier.DEVICE
-        is_off = not new & Tier.DEVICE
-        if was_off != is_off:
-            self._count_offloaded(h, 1 if is_off else -1)
-
-    def _count_offloaded(self, h: int, delta: int) -> None:
-        n = self._offloaded.get(h, 0) + delta
-        if n > 0:
-            self._offloaded[h] = n
+    def _drop(self, slot: int, h: int, remaining: int) -> None:
+        """Worker ``slot`` no longer holds ``h``; ``remaining`` is the block's mask without it."""
+        if remaining:
+            self._blocks[h] = remaining
         else:
-            self._offloaded.pop(h, None)
-
-    def _drop(self, worker_id: str, h: int, holders: dict[str, int]) -> None:
-        old = holders.pop(worker_id, None)
-        if old is not None and not old & Tier.DEVICE:
-            self._count_offloaded(h, -1)
-        if not holders:
-            del self._blocks[h]
-        self._lru.pop((worker_id, h), None)
-        mine = self._by_worker.get(worker_id)
+            self._blocks.pop(h, None)
+        self._lru.pop((slot, h), None)
+        mine = self._by_slot.get(slot)
         if mine is not None:
             mine.discard(h)
 
@@ -110,16 +146,17 @@ class MemoryPrefixIndex(PrefixIndex):
         over = len(self._lru) - self.max_blocks
         if over <= 0:
             return
+        blocks, by_slot = self._blocks, self._by_slot
         for _ in range(over):
-            (worker_id, h), _v = self._lru.popitem(last=False)
-            holders = self._blocks.get(h)
-            if holders is not None:
-                old = holders.pop(worker_id, None)
-                if old is not None and not old & Tier.DEVICE:
-                    self._count_offloaded(h, -1)
-                if not holders:
-                    del self._blocks[h]
-            mine = self._by_worker.get(worker_id)
+            (slot, h), _v = self._lru.popitem(last=False)
+            mask = blocks.get(h)
+            if mask is not None:
+                mask &= ~(0xFF << (SLOT_BITS * slot))
+                if mask:
+                    blocks[h] = mask
+                else:
+                    del blocks[h]
+            mine = by_slot.get(slot)
             if mine is not None:
                 mine.discard(h)
         self.evictions += over
@@ -145,50 +182,28 @@ class MemoryPrefixIndex(PrefixIndex):
         tier_weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
         workers: Sequence[str] | None = None,
     ) -> dict[str, Overlap]:
-        """Walk the request's blocks while some worker still holds every block so far.
-
-        The per-block test "do all still-matching workers hold this block" is a set comparison done
-        in C; per-worker tier credit is only computed for blocks that some worker holds outside
-        the device tier (counted in ``_offloaded``), so the common all-device walk stays cheap.
-        """
+        """Walk the request's blocks AND-ing holder masks (``masks.walk``)."""
         if not block_hashes:
             return {}
-        blocks = self._blocks
-        first = blocks.get(block_hashes[0])
-        if not first:
+        candidates = self._candidates(workers)
+        if not candidates:
             return {}
-        active = set(first) if workers is None else set(first).intersection(workers)
-        if not active:
-            return {}
-        credit = {m: best_tier_weight(m, tier_weights) for m in range(1, 8)}
-        wd = credit[int(Tier.DEVICE)]
-        device_is_best = all(wd >= c for c in credit.values())
-        offloaded = self._offloaded
-        depth: dict[str, int] = {}
-        deficit: dict[str, float] = dict.fromkeys(active, 0.0)
-        walked = 0
-        for h in block_hashes:
-            holders = blocks.get(h)
-            if not holders:
-                break
-            keys = holders.keys()
-            if not active <= keys:
-                still = active.intersection(keys)
-                for w in active - still:
-                    depth[w] = walked
-                active = still
-                if not active:
-                    break
-            if not device_is_best or offloaded.get(h):
-                for w in active:
-                    deficit[w] += wd - credit[holders[w]]
-            walked += 1
-        for w in active:
-            depth[w] = walked
-        return {w: Overlap(blocks=n, weighted_blocks=n * wd - deficit[w]) for w, n in depth.items() if n > 0}
+        get = self._blocks.get
+        found = walk(map(get, block_hashes), candidates, self._credit(tier_weights))
+        ids = self._ids
+        return {ids[s]: Overlap(blocks=n, weighted_blocks=wb) for s, (n, wb) in found.items()}
 
     async def size(self) -> int:
         return len(self._lru)
 
     async def worker_blocks(self, worker_id: str) -> int:
-        return len(self._by_worker.get(worker_id, ()))
+        slot = self._slots.get(worker_id)
+        return 0 if slot is None else len(self._by_slot.get(slot, ()))
+
+    def entries(self) -> Iterator[tuple[str, int, int]]:
+        """Every ``(worker id, block hash, tier mask)``, least recently stored first (Redis resync)."""
+        ids, blocks = self._ids, self._blocks
+        for slot, h in list(self._lru):
+            mask = tier_of(blocks.get(h, 0), slot)
+            if mask:
+                yield ids[slot], h, mask

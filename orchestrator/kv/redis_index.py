@@ -2,14 +2,24 @@
 
 Key schema (``P`` = ``index.key_prefix``; one Redis node, no cluster; docs/prefix-index.md):
 
-- ``P:idx:b:<hash>``  HASH  worker id → tier mask (1 device, 2 host, 4 disk). Block → holders.
-- ``P:idx:w:<worker>`` SET  block hashes held by the worker (clearing a worker touches only these).
-- ``P:idx:lru``       ZSET  member ``<hash>|<worker>``, score = store sequence; lowest evicted first
+- ``P:idx:slots``     HASH   worker id → slot (a small integer, assigned once, never reused).
+- ``P:idx:nslots``    STRING slots assigned so far (the next slot).
+- ``P:idx:epoch``     STRING random id written with the first slot (each write proposes a fresh
+  one; SETNX keeps the first): a Redis that lost its data gets a new epoch, so replicas know
+  their cached slot table is stale.
+- ``P:idx:b:<hash>``  STRING the block's holder mask: byte ``s`` = worker ``s``'s tier mask
+  (1 device, 2 host, 4 disk), written with SETBIT/BITFIELD (``orchestrator/kv/masks.py``).
+- ``P:idx:w:<slot>``  SET    block hashes held by the worker (clearing a worker touches only these).
+- ``P:idx:lru``       ZSET   member ``<hash>|<slot>``, score = store sequence; lowest evicted first
   once its size passes ``index.max_blocks``.
 - ``P:idx:seq``       STRING counter giving the LRU order.
 
-Hashes are unsigned 64-bit integers written in decimal. Every operation is one Lua script call
-(one round trip); the overlap walk runs server-side and stops as soon as no worker still matches.
+Hashes are unsigned 64-bit integers written as 16 hex digits. A lookup is ONE script call whose
+arguments are the key prefix and the request's hashes packed as 8-byte big-endian integers; it
+reads the block keys in order, stops at the first block nobody holds, and answers the epoch, the
+slot count and the masks read, length-prefixed in one string (tiny to send and to parse). The walk
+(AND of masks) runs here, client-side, in ``masks.walk``. Writes are one script call each
+(store/remove/clear keep the mask, the worker's set and the LRU consistent).
 
 Availability: every write is mirrored into a local ``MemoryPrefixIndex``. While Redis is unreachable
 lookups are answered from that mirror (what this replica itself has learnt) and the routing goes on;
@@ -21,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -31,6 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier
+from orchestrator.kv.masks import TierCredit, slot_bit, walk
 from orchestrator.kv.memory_index import MemoryPrefixIndex
 from orchestrator.router.types import Overlap
 
@@ -41,19 +54,47 @@ log = logging.getLogger("dyad.kv.redis_index")
 
 REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
-_STORE = """
-local p, w, tier, cap = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local n_new = #ARGV - 4
+# Shared by the write scripts: the worker's slot (assigned on first store), bit offsets of a tier
+# mask inside the worker's byte (SETBIT counts from the byte's most significant bit), and dropping
+# a (worker, block) entry.
+_COMMON = """
+local p = ARGV[1]
+local function slot_of(w, create)
+  local s = redis.call('HGET', p .. ':idx:slots', w)
+  if s or not create then return s end
+  s = tostring(redis.call('INCR', p .. ':idx:nslots') - 1)
+  redis.call('HSET', p .. ':idx:slots', w, s)
+  redis.call('SETNX', p .. ':idx:epoch', ARGV[#ARGV])
+  return s
+end
+local function drop(h, s, lru_too)
+  local bkey = p .. ':idx:b:' .. h
+  redis.call('BITFIELD', bkey, 'SET', 'u8', '#' .. s, 0)
+  if redis.call('BITCOUNT', bkey) == 0 then redis.call('DEL', bkey) end
+  redis.call('SREM', p .. ':idx:w:' .. s, h)
+  if lru_too then redis.call('ZREM', p .. ':idx:lru', h .. '|' .. s) end
+end
+"""
+
+# ARGV: prefix, worker, tier mask, cap, hashes..., epoch candidate
+_STORE = _COMMON + """
+local w, tier, cap = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local s = slot_of(w, true)
+local offs = {}
+for b = 0, 2 do
+  if bit.band(tier, bit.lshift(1, b)) ~= 0 then offs[#offs + 1] = tonumber(s) * 8 + 7 - b end
+end
+local first, last = 5, #ARGV - 1
+local n_new = last - first + 1
 local top = redis.call('INCRBY', p .. ':idx:seq', n_new)
-local wkey = p .. ':idx:w:' .. w
+local wkey = p .. ':idx:w:' .. s
 local lru = p .. ':idx:lru'
-for i = 5, #ARGV do
+for i = first, last do
   local h = ARGV[i]
   local bkey = p .. ':idx:b:' .. h
-  local m = tonumber(redis.call('HGET', bkey, w) or '0')
-  redis.call('HSET', bkey, w, bit.bor(m, tier))
+  for _, o in ipairs(offs) do redis.call('SETBIT', bkey, o, 1) end
   redis.call('SADD', wkey, h)
-  redis.call('ZADD', lru, top - n_new + i - 4, h .. '|' .. w)
+  redis.call('ZADD', lru, top - last + i, h .. '|' .. s)
 end
 local n = redis.call('ZCARD', lru)
 local evicted = 0
@@ -62,111 +103,78 @@ if n > cap then
   for j = 1, #victims, 2 do
     local member = victims[j]
     local sep = string.find(member, '|', 1, true)
-    local h = string.sub(member, 1, sep - 1)
-    local vw = string.sub(member, sep + 1)
-    redis.call('HDEL', p .. ':idx:b:' .. h, vw)
-    redis.call('SREM', p .. ':idx:w:' .. vw, h)
+    drop(string.sub(member, 1, sep - 1), string.sub(member, sep + 1), false)
     evicted = evicted + 1
   end
 end
 return {evicted, n - evicted}
 """
 
-_REMOVE = """
-local p, w, tier = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local wkey = p .. ':idx:w:' .. w
-local lru = p .. ':idx:lru'
-for i = 4, #ARGV do
-  local h = ARGV[i]
-  local bkey = p .. ':idx:b:' .. h
-  local m = redis.call('HGET', bkey, w)
-  if m then
-    local left = 0
-    if tier ~= 0 then left = bit.band(tonumber(m), bit.bnot(tier)) end
-    if left ~= 0 then
-      redis.call('HSET', bkey, w, left)
-    else
-      redis.call('HDEL', bkey, w)
-      redis.call('SREM', wkey, h)
-      redis.call('ZREM', lru, h .. '|' .. w)
+# ARGV: prefix, worker, tier mask (0 = every tier), hashes..., epoch candidate (unused)
+_REMOVE = _COMMON + """
+local w, tier = ARGV[2], tonumber(ARGV[3])
+local s = slot_of(w, false)
+if s then
+  for i = 4, #ARGV - 1 do
+    local h = ARGV[i]
+    local bkey = p .. ':idx:b:' .. h
+    local m = redis.call('BITFIELD', bkey, 'GET', 'u8', '#' .. s)[1]
+    if m ~= 0 then
+      local left = 0
+      if tier ~= 0 then left = bit.band(m, bit.bnot(tier)) end
+      if left ~= 0 then
+        redis.call('BITFIELD', bkey, 'SET', 'u8', '#' .. s, left)
+      else
+        drop(h, s, true)
+      end
     end
   end
 end
-return redis.call('ZCARD', lru)
+return redis.call('ZCARD', p .. ':idx:lru')
 """
 
-_CLEAR = """
-local p, w = ARGV[1], ARGV[2]
-local wkey = p .. ':idx:w:' .. w
-local lru = p .. ':idx:lru'
-local members = redis.call('SMEMBERS', wkey)
-for i = 1, #members do
-  local h = members[i]
-  redis.call('HDEL', p .. ':idx:b:' .. h, w)
-  redis.call('ZREM', lru, h .. '|' .. w)
-end
-redis.call('DEL', wkey)
+# ARGV: prefix, worker, epoch candidate (unused)
+_CLEAR = _COMMON + """
+local s = slot_of(ARGV[2], false)
+if not s then return 0 end
+local members = redis.call('SMEMBERS', p .. ':idx:w:' .. s)
+for i = 1, #members do drop(members[i], s, true) end
+redis.call('DEL', p .. ':idx:w:' .. s)
 return #members
 """
 
-# ARGV: prefix, n_allowed (-1 = any worker), allowed ids..., w_device, w_host, w_disk, hashes...
-_OVERLAPS = """
+# ARGV: prefix, hashes packed as big-endian uint64.  → {epoch, nslots, (uint16 length, mask)...}
+_LOOKUP = """
 local p = ARGV[1]
-local nf = tonumber(ARGV[2])
-local allowed = nil
-local o = 3
-if nf >= 0 then
-  allowed = {}
-  for i = 1, nf do allowed[ARGV[2 + i]] = true end
-  o = 3 + nf
+local bp = p .. ':idx:b:'
+local packed = ARGV[2]
+local parts = {}
+for pos = 1, #packed, 8 do
+  local hi, lo = struct.unpack('>I4I4', packed, pos)
+  local v = redis.call('GET', bp .. string.format('%08x%08x', hi, lo))
+  if not v then break end
+  parts[#parts + 1] = struct.pack('>I2', #v) .. v
 end
-local wd, wh, wk = tonumber(ARGV[o]), tonumber(ARGV[o + 1]), tonumber(ARGV[o + 2])
-local function credit(m)
-  local c = 0
-  if bit.band(m, 1) ~= 0 then c = wd end
-  if bit.band(m, 2) ~= 0 and wh > c then c = wh end
-  if bit.band(m, 4) ~= 0 and wk > c then c = wk end
-  return c
-end
-local blocks, weighted, order, active = {}, {}, {}, nil
-for i = o + 3, #ARGV do
-  local bkey = p .. ':idx:b:' .. ARGV[i]
-  if active == nil then
-    local flat = redis.call('HGETALL', bkey)
-    active = {}
-    for j = 1, #flat, 2 do
-      local w = flat[j]
-      if allowed == nil or allowed[w] then
-        active[#active + 1] = w
-        order[#order + 1] = w
-        blocks[w] = 1
-        weighted[w] = credit(tonumber(flat[j + 1]))
-      end
-    end
-  else
-    local vals = redis.call('HMGET', bkey, unpack(active))
-    local still = {}
-    for j = 1, #active do
-      local m = vals[j]
-      if m then
-        local w = active[j]
-        still[#still + 1] = w
-        blocks[w] = blocks[w] + 1
-        weighted[w] = weighted[w] + credit(tonumber(m))
-      end
-    end
-    active = still
-  end
-  if #active == 0 then break end
-end
-local out = {}
-for _, w in ipairs(order) do
-  out[#out + 1] = w
-  out[#out + 1] = blocks[w]
-  out[#out + 1] = tostring(weighted[w])
-end
-return out
+return {redis.call('GET', p .. ':idx:epoch') or '', redis.call('GET', p .. ':idx:nslots') or '',
+        table.concat(parts)}
 """
+
+
+def hex_hashes(block_hashes: Sequence[int]) -> list[str]:
+    """Block hashes as the index's Redis keys and members spell them."""
+    return [f"{h:016x}" for h in block_hashes]
+
+
+def unpack_masks(blob: bytes) -> list[int]:
+    """The lookup script's ``(uint16 length, mask bytes)...`` string → holder masks."""
+    out, pos, n = [], 0, len(blob)
+    view = memoryview(blob)
+    from_bytes = int.from_bytes
+    while pos < n:
+        size = (blob[pos] << 8) | blob[pos + 1]
+        out.append(from_bytes(view[pos + 2:pos + 2 + size], "little"))
+        pos += 2 + size
+    return out
 
 
 class LuaScript:
@@ -223,8 +231,15 @@ class RedisPrefixIndex(PrefixIndex):
         self._client = client or aioredis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         self.mirror = MemoryPrefixIndex(max_blocks=max_blocks)  # this replica's own view; fallback
-        self._store_s, self._remove_s = LuaScript(_STORE), LuaScript(_REMOVE)
-        self._clear_s, self._overlaps_s = LuaScript(_CLEAR), LuaScript(_OVERLAPS)
+        self._store_s, self._remove_s, self._clear_s = LuaScript(_STORE), LuaScript(_REMOVE), LuaScript(_CLEAR)
+        self._lookup_s = LuaScript(_LOOKUP)
+        self._meta_keys = [f"{key_prefix}:idx:epoch", f"{key_prefix}:idx:nslots"]
+        # The slot table as last read from Redis, valid for (epoch, slot count) = _slot_view.
+        self._slot_view: tuple[bytes, bytes] = (b"", b"")
+        self._slot_of: dict[str, int] = {}
+        self._id_of: dict[int, str] = {}
+        self._candidate_masks: dict[tuple[str, ...], int] = {}
+        self._credits: dict[tuple[tuple[str, float], ...], TierCredit] = {}
         self.available = True
         self._down_since: float | None = None
         self._next_try = 0.0
@@ -233,6 +248,7 @@ class RedisPrefixIndex(PrefixIndex):
         self.evictions = 0
         self.fallback_lookups = 0
         self.resyncs = 0
+        self.slot_reloads = 0
 
     @property
     def client(self) -> aioredis.Redis:
@@ -243,6 +259,7 @@ class RedisPrefixIndex(PrefixIndex):
         if self.available:
             log.warning("redis index unreachable (%s); routing from this replica's local index", err)
         self.available = False
+        self._slot_view = (b"", b"")  # whatever Redis we reach next, re-read its slot table
         now = self._clock.now()
         self._down_since = self._down_since or now
         self._next_try = now + self._retry_interval_s
@@ -262,7 +279,7 @@ class RedisPrefixIndex(PrefixIndex):
         if not self._may_try():
             return None
         try:
-            result = await script(self._client, args)
+            result = await script(self._client, [*args, uuid.uuid4().hex])
         except REDIS_DOWN_ERRORS as e:
             self._mark_down(e)
             return None
@@ -272,16 +289,14 @@ class RedisPrefixIndex(PrefixIndex):
     async def resync(self) -> None:
         """Write the local mirror back into Redis (after Redis came back, possibly empty)."""
         try:
-            by_worker: dict[str, list[tuple[int, int]]] = {}
-            for (worker_id, h) in list(self.mirror._lru):
-                mask = self.mirror._blocks.get(h, {}).get(worker_id)
-                if mask:
-                    by_worker.setdefault(worker_id, []).append((h, mask))
-            for worker_id, entries in by_worker.items():
+            grouped: dict[tuple[str, int], list[int]] = {}
+            for worker_id, h, mask in self.mirror.entries():
                 for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
-                    hashes = [h for h, m in entries if m & tier]
-                    for i in range(0, len(hashes), self.RESYNC_CHUNK):
-                        await self._write_store(worker_id, hashes[i:i + self.RESYNC_CHUNK], tier)
+                    if mask & tier:
+                        grouped.setdefault((worker_id, int(tier)), []).append(h)
+            for (worker_id, tier), hashes in grouped.items():
+                for i in range(0, len(hashes), self.RESYNC_CHUNK):
+                    await self._write_store(worker_id, hashes[i:i + self.RESYNC_CHUNK], Tier(tier))
             self.resyncs += 1
         except REDIS_DOWN_ERRORS as e:
             self._mark_down(e)
@@ -289,7 +304,7 @@ class RedisPrefixIndex(PrefixIndex):
     # --- writes
     async def _write_store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier) -> None:
         res = await self._store_s(self._client, [self.key_prefix, worker_id, int(tier), self.max_blocks,
-                                                 *block_hashes])
+                                                 *hex_hashes(block_hashes), uuid.uuid4().hex])
         evicted, size = res  # type: ignore[misc]
         if evicted:
             self.evictions += int(evicted)
@@ -316,13 +331,50 @@ class RedisPrefixIndex(PrefixIndex):
             return
         self.mirror.remove_now(worker_id, block_hashes, tier)
         await self._run(self._remove_s, [self.key_prefix, worker_id, 0 if tier is None else int(tier),
-                                         *block_hashes])
+                                         *hex_hashes(block_hashes)])
 
     async def clear_worker(self, worker_id: str) -> None:
         self.mirror.clear_worker_now(worker_id)
         await self._run(self._clear_s, [self.key_prefix, worker_id])
 
     # --- reads
+    async def _load_slots(self) -> None:
+        """Re-read the slot table (a slot was added by someone, or Redis lost its data)."""
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.mget(self._meta_keys)
+            pipe.hgetall(f"{self.key_prefix}:idx:slots")
+            (epoch, nslots), table = await pipe.execute()
+        self._slot_view = (epoch or b"", nslots or b"")
+        self._slot_of = {k.decode(): int(v) for k, v in table.items()}
+        self._id_of = {s: w for w, s in self._slot_of.items()}
+        self._candidate_masks.clear()
+        self.slot_reloads += 1
+
+    def _candidates(self, workers: Sequence[str] | None) -> int:
+        if workers is None:
+            return sum(slot_bit(s) for s in self._id_of)
+        key = tuple(workers)
+        mask = self._candidate_masks.get(key)
+        if mask is None:
+            mask = 0
+            for w in workers:
+                s = self._slot_of.get(w)
+                if s is not None:
+                    mask |= slot_bit(s)
+            if len(self._candidate_masks) >= 256:
+                self._candidate_masks.clear()
+            self._candidate_masks[key] = mask
+        return mask
+
+    def _credit(self, weights: Mapping[str, float]) -> TierCredit:
+        key = tuple(sorted(weights.items()))
+        credit = self._credits.get(key)
+        if credit is None:
+            if len(self._credits) > 64:
+                self._credits.clear()
+            credit = self._credits[key] = TierCredit(weights)
+        return credit
+
     async def overlaps(
         self,
         block_hashes: Sequence[int],
@@ -331,39 +383,42 @@ class RedisPrefixIndex(PrefixIndex):
     ) -> dict[str, Overlap]:
         if not block_hashes:
             return {}
-        args: list[object] = [self.key_prefix]
-        if workers is None:
-            args.append(-1)
-        else:
-            args.append(len(workers))
-            args.extend(workers)
-        args += [tier_weights.get("device", 0.0), tier_weights.get("host", 0.0), tier_weights.get("disk", 0.0)]
-        args += block_hashes
-        flat = await self._run(self._overlaps_s, args)
-        if flat is None:
+        if not self._may_try():
             self.fallback_lookups += 1
             return self.mirror.overlaps_now(block_hashes, tier_weights, workers)
-        out: dict[str, Overlap] = {}
-        items = list(flat)  # type: ignore[call-overload]
-        for i in range(0, len(items), 3):
-            w = items[i].decode() if isinstance(items[i], bytes) else str(items[i])
-            weighted = items[i + 2].decode() if isinstance(items[i + 2], bytes) else str(items[i + 2])
-            out[w] = Overlap(blocks=int(items[i + 1]), weighted_blocks=float(weighted))
-        return out
+        packed = struct.pack(f">{len(block_hashes)}Q", *block_hashes)
+        try:
+            epoch, nslots, blob = await self._lookup_s(self._client, [self.key_prefix, packed])  # type: ignore[misc]
+            if (epoch, nslots) != self._slot_view:
+                await self._load_slots()
+        except REDIS_DOWN_ERRORS as e:
+            self._mark_down(e)
+            self.fallback_lookups += 1
+            return self.mirror.overlaps_now(block_hashes, tier_weights, workers)
+        self._mark_up()
+        candidates = self._candidates(workers)
+        if not candidates:
+            return {}
+        found = walk(unpack_masks(blob), candidates, self._credit(tier_weights))
+        id_of = self._id_of
+        return {id_of[s]: Overlap(blocks=n, weighted_blocks=wb) for s, (n, wb) in found.items() if s in id_of}
 
     async def size(self) -> int:
         if not self._may_try():
-            return len(self.mirror._lru)
+            return await self.mirror.size()
         try:
             n = await self._client.zcard(f"{self.key_prefix}:idx:lru")
         except REDIS_DOWN_ERRORS as e:
             self._mark_down(e)
-            return len(self.mirror._lru)
+            return await self.mirror.size()
         self._mark_up()
         return int(n)
 
     async def worker_blocks(self, worker_id: str) -> int:
-        return int(await self._client.scard(f"{self.key_prefix}:idx:w:{worker_id}"))
+        slot = await self._client.hget(f"{self.key_prefix}:idx:slots", worker_id)
+        if slot is None:
+            return 0
+        return int(await self._client.scard(f"{self.key_prefix}:idx:w:{int(slot)}"))
 
     async def close(self) -> None:
         if self._resync_task is not None and not self._resync_task.done():

@@ -149,3 +149,86 @@ async def test_redis_down_falls_back_to_local_view_and_resyncs(redis_server):  #
     finally:
         await idx.close()
         await other.close()
+
+
+def reference_overlaps(held: dict[tuple[str, int], int], hashes: list[int], weights: dict[str, float],
+                       workers: list[str]) -> dict[str, tuple[int, float]]:
+    """The definition, computed naively: consecutive held blocks from the start, best tier credited."""
+    credit = {Tier.DEVICE: weights["device"], Tier.HOST: weights["host"], Tier.DISK: weights["disk"]}
+    out = {}
+    for w in workers:
+        n, total = 0, 0.0
+        for h in hashes:
+            mask = held.get((w, h), 0)
+            if not mask:
+                break
+            n += 1
+            total += max(c for t, c in credit.items() if mask & t)
+        if n:
+            out[w] = (n, total)
+    return out
+
+
+async def test_random_operations_match_the_reference_model(make_index):
+    """70 workers (slots beyond one 64-bit word), every tier, stores/removes/clears in random order."""
+    import random
+
+    rng = random.Random(5)
+    idx = make_index(max_blocks=1_000_000)
+    workers = [f"worker-{i}" for i in range(70)]
+    prompts = [BlockHasher("m", 4).hash_blocks([p] * 4 + list(range(60))) for p in range(3)]
+    held: dict[tuple[str, int], int] = {}
+    weights = {"device": 1.0, "host": 0.5, "disk": 0.25}
+    for step in range(150):
+        w = rng.choice(workers)
+        hashes = rng.choice(prompts)[: rng.randint(1, 16)]
+        op = rng.random()
+        if op < 0.6:
+            tier = rng.choice([Tier.DEVICE, Tier.DEVICE, Tier.HOST, Tier.DISK])
+            await idx.store(w, hashes, tier)
+            for h in hashes:
+                held[(w, h)] = held.get((w, h), 0) | tier
+        elif op < 0.9:
+            part = hashes[rng.randint(0, len(hashes) - 1):]
+            tier = rng.choice([None, Tier.DEVICE, Tier.HOST])
+            await idx.remove(w, part, tier)
+            for h in part:
+                left = 0 if tier is None else held.get((w, h), 0) & ~tier
+                if left:
+                    held[(w, h)] = left
+                else:
+                    held.pop((w, h), None)
+        else:
+            await idx.clear_worker(w)
+            for key in [k for k in held if k[0] == w]:
+                del held[key]
+        if step % 10 == 9:
+            for prompt in prompts:
+                subset = rng.sample(workers, 40)
+                got = await idx.overlaps(prompt, weights, subset)
+                want = reference_overlaps(held, prompt, weights, subset)
+                assert {k: (o.blocks, round(o.weighted_blocks, 6)) for k, o in got.items()} == \
+                    {k: (n, round(c, 6)) for k, (n, c) in want.items()}
+    assert await idx.size() == len(held)
+
+
+@pytest.mark.redis
+async def test_redis_slot_table_follows_other_replicas_and_data_loss(redis_server):  # noqa: F811
+    import redis as sync_redis
+
+    idx = RedisPrefixIndex(redis_server.url, key_prefix=unique_prefix())
+    other = RedisPrefixIndex(redis_server.url, key_prefix=idx.key_prefix)
+    try:
+        await idx.store("a", B[:2])
+        assert set(await idx.overlaps(B)) == {"a"}  # idx caches the slot table: a = slot 0
+        await other.store("b", B[:5])  # a slot idx has not seen
+        assert {w: o.blocks for w, o in (await idx.overlaps(B)).items()} == {"a": 2, "b": 5}
+        # Redis loses its data (flushed, or restarted empty) and slots are handed out again in
+        # another order: b = slot 0, a = slot 1. idx must not read b's bits as a's.
+        sync_redis.Redis.from_url(redis_server.url).flushdb()
+        await other.store("b", B[:3])
+        await other.store("a", B[:1])
+        assert {w: o.blocks for w, o in (await idx.overlaps(B)).items()} == {"a": 1, "b": 3}
+    finally:
+        await idx.close()
+        await other.close()

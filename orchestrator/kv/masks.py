@@ -1,0 +1,112 @@
+"""Per-block holder masks: which workers hold a block, in which tiers, as one integer.
+
+Every worker gets a small integer *slot*. A block's holders are one int with **one byte per
+slot**: byte ``s`` is worker ``s``'s tier mask (1 device, 2 host, 4 disk; 0 = not held). It is
+the same layout in memory and in Redis (a string whose byte ``s`` is that mask, read back with
+``int.from_bytes(raw, "little")``), so both backends share ``walk`` below.
+
+Why: the overlap question is answered by walking the request's blocks and AND-ing masks, which
+costs a few big-int operations per block whatever the fleet size, plus a little work per worker
+whose match ends (each worker drops out at most once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from orchestrator.kv.index import Tier, best_tier_weight
+
+SLOT_BITS = 8  # one byte per worker
+TIER_BITS = 0b111
+
+
+def slot_bit(slot: int) -> int:
+    """The lowest bit of ``slot``'s byte: the worker's bit in an "any tier" mask."""
+    return 1 << (SLOT_BITS * slot)
+
+
+def tier_of(mask: int, slot: int) -> int:
+    """Worker ``slot``'s tier mask inside a block's holder mask."""
+    return (mask >> (SLOT_BITS * slot)) & 0xFF
+
+
+def with_tier(mask: int, slot: int, tier: int) -> int:
+    return mask | (int(tier) << (SLOT_BITS * slot))
+
+
+def without_tier(mask: int, slot: int, tier: int | None) -> int:
+    """Drop ``tier`` (or every tier when None) of worker ``slot`` from the mask."""
+    bits = 0xFF if tier is None else int(tier)
+    return mask & ~(bits << (SLOT_BITS * slot))
+
+
+def held_by(mask: int) -> int:
+    """Byte-per-slot mask → a mask with each holder's lowest bit set (any tier)."""
+    return (mask | (mask >> 1) | (mask >> 2)) & _low_bits(mask.bit_length())
+
+
+_LOW_CACHE: dict[int, int] = {}
+
+
+def _low_bits(nbits: int) -> int:
+    """The lowest bit of every byte up to ``nbits`` bits (cached per width)."""
+    nbytes = (nbits + 7) // 8
+    low = _LOW_CACHE.get(nbytes)
+    if low is None:
+        low = _LOW_CACHE[nbytes] = int.from_bytes(b"\x01" * nbytes, "little")
+    return low
+
+
+def slots_of(bits: int) -> Iterable[int]:
+    """The slots whose lowest bit is set in an "any tier" mask."""
+    while bits:
+        low = bits & -bits
+        yield (low.bit_length() - 1) // SLOT_BITS
+        bits ^= low
+
+
+class TierCredit:
+    """Per-tier-mask credit for one set of tier weights (precomputed; cheap to reuse)."""
+
+    def __init__(self, weights: Mapping[str, float]) -> None:
+        self.by_mask = [best_tier_weight(m, weights) for m in range(8)]
+        self.device = self.by_mask[int(Tier.DEVICE)]
+        # True when holding a block in the device tier is always credited in full (the default):
+        # then only holders without the device bit need per-worker work.
+        self.device_is_best = all(self.device >= c for c in self.by_mask)
+
+
+def walk(masks: Iterable[int | None], candidates: int, credit: TierCredit) -> dict[int, tuple[int, float]]:
+    """Longest consecutive prefix per slot: ``{slot: (blocks, weighted blocks)}`` (0-length omitted).
+
+    ``masks`` are the request's blocks' holder masks in order (None or 0 = no holder; the walk
+    stops there); ``candidates`` has ``slot_bit(s)`` set for each slot to consider.
+    """
+    active = candidates
+    depth: dict[int, int] = {}
+    deficit: dict[int, float] = {}
+    wd = credit.device
+    by_mask = credit.by_mask
+    every_active = not credit.device_is_best
+    walked = 0
+    for mask in masks:
+        if not mask:
+            break
+        still = (mask | (mask >> 1) | (mask >> 2)) & active
+        if still != active:
+            if walked:
+                for s in slots_of(active & ~still):
+                    depth[s] = walked
+            active = still
+            if not active:
+                break
+        # Holders of this block without its device copy (or everyone, for unusual weights).
+        partial = active if every_active else active & ~mask
+        if partial:
+            for s in slots_of(partial):
+                deficit[s] = deficit.get(s, 0.0) + wd - by_mask[(mask >> (SLOT_BITS * s)) & TIER_BITS]
+        walked += 1
+    if walked:
+        for s in slots_of(active):
+            depth[s] = walked
+    return {s: (n, n * wd - deficit.get(s, 0.0)) for s, n in depth.items()}
