@@ -86,6 +86,46 @@ class RouterConfig(_Section):
     debug_headers: bool = Field(False, description="Add x-dyad-worker / x-dyad-predicted-cached-tokens to responses")
 
 
+class GatewayTlsConfig(_Section):
+    """TLS for clients talking to the gateway (uvicorn's ssl options). Both files set = HTTPS only."""
+
+    cert_file: str | None = Field(None, description="PEM certificate chain the gateway presents")
+    key_file: str | None = Field(None, description="PEM private key of cert_file")
+    client_ca_file: str | None = Field(
+        None, description="PEM CA bundle for client certificates (mutual TLS); unset = no client certificates")
+    require_client_cert: bool = Field(
+        True, description="With client_ca_file: refuse connections without a valid client certificate "
+                          "(false = verify one when offered)")
+
+    @model_validator(mode="after")
+    def _pair(self) -> GatewayTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file: set both (HTTPS) or neither (plain HTTP)")
+        if self.client_ca_file and not self.cert_file:
+            raise ValueError("client_ca_file: needs cert_file and key_file (client certificates need TLS)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+class EngineTlsConfig(_Section):
+    """TLS towards ``https://`` workers: which CA to trust and the client certificate to present (mTLS)."""
+
+    ca_file: str | None = Field(None, description="PEM CA bundle that signed the engines' certificates "
+                                                  "(unset = the system's trust store)")
+    cert_file: str | None = Field(None, description="PEM client certificate for engines that require one")
+    key_file: str | None = Field(None, description="PEM private key of cert_file")
+    verify: bool = Field(True, description="Verify engine certificates (false only for throwaway test setups)")
+
+    @model_validator(mode="after")
+    def _pair(self) -> EngineTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file: set both (client certificate) or neither")
+        return self
+
+
 class GatewayConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -97,6 +137,78 @@ class GatewayConfig(_Section):
     request_timeout_s: float = Field(600.0, gt=0)
     retry_after_s: int = Field(1, ge=0)
     max_attempts: int = Field(3, ge=1, description="Tries on different workers before the first byte")
+    tls: GatewayTlsConfig = Field(default_factory=GatewayTlsConfig, description="HTTPS for clients")
+    engine_tls: EngineTlsConfig = Field(default_factory=EngineTlsConfig,
+                                        description="TLS settings for https:// workers")
+
+
+PriorityName = Literal["high", "normal", "low"]
+PRIORITIES: tuple[str, ...] = ("high", "normal", "low")  # served in this order when requests queue
+
+
+class ApiKeyConfig(_Section):
+    """One client key, stored as the SHA-256 of the key (``dyad hash-key`` prints it), never in clear."""
+
+    name: str = Field(..., min_length=1, description="Who holds the key (logs, metrics, errors)")
+    sha256: str = Field(..., description="Lower-case hex SHA-256 of the key")
+    models: list[str] = Field(default_factory=list, description="Models the key may use; empty = every model")
+    rpm: int | None = Field(None, ge=1, description="Requests per minute (token bucket); None = limits.default_rpm")
+    tpm: int | None = Field(None, ge=1, description="Tokens per minute, prompt + max_tokens; None = limits.default_tpm")
+    priority: PriorityName = Field("normal", description="Default and highest priority class of the key")
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        v = v.strip().lower()
+        if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+            raise ValueError("must be 64 hex characters (the SHA-256 of the key; see `dyad hash-key`)")
+        return v
+
+
+class AuthConfig(_Section):
+    """Client authentication for /v1/*. No keys here and no gateway.api_keys = open gateway."""
+
+    keys: list[ApiKeyConfig] = Field(default_factory=list, description="Hashed client keys")
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthConfig:
+        names: set[str] = set()
+        hashes: set[str] = set()
+        for i, k in enumerate(self.keys):
+            if k.name in names:
+                raise ValueError(f"keys.{i}.name: duplicate key name '{k.name}'")
+            if k.sha256 in hashes:
+                raise ValueError(f"keys.{i}.sha256: the same key is listed twice")
+            names.add(k.name)
+            hashes.add(k.sha256)
+        return self
+
+
+class LimitsConfig(_Section):
+    """Overload protection: per-key rate limits, priority queueing and TTFT-based admission control."""
+
+    backend: Literal["memory", "redis"] = Field(
+        "memory", description="Where rate-limit buckets live: this process, or Redis (shared by replicas; "
+                              "local buckets take over while Redis is unreachable)")
+    redis_url: str | None = Field(None, description="Redis for the buckets (None = index.redis_url)")
+    key_prefix: str = Field("dyad", description="Prefix of the Redis bucket keys")
+    default_rpm: int | None = Field(None, ge=1, description="Requests per minute for keys without rpm "
+                                                            "(and for anonymous clients); None = unlimited")
+    default_tpm: int | None = Field(None, ge=1, description="Tokens per minute for keys without tpm; None = unlimited")
+    priority_header: str = Field("x-dyad-priority", description="Header a client uses to pick a priority "
+                                                                "class at or below its key's")
+    max_inflight_per_worker: int | None = Field(
+        None, ge=1, description="Requests the gateway dispatches per healthy worker before it queues "
+                                "(None = never queue)")
+    queue_size: int = Field(256, ge=0, description="Requests that may wait for a slot, all priorities together")
+    queue_timeout_s: float = Field(30.0, gt=0, description="Longest wait in the queue before a 503")
+    ttft_slo_s: float | None = Field(
+        None, gt=0, description="Admission control: refuse a request when its predicted time to first token "
+                                "exceeds this on every candidate worker (None = off)")
+    prefill_tokens_per_s: float | None = Field(
+        None, gt=0, description="Prefill throughput per worker for the TTFT prediction (None = learn it "
+                                "from the engines' TTFT and prompt-length histograms)")
+    reject_status: Literal[429, 503] = Field(503, description="Status for admission and queue refusals")
 
 
 class HealthConfig(_Section):
@@ -196,16 +308,52 @@ class PlannerConfig(_Section):
         return self
 
 
+class ResilienceConfig(_Section):
+    """Failure handling on the request path (``orchestrator/gateway/resilience.py``, ``failover.py``,
+    ``shutdown.py``). Timeouts: ``gateway.connect_timeout_s`` bounds connecting to an engine,
+    ``gateway.first_byte_timeout_s`` the wait for its first byte (and, for a stream, for its first
+    chunk), ``gateway.request_timeout_s`` a whole non-streamed request; a stream is bounded by
+    ``stream_idle_timeout_s`` between chunks and, only if set, by ``stream_timeout_s`` in total."""
+
+    backoff_base_s: float = Field(0.05, ge=0, description="First retry waits 0.5-1x this; doubles per retry "
+                                                          "(0 = retry at once)")
+    backoff_max_s: float = Field(1.0, ge=0, description="Cap on one retry's backoff")
+    breaker_failure_threshold: int = Field(
+        5, ge=0, description="Consecutive failed attempts (connect errors, 5xx, timeouts, broken streams) that "
+                             "open a worker's circuit breaker; 0 = no breakers")
+    breaker_open_s: float = Field(10.0, gt=0, description="Seconds an open breaker keeps the worker out "
+                                                           "before letting probe requests through (half-open)")
+    breaker_success_threshold: int = Field(2, ge=1, description="Successful probes that close a half-open breaker")
+    breaker_half_open_probes: int = Field(1, ge=1, description="Requests at a time on a half-open worker")
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="Longest silence between two chunks of a stream before it counts as failed")
+    stream_timeout_s: float | None = Field(
+        None, gt=0, description="Cap on a whole stream (None = none: long generations are fine while chunks flow)")
+    stream_failover: bool = Field(
+        True, description="When a worker dies mid-stream, continue the stream on another worker (prompt + text "
+                          "sent so far); when impossible, end it with an SSE error event")
+    max_failovers: int = Field(2, ge=0, description="Continuations per stream before giving up with an error event")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM: longest wait for in-flight requests before exiting")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A client must send its request headers within this (slowloris guard)")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A client must send its whole request body within this after the headers")
+
+
 class DyadConfig(_Section):
     models: list[ModelConfig] = Field(default_factory=list)
     workers: list[WorkerConfig] = Field(default_factory=list)
     router: RouterConfig = Field(default_factory=RouterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     disagg: DisaggConfig = Field(default_factory=DisaggConfig)
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> DyadConfig:
