@@ -9,6 +9,7 @@ H100-class GPU) serve the same trace three ways:
 - ``2P+6D``: every request is prefilled on one of two prefill engines, its KV moved to one of six
   decode engines (``profile.transfer_seconds``), decoded there. Pairs from Dyad's pair selection
   (``orchestrator.router.pd_selection.select_pair``).
+- ``4P+4D`` (extra): the same split with a prefill-heavier ratio, to show that the ratio decides.
 - ``2P+6D conditional``: the same fleet, but a request whose uncached prompt is shorter than the
   profile-derived threshold, or that arrives while the prefill pool is backed up, is prefilled on
   its decode engine (Dyad's conditional disaggregation).
@@ -36,6 +37,7 @@ from orchestrator.router.types import Overlap, RouteRequest
 from orchestrator.sim.profiles import GPU_LIKE, EngineProfile
 from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
 
+ISL_FACTOR = 1.0  # prompt-length scale of the long-output mix
 AZURE = Path("/work/shared/traces/azure2023_code.csv")
 
 
@@ -107,17 +109,18 @@ def azure_code(limit: int | None, time_scale: float) -> list[SimRequest]:
 
 
 def long_output_mix(limit: int | None, time_scale: float, seed: int = 4) -> list[SimRequest]:
-    """Azure code arrivals and prompt lengths, with outputs drawn uniformly from 200..800 tokens
-    (seeded): a decode-heavy mix, the chat/agent shape where long decodes dominate."""
+    """Azure code arrivals and prompt lengths (mean 2,048), outputs drawn uniformly from 200..800
+    tokens (seeded) instead of the trace's ~28: long prompts *and* long decodes, where an aggregated
+    engine's prefill chunks stall its running decodes."""
     rng = random.Random(seed)
     reqs = azure_code(limit, time_scale)
-    return [replace(r, osl=rng.randint(200, 800)) for r in reqs]
+    return [replace(r, isl=max(1, int(r.isl * ISL_FACTOR)), osl=rng.randint(200, 800)) for r in reqs]
 
 
 @dataclass(frozen=True)
 class Slo:
     ttft_s: float = 1.0
-    itl_s: float = 0.05
+    itl_s: float = 0.025
 
 
 def run_fleet(kind: str, profile: EngineProfile, requests: Sequence[SimRequest]) -> dict[str, Any]:
@@ -126,6 +129,8 @@ def run_fleet(kind: str, profile: EngineProfile, requests: Sequence[SimRequest])
         fleet: VirtualFleet = VirtualFleet(profile, FleetSpec(aggregated=8), policy="least_load")
     elif kind == "disaggregated":
         fleet = PdVirtualFleet(profile, FleetSpec(prefill=2, decode=6), PdSelectionSettings(min_prefill_tokens=0))
+    elif kind == "disaggregated-4p4d":
+        fleet = PdVirtualFleet(profile, FleetSpec(prefill=4, decode=4), PdSelectionSettings(min_prefill_tokens=0))
     elif kind == "conditional":
         settings = PdSelectionSettings(min_prefill_tokens=threshold_from_profile(profile),
                                        max_prefill_queue_tokens=2 * profile.max_num_batched_tokens)
@@ -178,7 +183,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace (default: all 8,819)")
-    ap.add_argument("--time-scales", default="0.1,0.05", help="arrival-time compression factors (comma list)")
+    ap.add_argument("--time-scales", default="1.0,0.5", help="arrival-time compression factors (comma list)")
     ap.add_argument("--ttft", type=float, default=Slo.ttft_s)
     ap.add_argument("--itl", type=float, default=Slo.itl_s)
     ap.add_argument("--json", type=Path, default=None)
@@ -191,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             reqs = make(args.limit, scale)
             span = max(r.arrival for r in reqs) or 1.0
             label = f"{name} {len(reqs) / span:.1f} rps"
-            for kind in ("aggregated", "disaggregated", "conditional"):
+            for kind in ("aggregated", "disaggregated", "conditional", "disaggregated-4p4d"):
                 row = summarize(run_fleet(kind, profile, reqs), slo)
                 row["workload"] = label
                 rows.append(row)

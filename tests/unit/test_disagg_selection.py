@@ -135,3 +135,23 @@ def test_threshold_derived_from_engine_profile():
     assert derive_min_prefill_tokens(10_000, 0.020, 131072, 1e8) >= 2**31 - 1
     with pytest.raises(ValueError):
         derive_min_prefill_tokens(0, 0.02)
+
+
+def test_virtual_fleet_driver_uses_pair_selection_and_conditional_prefill():
+    """The benchmark's fleet places arrivals with select_pair (small run, virtual time)."""
+    from orchestrator.disagg.sim_bench import PdVirtualFleet
+    from orchestrator.sim.profiles import GPU_LIKE
+    from orchestrator.sim.virtual_time import FleetSpec, SimRequest
+
+    reqs = [SimRequest(id=i, arrival=i * 0.05, isl=100 if i % 2 else 3000, osl=20) for i in range(40)]
+    fleet = PdVirtualFleet(GPU_LIKE, FleetSpec(prefill=2, decode=3), PdSelectionSettings(min_prefill_tokens=141))
+    result = fleet.run(reqs)
+    assert all(r.finish is not None for r in result.requests)
+    assert fleet.local_prefills == 20 and fleet.split == 20
+    short = [r for r in result.requests if r.isl == 100]
+    long_ = [r for r in result.requests if r.isl == 3000]
+    assert all(r.prefill_worker == r.decode_worker and r.decode_worker.startswith("d") for r in short)
+    assert all(r.prefill_worker.startswith("p") and r.decode_worker.startswith("d") for r in long_)
+    assert {r.prefill_worker for r in long_} == {"p0", "p1"}
+    assert len({r.decode_worker for r in result.requests}) == 3
+    assert all(w.worker.inflight == 0 and w.worker.inflight_prefill_tokens == 0 for w in fleet.workers.values())
