@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("orchestrator.planner.plan_cli", "what-if: which prefill/decode split a trace needs"),
     "profile": ("orchestrator.planner.profile_cli", "sweep an engine into a performance profile"),
     "check-config": ("orchestrator.config_cli", "validate a configuration file"),
+    "hash-key": ("orchestrator.gateway.hash_key_cli", "the SHA-256 digest of a client API key (auth.keys)"),
 }
 
 

@@ -23,7 +23,7 @@ from orchestrator.clock import Clock
 from orchestrator.config import DyadConfig
 from orchestrator.disagg import admin_routes as disagg_admin
 from orchestrator.errors import ApiError, error_body
-from orchestrator.gateway import admin, openai_routes
+from orchestrator.gateway import admin, admission, openai_routes
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.planner.install import install as planner_install
 from orchestrator.planner.routes import planner_router
@@ -133,6 +133,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         rt = runtime or GatewayRuntime(config, clock=clock, metrics=metrics)
         disagg.install(rt)  # P/D pair selection, the P/D executor and role changes (orchestrator.disagg)
+        admission.install(rt)  # keys, rate limits, admission control, priority queue (runtime.intake)
         app.state.runtime = rt
         await rt.start()
         planner_install(rt, lambda: metrics_text(rt))  # the SLO planner loop, when planner.enabled

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -15,12 +16,12 @@ from starlette.responses import Response
 
 from orchestrator.errors import ModelNotFound
 from orchestrator.gateway import request as rq
-from orchestrator.gateway.auth import check_client
 from orchestrator.gateway.executor import UpstreamCall
 from orchestrator.gateway.proxy import ProxyResponse
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.router.estimate import estimate_prompt_tokens
 from orchestrator.router.types import RouteRequest
+from orchestrator.telemetry.logging import bind_request_id
 
 MAX_REQUEST_ID = 128
 
@@ -34,15 +35,18 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
-async def _completion(request: Request, endpoint: str, label: str) -> ProxyResponse:
+async def _completion(request: Request, endpoint: str, label: str) -> Any:
     started = time.perf_counter()
     rt: GatewayRuntime = request.app.state.runtime
     rid = request_id_of(request)
+    bind_request_id(rid)  # every log line of this request carries it (orchestrator.telemetry.logging)
     gw = rt.config.gateway
-    check_client(request, gw.api_keys)
+    intake = rt.intake  # orchestrator.gateway.admission: auth, rate limits, admission control, queue
+    client = intake.authenticate(request)
     body = rq.parse_json_object(await rq.read_body(request, gw.max_body_bytes))
     model = rq.validate(endpoint, body)
     canonical = rt.config.model(model)
+    client.check_model(model, (canonical.name, *canonical.aliases) if canonical is not None else ())
     if canonical is not None and canonical.name != model:
         model = body["model"] = canonical.name  # an alias: the engines know the model by its name
     if not rt.fleet.knows_model(model):
@@ -54,9 +58,10 @@ async def _completion(request: Request, endpoint: str, label: str) -> ProxyRespo
     route_req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
                              max_tokens=max_tokens, block_size=block_size,
                              session_key=request.headers.get(session_header))
+    slot = await intake.admit(client, route_req, request.headers)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
     rt.metrics.inflight.labels(model).inc()
-    return ProxyResponse(rt, call, route_req, label, started)
+    return intake.wrap(ProxyResponse(rt, call, route_req, label, started), model, rid, slot)
 
 
 async def chat_completions(request: Request) -> ProxyResponse:
@@ -70,6 +75,7 @@ async def completions(request: Request) -> ProxyResponse:
 async def list_models(request: Request) -> Response:
     rt: GatewayRuntime = request.app.state.runtime
     request_id_of(request)
-    check_client(request, rt.config.gateway.api_keys)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "dyad"} for name in rt.fleet.models()]
+    client = rt.intake.authenticate(request)
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "dyad"} for name in rt.fleet.models()
+            if client.allows(name)]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

@@ -43,6 +43,13 @@ class DyadMetrics:
         self.upstream_errors = Counter("dyad_upstream_errors_total", "Failed attempts towards engines",
                                        ["worker", "kind"], registry=r)
         self.retries = Counter("dyad_retries_total", "Requests retried on another worker", ["model"], registry=r)
+        self.stream_failovers = Counter("dyad_stream_failovers_total",
+                                        "Streams whose worker failed mid-stream, by outcome (continued on "
+                                        "another worker, completed, ended with an error event)",
+                                        ["outcome"], registry=r)
+        self.breaker_transitions = Counter("dyad_circuit_breaker_transitions_total",
+                                           "Circuit breaker state changes per worker", ["worker", "state"],
+                                           registry=r)
         self.client_disconnects = Counter("dyad_client_disconnects_total",
                                           "Client went away; upstream request cancelled", ["model"], registry=r)
         # --- routing
@@ -114,6 +121,17 @@ class DyadMetrics:
         # --- overload / admission
         self.rejected = Counter("dyad_rejected_requests_total", "Requests refused before dispatch",
                                 ["reason"], registry=r)
+        self.queue_depth = Gauge("dyad_admission_queue_depth", "Requests waiting for a dispatch slot",
+                                 ["priority"], registry=r)
+        self.queue_wait = Histogram("dyad_admission_queue_wait_seconds",
+                                    "Time admitted requests waited for a dispatch slot", ["priority"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.predicted_ttft = Histogram("dyad_admission_predicted_ttft_seconds",
+                                        "Predicted time to first token on the best candidate worker",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.rate_limit_fallbacks = Counter("dyad_rate_limit_local_fallbacks_total",
+                                            "Rate-limit decisions taken on local buckets because Redis was "
+                                            "unreachable", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,345 @@
+"""Intake: what happens to a request between authentication and routing.
+
+In order, each step refusing early with an OpenAI-shaped error:
+
+1. **who** — the key (``auth.KeyRing``) and its model allow-list (403 naming the model);
+2. **how often** — the key's token buckets (``limits.RateLimiter``, 429 + ``Retry-After``);
+3. **will it make it** — admission control: the time to first token is predicted on every
+   candidate worker (``TtftPredictor``); when it exceeds ``limits.ttft_slo_s`` everywhere, the
+   request is refused now (503/429 + ``Retry-After``) instead of queuing work that will miss;
+4. **when** — the dispatch gate (``AdmissionGate``): with ``limits.max_inflight_per_worker`` set,
+   at most that many requests per healthy worker are dispatched; the rest wait in one bounded
+   queue served by priority class (high, normal, low; FIFO within a class). A full queue refuses
+   the newcomer, unless it outranks someone waiting, who is then shed instead.
+
+``install(runtime)`` builds the per-gateway ``Intake`` at ``runtime.intake``; the OpenAI routes
+call ``intake.admit`` once per request and wrap the proxy response so the dispatch slot is given
+back when the response ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from adapters.base import Histogram
+from orchestrator.config import PRIORITIES, LimitsConfig
+from orchestrator.errors import ApiError
+from orchestrator.fleet.worker import Worker
+from orchestrator.gateway.auth import ClientIdentity, KeyRing
+from orchestrator.gateway.limits import RateLimiter
+from orchestrator.telemetry.logging import request_context
+
+if TYPE_CHECKING:
+    from orchestrator.gateway.runtime import GatewayRuntime
+    from orchestrator.router.types import RouteRequest
+    from orchestrator.telemetry.metrics import DyadMetrics
+
+log = logging.getLogger("dyad.gateway.admission")
+
+LEARN_ALPHA = 0.3  # weight of the newest throughput sample in the per-worker average
+MIN_SAMPLE_REQUESTS = 1.0
+
+
+class Overloaded(ApiError):
+    """Refused because the fleet is too busy (status from ``limits.reject_status``)."""
+
+    type = "overloaded_error"
+
+    def __init__(self, message: str, *, status: int, code: str, retry_after: int) -> None:
+        super().__init__(message, status=status, code=code, headers={"Retry-After": str(max(1, retry_after))})
+
+
+# --- 3. admission control: predicted time to first token ----------------------------------------
+
+@dataclass
+class _Learned:
+    ttft: Histogram | None = None
+    queue: Histogram | None = None
+    prompt: Histogram | None = None
+    scraped_at: float = -1.0
+    tokens_per_s: float | None = None
+
+
+class TtftPredictor:
+    """Predicts a request's time to first token on a worker from plain data (no I/O, no clock).
+
+    TTFT ≈ (prefill tokens queued ahead + this prompt) / prefill throughput. Tokens queued ahead
+    are the larger of the gateway's own count (dispatched, no first token yet, including other
+    replicas' shared reservations) and the engine's waiting requests times its mean prompt. The
+    throughput is ``limits.prefill_tokens_per_s`` when configured, else learned per worker from
+    successive scrapes: prompt tokens of finished requests over the time they spent in prefill
+    (TTFT minus queue time when the engine reports queue time). No throughput known = no
+    prediction, and the request is admitted.
+    """
+
+    def __init__(self, tokens_per_s: float | None = None) -> None:
+        self.configured = tokens_per_s
+        self._learned: dict[str, _Learned] = {}
+
+    def throughput(self, worker: Worker) -> float | None:
+        if self.configured is not None:
+            return self.configured
+        load = worker.load
+        state = self._learned.setdefault(worker.id, _Learned())
+        if load.scraped_at != state.scraped_at and load.ttft is not None and load.prompt_len is not None:
+            if state.ttft is not None and state.prompt is not None:
+                self._learn(state, load.ttft.minus(state.ttft), load.prompt_len.minus(state.prompt),
+                            load.queue_time.minus(state.queue) if load.queue_time and state.queue else None)
+            state.ttft, state.prompt, state.queue = load.ttft, load.prompt_len, load.queue_time
+            state.scraped_at = load.scraped_at
+        return state.tokens_per_s
+
+    @staticmethod
+    def _learn(state: _Learned, ttft: Histogram, prompt: Histogram, queue: Histogram | None) -> None:
+        if ttft.count < MIN_SAMPLE_REQUESTS or prompt.count < MIN_SAMPLE_REQUESTS:
+            return
+        busy = ttft.sum - (queue.sum if queue is not None and queue.count == ttft.count else 0.0)
+        if busy <= 0 or prompt.sum <= 0:
+            return
+        sample = prompt.sum / busy
+        prev = state.tokens_per_s
+        state.tokens_per_s = sample if prev is None else prev + LEARN_ALPHA * (sample - prev)
+
+    def queued_tokens(self, worker: Worker, peer_prefill_tokens: int = 0) -> float:
+        own = worker.inflight_prefill_tokens + peer_prefill_tokens
+        load = worker.load
+        mean_prompt = load.prompt_len.mean() if load.prompt_len is not None else None
+        engine = load.waiting * mean_prompt if mean_prompt else 0.0
+        return max(float(own), engine)
+
+    def predict(self, worker: Worker, prompt_tokens: int, peer_prefill_tokens: int = 0) -> float | None:
+        tps = self.throughput(worker)
+        if not tps:
+            return None
+        return (self.queued_tokens(worker, peer_prefill_tokens) + prompt_tokens) / tps
+
+
+# --- 4. the dispatch gate: bounded priority queue ------------------------------------------------
+
+@dataclass(order=True)
+class _Waiter:
+    rank: int
+    seq: int
+    model: str = field(compare=False)
+    future: asyncio.Future[None] = field(compare=False)
+    since: float = field(compare=False, default=0.0)
+
+
+class AdmissionGate:
+    """Dispatch slots per model (``capacity(model)``), with one bounded priority queue in front."""
+
+    def __init__(self, capacity: Any, queue_size: int, timeout_s: float, reject_status: int,
+                 retry_after_s: int, metrics: DyadMetrics | None = None) -> None:
+        self.capacity = capacity  # model -> slots (0 = let the router decide, no queueing)
+        self.queue_size = queue_size
+        self.timeout_s = timeout_s
+        self.reject_status = reject_status
+        self.retry_after_s = retry_after_s
+        self.metrics = metrics
+        self.active: dict[str, int] = {}
+        self._queues: dict[str, list[_Waiter]] = {}
+        self._queued = 0
+        self._seq = itertools.count()
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def _depth(self, rank: int, delta: int) -> None:
+        self._queued += delta
+        if self.metrics is not None:
+            self.metrics.queue_depth.labels(PRIORITIES[rank]).inc(delta)
+
+    async def acquire(self, model: str, rank: int) -> None:
+        """Return once a slot for ``model`` is held (give it back with ``release``), or raise ``Overloaded``."""
+        cap = self.capacity(model)
+        active = self.active.get(model, 0)
+        queue = self._queues.setdefault(model, [])
+        if cap <= 0 or (active < cap and not queue):
+            self.active[model] = active + 1
+            return
+        if self._queued >= self.queue_size and not self._shed_for(rank):
+            raise Overloaded(f"The gateway's queue is full ({self.queue_size} requests waiting, "
+                             "limits.queue_size). Retry later.", status=self.reject_status, code="queue_full",
+                             retry_after=self.retry_after_s)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(rank, next(self._seq), model, loop.create_future(), time.perf_counter())
+        heapq.heappush(queue, waiter)
+        self._depth(rank, +1)
+        try:
+            await self._wait(waiter)
+        except BaseException:
+            if waiter in queue:
+                queue.remove(waiter)
+                heapq.heapify(queue)
+                self._depth(rank, -1)
+            elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(model)  # a slot was handed over as we gave up: pass it on
+            raise
+        if self.metrics is not None:
+            self.metrics.queue_wait.labels(PRIORITIES[rank]).observe(time.perf_counter() - waiter.since)
+
+    async def _wait(self, waiter: _Waiter) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Overloaded(f"No dispatch slot freed within {self.timeout_s:g} s (limits.queue_timeout_s). "
+                                 "Retry later.", status=self.reject_status, code="queue_timeout",
+                                 retry_after=self.retry_after_s)
+            try:
+                # Wake up now and then: capacity grows when workers come back, without any release.
+                await asyncio.wait_for(asyncio.shield(waiter.future), min(left, 0.25))
+                return
+            except TimeoutError:
+                self._dispatch(waiter.model)
+                if waiter.future.done():
+                    waiter.future.result()
+                    return
+
+    def _shed_for(self, rank: int) -> bool:
+        """Make room for a request of ``rank`` by refusing the lowest-priority, newest waiter below it."""
+        worst: _Waiter | None = None
+        for q in self._queues.values():
+            for w in q:
+                if w.rank > rank and (worst is None or (w.rank, w.seq) > (worst.rank, worst.seq)):
+                    worst = w
+        if worst is None:
+            return False
+        q = self._queues[worst.model]
+        q.remove(worst)
+        heapq.heapify(q)
+        self._depth(worst.rank, -1)
+        worst.future.set_exception(Overloaded(
+            "Shed from the gateway's queue to make room for higher-priority work. Retry later.",
+            status=self.reject_status, code="shed_for_priority", retry_after=self.retry_after_s))
+        return True
+
+    def release(self, model: str) -> None:
+        self.active[model] = max(0, self.active.get(model, 0) - 1)
+        self._dispatch(model)
+
+    def _dispatch(self, model: str) -> None:
+        queue = self._queues.get(model)
+        cap = self.capacity(model)
+        while queue and (cap <= 0 or self.active.get(model, 0) < cap):
+            w = heapq.heappop(queue)
+            self._depth(w.rank, -1)
+            if w.future.done():
+                continue
+            self.active[model] = self.active.get(model, 0) + 1
+            w.future.set_result(None)
+
+
+def _nothing() -> None:
+    return None
+
+
+# --- the pipeline --------------------------------------------------------------------------------
+
+class _Admitted:
+    """The proxy response, run with the request's log context, giving its dispatch slot back at the end."""
+
+    __slots__ = ("inner", "release", "rid", "model")
+
+    def __init__(self, inner: Any, release: Any, rid: str, model: str) -> None:
+        self.inner = inner
+        self.release = release
+        self.rid = rid
+        self.model = model
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            with request_context(self.rid, model=self.model):
+                await self.inner(scope, receive, send)
+        finally:
+            self.release()
+
+
+class Intake:
+    def __init__(self, runtime: GatewayRuntime) -> None:
+        cfg = runtime.config
+        lim: LimitsConfig = cfg.limits
+        self.runtime = runtime
+        self.config = lim
+        self.keys = KeyRing(cfg.auth, lim, cfg.gateway.api_keys)
+        redis_url = (lim.redis_url or cfg.index.redis_url) if lim.backend == "redis" else None
+        self.limiter = RateLimiter(runtime.clock, runtime.metrics, redis_url=redis_url, key_prefix=lim.key_prefix)
+        self.predictor = TtftPredictor(lim.prefill_tokens_per_s)
+        self.gate = AdmissionGate(self._capacity, lim.queue_size, lim.queue_timeout_s, lim.reject_status,
+                                  cfg.gateway.retry_after_s, runtime.metrics) \
+            if lim.max_inflight_per_worker else None
+
+    def _capacity(self, model: str) -> int:
+        per = self.config.max_inflight_per_worker or 0
+        return per * len(self.runtime.router.candidates(model))
+
+    def authenticate(self, request: Any) -> ClientIdentity:
+        return self.keys.authenticate(request)
+
+    def rank(self, identity: ClientIdentity, headers: Any) -> int:
+        name = self.config.priority_header
+        return identity.priority_from(headers.get(name), name)
+
+    async def admit(self, identity: ClientIdentity, req: RouteRequest, headers: Any) -> bool:
+        """Rate limits, admission control, then a dispatch slot. True when a slot is held (``wrap`` the
+        response so it is released)."""
+        rank = self.rank(identity, headers)
+        req.priority = rank
+        tokens = req.prompt_tokens + (req.max_tokens if isinstance(req.max_tokens, int) else 0)
+        await self.limiter.check(identity, tokens)
+        if self.config.ttft_slo_s is not None:
+            self.check_ttft(req)
+        if self.gate is None:
+            return False
+        await self.gate.acquire(req.model, rank)
+        return True
+
+    def check_ttft(self, req: RouteRequest) -> None:
+        slo = self.config.ttft_slo_s
+        assert slo is not None
+        best: float | None = None
+        for w in self.runtime.router.candidates(req.model):
+            peer = req.peer_load.get(w.id)
+            ttft = self.predictor.predict(w, req.prompt_tokens, peer.prefill_tokens if peer else 0)
+            if ttft is None:
+                return  # no basis for a prediction on this worker: let it try
+            best = ttft if best is None else min(best, ttft)
+            if ttft <= slo:
+                break
+        if best is None:
+            return  # no candidate: the router answers 503
+        self.runtime.metrics.predicted_ttft.observe(best)
+        if best > slo:
+            log.info("admission: refused, predicted TTFT %.2f s > SLO %.2f s on every worker", best, slo)
+            raise Overloaded(f"Every worker for model '{req.model}' is predicted to take {best:.1f} s or more "
+                             f"to the first token, over the {slo:g} s target (limits.ttft_slo_s). Retry later.",
+                             status=self.config.reject_status, code="ttft_slo",
+                             retry_after=math.ceil(best - slo))
+
+    def wrap(self, response: Any, model: str, rid: str, slot: bool) -> _Admitted:
+        """``response`` run in the request's log context; gives the dispatch slot back (when ``slot``) at its end."""
+        gate = self.gate
+        release = (lambda: gate.release(model)) if slot and gate is not None else _nothing
+        return _Admitted(response, release, rid, model)
+
+    async def run(self) -> None:
+        """Lives as a runtime task so that stopping the gateway closes the limiter's Redis connection."""
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.limiter.close()
+
+
+def install(runtime: GatewayRuntime) -> Intake:
+    intake = Intake(runtime)
+    runtime.intake = intake  # type: ignore[attr-defined]
+    runtime.add_task(intake.run(), name="dyad-intake")
+    return intake

@@ -1,0 +1,194 @@
+"""Per-key rate limits: token buckets for requests per minute and tokens per minute.
+
+A key with ``rpm: 60`` has a bucket of 60 request tokens refilled at one per second; a request
+takes one, and is refused with 429 and ``Retry-After`` (seconds until it would fit) when the
+bucket is short. ``tpm`` works the same with the request's token cost (prompt estimate plus
+``max_tokens``). A request costlier than a whole bucket is let through only when the bucket is
+full and leaves it in debt, so one huge request cannot be refused forever.
+
+Both buckets of a key are checked and charged together (never one without the other). With
+``limits.backend: redis`` the buckets live in Redis, so every gateway replica draws from the same
+budget: one Lua script refills (on Redis' own clock, the same for every replica), checks and
+charges atomically. While Redis is unreachable the limiter decides on this process' local
+buckets (each replica then enforces the full limit on its own) and tries Redis again a second
+later; decisions never wait on a dead Redis for longer than a short socket timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.clock import Clock
+from orchestrator.errors import RateLimited
+
+if TYPE_CHECKING:
+    from orchestrator.gateway.auth import ClientIdentity
+    from orchestrator.telemetry.metrics import DyadMetrics
+
+log = logging.getLogger("dyad.gateway.limits")
+
+REDIS_RETRY_S = 1.0  # after a Redis failure, decide locally for this long before trying Redis again
+REDIS_TIMEOUT_S = 0.25
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One bucket to draw from: ``capacity`` per minute, ``cost`` for this request."""
+
+    dimension: str  # "requests" | "tokens"
+    capacity: float
+    cost: float
+
+    @property
+    def per_s(self) -> float:
+        return self.capacity / 60.0
+
+
+def limits_for(identity: ClientIdentity, tokens: int) -> list[Limit]:
+    out = []
+    if identity.rpm:
+        out.append(Limit("requests", float(identity.rpm), 1.0))
+    if identity.tpm:
+        out.append(Limit("tokens", float(identity.tpm), float(max(1, tokens))))
+    return out
+
+
+class LocalBuckets:
+    """Token buckets in this process. Pure: time comes in as ``now``."""
+
+    def __init__(self, max_keys: int = 100_000) -> None:
+        self._buckets: dict[tuple[str, str], list[float]] = {}  # (key, dimension) → [level, updated]
+        self.max_keys = max_keys
+
+    def take(self, key: str, limits: list[Limit], now: float) -> tuple[float, int]:
+        """Charge every bucket and return (0, -1), or charge nothing and return (seconds to wait,
+        index of the limit that needs the longest wait)."""
+        levels = []
+        wait, short = 0.0, -1
+        for i, lim in enumerate(limits):
+            b = self._buckets.get((key, lim.dimension))
+            level = lim.capacity if b is None else min(lim.capacity, b[0] + max(0.0, now - b[1]) * lim.per_s)
+            need = min(lim.cost, lim.capacity)
+            if level < need and (need - level) / lim.per_s > wait:
+                wait, short = (need - level) / lim.per_s, i
+            levels.append(level)
+        if wait > 0:
+            return wait, short
+        if len(self._buckets) > self.max_keys:
+            self._buckets.clear()  # a full bucket is the default state: forgetting only forgives
+        for lim, level in zip(limits, levels, strict=True):
+            self._buckets[(key, lim.dimension)] = [level - lim.cost, now]
+        return 0.0, -1
+
+
+# KEYS: one bucket hash per limit. ARGV: capacity, refill per ms, cost for each key in order.
+# Returns {0, 0} when charged, else {milliseconds to wait, 1-based index of the shortest bucket}. Time is Redis' own (TIME), so replicas agree.
+TAKE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local levels = {}
+local wait, short = 0, 0
+for i, key in ipairs(KEYS) do
+  local cap = tonumber(ARGV[3 * i - 2])
+  local rate = tonumber(ARGV[3 * i - 1])
+  local cost = tonumber(ARGV[3 * i])
+  local b = redis.call('HMGET', key, 'level', 'ts')
+  local level = tonumber(b[1])
+  if level == nil then
+    level = cap
+  else
+    level = math.min(cap, level + math.max(0, now - tonumber(b[2])) * rate)
+  end
+  local need = math.min(cost, cap)
+  if level < need and (need - level) / rate > wait then wait, short = (need - level) / rate, i end
+  levels[i] = level
+end
+if wait > 0 then return {math.ceil(wait), short} end
+for i, key in ipairs(KEYS) do
+  local cap = tonumber(ARGV[3 * i - 2])
+  local rate = tonumber(ARGV[3 * i - 1])
+  local left = levels[i] - tonumber(ARGV[3 * i])
+  redis.call('HSET', key, 'level', tostring(left), 'ts', tostring(now))
+  redis.call('PEXPIRE', key, math.ceil((cap - left) / rate) + 1000)
+end
+return {0, 0}
+"""
+
+
+class RateLimiter:
+    """Checks a request against its key's buckets; raises ``RateLimited`` (429 + Retry-After)."""
+
+    def __init__(self, clock: Clock, metrics: DyadMetrics | None = None, *, redis_url: str | None = None,
+                 key_prefix: str = "dyad") -> None:
+        self.clock = clock
+        self.metrics = metrics
+        self.local = LocalBuckets()
+        self.redis_url = redis_url
+        self.key_prefix = key_prefix
+        self._redis: Any = None
+        self._script: Any = None
+        self._redis_down_until = 0.0
+        self._redis_down = False
+
+    @property
+    def shared(self) -> bool:
+        return self.redis_url is not None
+
+    async def check(self, identity: ClientIdentity, tokens: int) -> None:
+        limits = limits_for(identity, tokens)
+        if not limits:
+            return
+        wait, short = await self._take(identity.name, limits)
+        if wait > 0:
+            lim = limits[short]
+            what = f"{lim.capacity:g} {lim.dimension} per minute"
+            retry = max(1, math.ceil(wait))
+            raise RateLimited(f"Rate limit of API key '{identity.name}' reached ({what}). Retry in {retry} s.",
+                              code="tpm_exceeded" if lim.dimension == "tokens" else "rpm_exceeded",
+                              headers={"Retry-After": str(retry)})
+
+    async def _take(self, name: str, limits: list[Limit]) -> tuple[float, int]:
+        now = self.clock.now()
+        if self.redis_url is not None and now >= self._redis_down_until:
+            try:
+                result = await self._take_redis(name, limits)
+            except Exception as e:  # noqa: BLE001 - any Redis failure: decide locally, retry later
+                self._redis_down_until = now + REDIS_RETRY_S
+                if not self._redis_down:
+                    log.warning("rate limits: Redis unreachable (%s: %s); using local buckets",
+                                type(e).__name__, e)
+                self._redis_down = True
+            else:
+                if self._redis_down:
+                    log.warning("rate limits: Redis is back; buckets shared again")
+                self._redis_down = False
+                return result
+        if self.redis_url is not None and self.metrics is not None:
+            self.metrics.rate_limit_fallbacks.inc()
+        return self.local.take(name, limits, now)
+
+    async def _take_redis(self, name: str, limits: list[Limit]) -> tuple[float, int]:
+        if self._redis is None:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.from_url(self.redis_url, socket_timeout=REDIS_TIMEOUT_S,
+                                            socket_connect_timeout=REDIS_TIMEOUT_S, retry_on_timeout=False)
+            self._script = self._redis.register_script(TAKE_LUA)
+        # One hash tag per key name: both buckets in the same cluster slot.
+        keys = [f"{self.key_prefix}:rl:{{{name}}}:{lim.dimension}" for lim in limits]
+        args: list[float] = []
+        for lim in limits:
+            args += [lim.capacity, lim.per_s / 1000.0, lim.cost]
+        wait_ms, short = await self._script(keys=keys, args=args)
+        return int(wait_ms) / 1000.0, int(short) - 1
+
+    async def close(self) -> None:
+        if self._redis is not None:
+            client, self._redis = self._redis, None
+            try:
+                await client.aclose()
+            except Exception:  # noqa: BLE001 - closing a dead connection
+                pass
