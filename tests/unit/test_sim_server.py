@@ -271,10 +271,13 @@ def test_sglang_dialect_surface():
         with c.stream("POST", "/generate", json={"text": "hello world", "stream": True,
                                                  "sampling_params": {"max_new_tokens": 3}}) as s:
             data = sse(s.iter_lines())
-        assert data[-1] == "[DONE]" and len(data) == 4
         import json
 
+        # One chunk per emitted batch: 3 tokens arrive in up to 3 chunks (fewer when the machine is so loaded
+        # that the engine loop emits several tokens in one wake-up), then [DONE].
+        assert data[-1] == "[DONE]" and 2 <= len(data) <= 4
         assert json.loads(data[-2])["text"] == r["text"]  # cumulative text, like SGLang
+        assert len(json.loads(data[-2])["output_ids"]) >= 1
         assert c.post("/generate", json={"sampling_params": {}}).status_code == 400
         m = c.get("/metrics").text
         for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
