@@ -6,11 +6,16 @@ re-encoding). Until the first byte of a successful answer nothing has reached th
 worker that cannot be reached, or answers 5xx, is left out and the request is routed again (up to
 ``gateway.max_attempts``). A watcher on the client connection cancels everything if the client
 goes away: the upstream connection is closed, which makes vLLM abort the request.
+
+Failure handling lives beside it: retries wait a jittered exponential backoff and skip workers
+whose circuit breaker is open (``resilience.py``); a stream whose worker dies is continued on
+another worker or ended with an SSE error event (``failover.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +24,7 @@ import orjson
 
 from orchestrator.errors import ApiError, GatewayTimeout, NoHealthyWorker, UpstreamError
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall
+from orchestrator.gateway.failover import StreamRelay
 from orchestrator.gateway.responses import engine_error_body, send_bytes, send_error
 from orchestrator.router.types import RouteDecision, RouteRequest
 
@@ -28,6 +34,7 @@ if TYPE_CHECKING:
 RETRY_STATUSES = frozenset({500, 502, 503, 504})  # answered before any byte: another worker may do better
 UNAVAILABLE_STATUSES = frozenset({502, 503})  # the engine says it cannot serve: counts against its health
 _PASS_HEADERS = (b"content-type", b"content-encoding")
+_JITTER = random.Random()
 
 
 class _Attempt:
@@ -51,6 +58,8 @@ class ProxyResponse:
         self._done = False
         self._attempt: _Attempt | None = None
         self._first_token_at: float | None = None
+        self._tried: set[str] = set()  # workers that failed this request (never tried again for it)
+        self.upstream: httpx.Response | None = None  # the engine response being relayed
 
     # --- ASGI entry ------------------------------------------------------------------------------
 
@@ -59,7 +68,9 @@ class ProxyResponse:
         assert task is not None
         watcher = asyncio.ensure_future(self._watch_disconnect(receive, task))
         try:
-            timeout = self.rt.config.gateway.request_timeout_s
+            # A stream is bounded by its idle timeout (failover.py), and in total only if configured.
+            timeout = self.rt.config.resilience.stream_timeout_s if self.call.stream \
+                else self.rt.config.gateway.request_timeout_s
             async with asyncio.timeout(timeout):
                 await self._run(send)
         except asyncio.CancelledError:
@@ -73,9 +84,10 @@ class ProxyResponse:
             if self.status == 0:
                 self.status = 504
                 self._done = True
+                which = "resilience.stream_timeout_s" if self.call.stream else "gateway.request_timeout_s"
                 await send_error(send, GatewayTimeout(
-                    f"The request did not complete within {self.rt.config.gateway.request_timeout_s:g} s "
-                    "(gateway.request_timeout_s).", code="timeout"), self._headers())
+                    f"The request did not complete within {timeout:g} s ({which}).", code="timeout"),
+                    self._headers())
         finally:
             self._done = True
             watcher.cancel()
@@ -110,12 +122,15 @@ class ProxyResponse:
     async def _run(self, send: Any) -> None:
         try:
             attempt = await self._open()
+            if not self.call.stream and attempt.response.status_code < 400:
+                body = await self._read_whole(attempt)
         except ApiError as err:
             self.status = err.status
             self._done = True
             await send_error(send, err, self._headers())
             return
-        response = attempt.response
+        assert self._attempt is not None  # _read_whole may have moved to another worker
+        response = self.upstream = self._attempt.response
         try:
             if response.status_code >= 400:
                 raw = await response.aread()
@@ -126,46 +141,95 @@ class ProxyResponse:
             elif self.call.stream:
                 await self._stream(send, response)
             else:
-                await self._whole(send, response)
+                await self._whole(send, response, body)
         finally:
-            await response.aclose()
+            await self.upstream.aclose()
 
-    async def _open(self) -> _Attempt:
-        """Route and send until a worker answers something other than a retryable failure."""
+    async def _read_whole(self, attempt: _Attempt) -> bytes:
+        """A non-streamed answer, read in full before the client sees anything: if the engine dies
+        while sending it, the request is sent again elsewhere (within ``gateway.max_attempts``)."""
+        attempts = 1
+        while True:
+            try:
+                chunks = [chunk async for chunk in attempt.response.aiter_raw()]
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            except httpx.HTTPError as e:
+                await attempt.response.aclose()
+                self._attempt_failed(attempt.decision, AttemptFailed(
+                    attempt.decision.worker, "protocol", f"answer broke off: {type(e).__name__}: {e}",
+                    reachable=False))
+                self._attempt = None
+                attempts += 1
+                if attempts > self.rt.config.gateway.max_attempts:
+                    raise NoHealthyWorker(self.call.model, self.rt.config.gateway.retry_after_s,
+                                          reason=f"the answer broke off on every attempt: {e}") from None
+                attempt = await self._open(retry=True)
+                if attempt.response.status_code >= 400:
+                    raw = await attempt.response.aread()
+                    await attempt.response.aclose()
+                    raise UpstreamError(attempt.response.status_code, orjson.loads(
+                        engine_error_body(attempt.response.status_code, raw))["error"]["message"]) from None
+
+    def _attempt_failed(self, decision: RouteDecision, e: AttemptFailed) -> None:
         rt = self.rt
+        now = rt.clock.now()
+        rt.router.finish(decision, self.req, ok=False)
+        rt.metrics.upstream_errors.labels(e.worker.id, e.kind).inc()
+        rt.breakers.record_failure(e.worker.id, now)
+        if not e.reachable:
+            rt.fleet.mark_failed(e.worker, now, str(e))
+
+    async def _open(self, call: UpstreamCall | None = None, *, retry: bool = False) -> _Attempt:
+        """Route and send until a worker answers something other than a retryable failure.
+
+        Workers that failed this request, and workers whose circuit breaker is open, are skipped;
+        each retry first waits ``Backoff.delay`` (``resilience.backoff_*``). ``call`` replaces the
+        client's request (a stream continuation); ``retry`` says an earlier attempt failed already.
+        """
+        rt = self.rt
+        call = call or self.call
         max_attempts = rt.config.gateway.max_attempts
-        tried: set[str] = set()
+        tried = self._tried
         last_error: ApiError | None = None
         for attempt_no in range(max_attempts):
+            if attempt_no or retry:
+                await asyncio.sleep(rt.backoff.delay(attempt_no + (1 if retry else 0), _JITTER))
+            blocked = rt.breakers.blocked(rt.clock.now())
             try:
-                decision = await rt.router.route(self.req, self.call.body, self.call.endpoint, tried)
+                decision = await rt.router.route(self.req, call.body, call.endpoint,
+                                                 tried | blocked if blocked else tried)
             except NoHealthyWorker:
                 if last_error is not None:
                     raise last_error from None
                 raise
-            if attempt_no:
-                rt.metrics.retries.labels(self.call.model).inc()
+            if attempt_no or retry:
+                rt.metrics.retries.labels(call.model).inc()
             worker = decision.worker
             tried.add(worker.id)
             if decision.prefill_worker is not None:
                 tried.add(decision.prefill_worker.id)
             rt.router.begin(decision, self.req)
+            probe = rt.breakers.dispatched(worker.id)
             try:
-                response = await rt.executor_for(decision).open(self.call, decision)
+                response = await rt.executor_for(decision).open(call, decision)
             except AttemptFailed as e:
-                rt.router.finish(decision, self.req, ok=False)
-                rt.metrics.upstream_errors.labels(e.worker.id, e.kind).inc()
-                if not e.reachable:
-                    rt.fleet.mark_failed(e.worker, rt.clock.now(), str(e))
+                self._attempt_failed(decision, e)
                 if e.kind == "timeout":  # the engine may still be working on it: do not send it twice
                     raise GatewayTimeout(str(e), code="upstream_timeout") from None
-                last_error = NoHealthyWorker(self.call.model, rt.config.gateway.retry_after_s,
+                last_error = NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
                                              reason=f"attempt {attempt_no + 1} failed: {e}")
                 continue
             except BaseException:
                 rt.router.finish(decision, self.req, ok=False)
                 raise
+            finally:
+                if probe:
+                    rt.breakers.probe_done(worker.id)
             status = response.status_code
+            if status in RETRY_STATUSES:
+                rt.breakers.record_failure(worker.id, rt.clock.now())
+            else:
+                rt.breakers.record_success(worker.id, rt.clock.now())
             if status in RETRY_STATUSES and attempt_no + 1 < max_attempts:
                 raw = await response.aread()
                 await response.aclose()
@@ -190,28 +254,13 @@ class ProxyResponse:
         self.status = response.status_code
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": self._response_headers(response, None)})
-        tail = b""
-        try:
-            async for chunk in response.aiter_raw():
-                if self._first_token_at is None:
-                    self._mark_first_token()
-                tail = chunk
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as e:
-            # Too late to change the status: end the stream with an SSE error event, as vLLM does.
-            self.rt.metrics.upstream_errors.labels(self._worker_label(), "stream").inc()
-            self.status = 502
-            err = {"error": {"message": f"upstream stream broke: {type(e).__name__}: {e}",
-                             "type": "upstream_error", "param": None, "code": 502}}
-            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(err) + b"\n\n",
-                        "more_body": True})
-        self._done = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        self._observe_usage_sse(tail)
+        # Too late to change the status from here on: a broken upstream is continued on another
+        # worker, or the stream ends with an SSE error event (failover.py).
+        relay = StreamRelay(self)
+        await relay.run(send, response)
+        self._observe_usage_sse(relay.tail)
 
-    async def _whole(self, send: Any, response: httpx.Response) -> None:
-        chunks = [chunk async for chunk in response.aiter_raw()]
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    async def _whole(self, send: Any, response: httpx.Response, body: bytes) -> None:
         self._mark_first_token()
         self.status = response.status_code
         self._done = True

@@ -24,6 +24,7 @@ from orchestrator.fleet.health import HealthChecker
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.scrape import MetricsScraper
 from orchestrator.gateway.executor import AggregatedExecutor, Executor
+from orchestrator.gateway.resilience import Backoff, CircuitBreakers
 from orchestrator.gateway.transport import FastTransport
 from orchestrator.router.policies import make_policy
 from orchestrator.router.router import PrefixTracker, Router
@@ -81,6 +82,12 @@ class GatewayRuntime:
         self.scraper = MetricsScraper(self.fleet, self.http, config.scrape, self.clock, self.adapter_for,
                                       self.metrics)
         self._tasks: list[asyncio.Task[Any]] = []
+        # Failure isolation on the request path (orchestrator/gateway/resilience.py).
+        res = config.resilience
+        self.backoff = Backoff(res.backoff_base_s, res.backoff_max_s)
+        self.breakers = CircuitBreakers.from_config(
+            res, on_change=lambda wid, state: self.metrics.breaker_transitions.labels(wid, state.value).inc())
+        self.fleet.subscribe(lambda event, w: self.breakers.forget(w.id) if event == "removed" else None)
         if config.router.policy == "kv_aware":  # prefix-aware routing: tokenizer, index, KV events (orchestrator.kv)
             from orchestrator.kv.tracker import build_prefix_tracker
             self.prefix_tracker = build_prefix_tracker(config, self.fleet, self.metrics, self.clock,

@@ -1,0 +1,399 @@
+"""Mid-stream failover: when a worker dies while streaming, finish the stream on another worker.
+
+Once a stream's first byte has reached the client the status (200) cannot change, and a stream that
+just stops is a silent truncation the client may take for a complete answer. So the relay keeps what
+the client has been sent (whole SSE events only: an event split across engine chunks is held back
+until it is complete), and when the upstream breaks — connection lost, or silent for longer than
+``resilience.stream_idle_timeout_s`` — it:
+
+1. rebuilds the request as a *continuation*: completions get the text sent so far appended to the
+   prompt; chat gets an assistant message with the partial content and ``continue_final_message:
+   true, add_generation_prompt: false`` (vLLM's chat template continues the last message instead of
+   opening a new turn); ``max_tokens`` (and ``min_tokens``) shrink by the tokens already sent,
+   counted as content-carrying chunks (vLLM sends one token per chunk; a multi-token chunk makes the
+   budget slightly generous, never short);
+2. routes it again, excluding the failed worker, and relays the new stream with the original
+   ``id``/``created`` (the chat role-only opening chunk is dropped; ``usage`` moves the replayed
+   tokens from prompt to completion), so the client sees one stream;
+3. where that is impossible — ``n`` > 1, ``best_of``, logprobs, tools, structured output, ``echo``,
+   ``suffix``, non-text or multiple prompts, a chat on an engine other than vLLM (or Dyad's
+   simulator), no other worker, or ``resilience.max_failovers`` used up — ends the stream with an SSE
+   error event ``data: {"error": {...}}`` and ``data: [DONE]``.
+
+The text of the continuation is not token-for-token what the dead engine would have produced
+(sampling, and re-tokenizing the replayed text can merge tokens across the cut); at temperature 0 it
+is the same text in practice. Only the failure path parses events; the healthy path finds event
+boundaries with one ``rfind`` per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import orjson
+
+from adapters.base import EngineKind
+from orchestrator.errors import ApiError
+from orchestrator.gateway.executor import UpstreamCall
+
+if TYPE_CHECKING:
+    from orchestrator.gateway.proxy import ProxyResponse
+
+log = logging.getLogger(__name__)
+
+CHAT = "/v1/chat/completions"
+DONE_EVENT = b"data: [DONE]\n\n"
+# Defaults the engine applies when max_tokens is absent (OpenAI and vLLM: 16 for completions).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_CHAT_CONTINUABLE = frozenset({EngineKind.VLLM, EngineKind.SIM})
+_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def error_event(message: str, code: str | int = "upstream_stream_failed", type_: str = "upstream_error") -> bytes:
+    """An SSE error event followed by ``[DONE]``: how a stream that cannot complete ends."""
+    err = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return b"data: " + orjson.dumps(err) + b"\n\n" + DONE_EVENT
+
+
+class SseRecorder:
+    """Forwards whole SSE events only and remembers every byte forwarded (for a continuation)."""
+
+    __slots__ = ("_pending", "sent", "done")
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.sent: list[bytes] = []
+        self.done = False  # saw data: [DONE]
+
+    def split(self, chunk: bytes) -> bytes:
+        """The complete events in ``_pending + chunk``; keeps the incomplete tail."""
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._pending = data
+            return b""
+        self._pending = data[cut + 2:]
+        return data[:cut + 2]
+
+    def record(self, out: bytes) -> None:
+        self.sent.append(out)
+        if out.endswith(DONE_EVENT):
+            self.done = True
+
+
+def _events(raw: bytes) -> list[bytes]:
+    """The ``data:`` payloads of complete SSE events in ``raw``."""
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data:"):
+            out.append(line[5:].strip())
+    return out
+
+
+@dataclass
+class SentStream:
+    """What the client has received of a stream (choice 0 only; other choices make it non-continuable)."""
+
+    id: str | None = None
+    created: int | None = None
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    role_sent: bool = False
+    other_choices: bool = False
+    tool_calls: bool = False
+    reasoning: bool = False
+    errored: bool = False
+    done: bool = False
+
+    @property
+    def content(self) -> str:
+        return "".join(self.text)
+
+
+def parse_sent(chunks: list[bytes], chat: bool) -> SentStream:
+    s = SentStream()
+    for payload in _events(b"".join(chunks)):
+        if payload == b"[DONE]":
+            s.done = True
+            continue
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if "error" in obj:
+            s.errored = True
+            continue
+        if s.id is None and isinstance(obj.get("id"), str):
+            s.id = obj["id"]
+            s.created = obj.get("created") if isinstance(obj.get("created"), int) else None
+        for ch in obj.get("choices") or ():
+            if not isinstance(ch, dict):
+                continue
+            if ch.get("index", 0) != 0:
+                s.other_choices = True
+                continue
+            if chat:
+                delta = ch.get("delta") or {}
+                if delta.get("role"):
+                    s.role_sent = True
+                if delta.get("tool_calls"):
+                    s.tool_calls = True
+                if delta.get("reasoning_content") or delta.get("reasoning"):
+                    s.reasoning = True
+                piece = delta.get("content")
+            else:
+                piece = ch.get("text")
+            if isinstance(piece, str) and piece:
+                s.text.append(piece)
+                s.tokens += 1
+            if ch.get("finish_reason"):
+                s.finish_reason = ch["finish_reason"]
+    return s
+
+
+def why_not_continuable(endpoint: str, body: dict[str, Any], engine: EngineKind) -> str | None:
+    """None when a broken stream of this request can be continued elsewhere; else the reason."""
+    n = body.get("n")
+    if n not in (None, 1):
+        return "n > 1"
+    if body.get("best_of") not in (None, 1):
+        return "best_of"
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        return "logprobs"
+    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
+        return "tools"
+    rf = body.get("response_format")
+    if (isinstance(rf, dict) and rf.get("type") not in (None, "text")) or any(body.get(k) for k in _STRUCTURED):
+        return "structured output"
+    if body.get("echo"):
+        return "echo"
+    if endpoint == CHAT:
+        if engine not in _CHAT_CONTINUABLE:
+            return f"chat continuation is not supported on {engine.value} engines"
+        if body.get("continue_final_message"):
+            return "the request already continues a message"
+    else:
+        if not isinstance(body.get("prompt"), str):
+            return "the prompt is not a single string"
+        if body.get("suffix"):
+            return "suffix"
+    return None
+
+
+def continuation_body(endpoint: str, body: dict[str, Any], sent: SentStream) -> dict[str, Any] | None:
+    """The request that produces the rest of the stream; None when the token budget is already spent."""
+    out = dict(body)
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = body.get(key)
+        if isinstance(v, int):
+            if v - sent.tokens < 1:
+                return None
+            out[key] = v - sent.tokens
+    if endpoint != CHAT and body.get("max_tokens") is None:
+        remaining = COMPLETIONS_DEFAULT_MAX_TOKENS - sent.tokens
+        if remaining < 1:
+            return None
+        out["max_tokens"] = remaining
+    if isinstance(body.get("min_tokens"), int):
+        out["min_tokens"] = max(0, body["min_tokens"] - sent.tokens)
+    if endpoint == CHAT:
+        out["messages"] = [*body["messages"], {"role": "assistant", "content": sent.content}]
+        out["continue_final_message"] = True
+        out["add_generation_prompt"] = False
+    else:
+        out["prompt"] = body["prompt"] + sent.content
+    return out
+
+
+class ContinuationRewriter:
+    """Turns a continuation's events into events of the original stream (ids, role chunk, usage)."""
+
+    def __init__(self, sent: SentStream, chat: bool) -> None:
+        self.sent = sent
+        self.chat = chat
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._pending + chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._pending = data
+            return b""
+        self._pending = data[cut + 2:]
+        out = []
+        for payload in _events(data[:cut + 2]):
+            event = self._rewrite(payload)
+            if event is not None:
+                out.append(event)
+        return b"".join(out)
+
+    def _rewrite(self, payload: bytes) -> bytes | None:
+        if payload == b"[DONE]":
+            return DONE_EVENT
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return b"data: " + payload + b"\n\n"
+        if not isinstance(obj, dict) or "error" in obj:
+            return b"data: " + payload + b"\n\n"
+        if self.sent.id is not None:
+            obj["id"] = self.sent.id
+        if self.sent.created is not None and "created" in obj:
+            obj["created"] = self.sent.created
+        choices = obj.get("choices") or []
+        if self.chat and choices and not obj.get("usage"):
+            ch = choices[0]
+            delta = ch.get("delta") or {}
+            if not ch.get("finish_reason") and not delta.get("content") and set(delta) <= {"role", "content"}:
+                return None  # the opening role chunk: the client has it already
+            delta.pop("role", None)
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            moved = self.sent.tokens
+            usage["completion_tokens"] += moved
+            if isinstance(usage.get("prompt_tokens"), int):
+                usage["prompt_tokens"] = max(0, usage["prompt_tokens"] - moved)
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _final_length_event(sent: SentStream, chat: bool) -> bytes:
+    """The closing chunk when the token budget ran out exactly at the cut."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    if chat:
+        choice["delta"] = {}
+        obj = {"id": sent.id, "object": "chat.completion.chunk", "created": sent.created, "choices": [choice]}
+    else:
+        choice["text"] = ""
+        obj = {"id": sent.id, "object": "text_completion", "created": sent.created, "choices": [choice]}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class StreamRelay:
+    """Relays one stream to the client, continuing it on another worker when its worker fails."""
+
+    def __init__(self, proxy: ProxyResponse) -> None:
+        self.proxy = proxy
+        self.rt = proxy.rt
+        self.recorder = SseRecorder()
+        self.chat = proxy.call.endpoint == CHAT
+        self.failovers = 0
+        self.tail = b""
+
+    async def run(self, send: Any, response: httpx.Response) -> None:
+        p = self.proxy
+        rewriter: ContinuationRewriter | None = None
+        while True:
+            failure = await self._pump(send, response, rewriter)
+            if failure is None:
+                break
+            ending, next_response, rewriter = await self._recover(failure)
+            await response.aclose()
+            if next_response is None:
+                if ending:
+                    await self._emit(send, ending)
+                break
+            response = next_response
+            p.upstream = response  # the proxy closes whatever is current when it is done
+        p._done = True  # from here a disconnect is the end of our own response, not the client leaving
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _emit(self, send: Any, out: bytes) -> None:
+        self.recorder.record(out)
+        self.tail = out
+        await send({"type": "http.response.body", "body": out, "more_body": True})
+
+    async def _pump(self, send: Any, response: httpx.Response, rewriter: ContinuationRewriter | None) -> str | None:
+        """Forward until the upstream ends (None) or fails (a description of the failure)."""
+        p = self.proxy
+        res = self.rt.config.resilience
+        loop = asyncio.get_running_loop()
+        idle = res.stream_idle_timeout_s
+        first_wait = self.rt.config.gateway.first_byte_timeout_s if not self.recorder.sent else idle
+        chunks = response.aiter_raw()
+        try:
+            async with asyncio.timeout(loop.time() + first_wait) as deadline:
+                async for chunk in chunks:
+                    deadline.reschedule(None)  # a slow client is not an idle engine
+                    if p._first_token_at is None:
+                        p._mark_first_token()
+                    elif rewriter is not None and p._attempt is not None:
+                        self.rt.router.first_token(p._attempt.decision, p.req)
+                    out = self.recorder.split(chunk) if rewriter is None else rewriter.feed(self.recorder.split(chunk))
+                    if out:
+                        await self._emit(send, out)
+                    deadline.reschedule(loop.time() + idle)
+        except TimeoutError:
+            return f"no data from the engine for {first_wait if not self.recorder.sent else idle:g} s"
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    async def _recover(self, failure: str) -> tuple[bytes, httpx.Response | None, ContinuationRewriter | None]:
+        """After a broken upstream: the bytes that end the stream, or a continuation response to relay."""
+        p = self.proxy
+        rt = self.rt
+        attempt = p._attempt
+        assert attempt is not None
+        worker = attempt.decision.worker
+        now = rt.clock.now()
+        rt.metrics.upstream_errors.labels(worker.id, "stream").inc()
+        rt.breakers.record_failure(worker.id, now)
+        if "no data" not in failure:  # the connection broke: the engine is gone or going
+            rt.fleet.mark_failed(worker, now, f"stream broke: {failure}")
+        rt.router.finish(attempt.decision, p.req, ok=False)
+        p._attempt = None
+        if self.recorder.done:
+            return b"", None, None
+        sent = parse_sent(self.recorder.sent, self.chat)
+        if sent.done or sent.errored:
+            return DONE_EVENT if not sent.done else b"", None, None
+        message = f"the engine stream broke after {sent.tokens} tokens ({failure})"
+        res = rt.config.resilience
+        reason = None
+        if not res.stream_failover:
+            reason = "resilience.stream_failover is off"
+        elif self.failovers >= res.max_failovers:
+            reason = f"resilience.max_failovers={res.max_failovers} reached"
+        elif sent.other_choices or sent.tool_calls or sent.reasoning:
+            reason = "the stream has several choices, tool calls or reasoning"
+        else:
+            reason = why_not_continuable(p.call.endpoint, p.call.body, worker.engine)
+        if reason is not None:
+            return self._give_up(message, reason)
+        if sent.finish_reason is not None:  # every token was sent; only the end markers were lost
+            rt.metrics.stream_failovers.labels("completed").inc()
+            return DONE_EVENT, None, None
+        body = continuation_body(p.call.endpoint, p.call.body, sent)
+        if body is None:
+            rt.metrics.stream_failovers.labels("completed").inc()
+            return _final_length_event(sent, self.chat) + DONE_EVENT, None, None
+        self.failovers += 1
+        call = UpstreamCall(endpoint=p.call.endpoint, body=body, request_id=p.call.request_id, model=p.call.model,
+                            stream=True, headers=p.call.headers)
+        try:
+            attempt = await p._open(call)
+        except ApiError as e:
+            return self._give_up(message, f"no worker could continue it: {e.message}")
+        if attempt.response.status_code >= 400:
+            raw = await attempt.response.aread()
+            await attempt.response.aclose()
+            return self._give_up(message, f"the continuation was refused with HTTP {attempt.response.status_code}: "
+                                          f"{raw[:300].decode('utf-8', 'replace')}")
+        log.warning("request %s: stream on %s broke after %d tokens (%s); continuing on %s", p.call.request_id,
+                    worker.id, sent.tokens, failure, attempt.decision.worker.id)
+        rt.metrics.stream_failovers.labels("continued").inc()
+        return b"", attempt.response, ContinuationRewriter(sent, self.chat)
+
+    def _give_up(self, message: str, reason: str) -> tuple[bytes, None, None]:
+        self.rt.metrics.stream_failovers.labels("error_event").inc()
+        self.proxy.status = 502
+        log.warning("request %s: %s; not continued: %s", self.proxy.call.request_id, message, reason)
+        return error_event(f"{message}; it could not be continued on another worker ({reason}).",
+                           code="upstream_stream_failed"), None, None
