@@ -85,11 +85,26 @@ class SharedLoad:
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self._live: dict[str, tuple[str, str]] = {}  # request id → (worker, current member)
         self._first: dict[str, str] = {}  # request id → its original member, once swapped at first token
+        self._writes: dict[str, asyncio.Task[None]] = {}  # request id → its reservation being written
         self._reserve_s, self._peers_s, self._swap_s = LuaScript(_RESERVE), LuaScript(_PEERS), LuaScript(_SWAP)
         self._task: asyncio.Task[None] | None = None
 
     def _member(self, request_id: str, prefill_tokens: int) -> str:
         return f"{self.replica_id}|{request_id}|{max(0, int(prefill_tokens))}"
+
+    def reserve_soon(self, request_id: str, worker_id: str, prefill_tokens: int) -> None:
+        """``reserve`` without holding the request: the write runs in the background, and this
+        request's later ``first_token`` / ``release`` wait for it, so they never overtake it."""
+        task = asyncio.ensure_future(self.reserve(request_id, worker_id, prefill_tokens))
+        self._writes[request_id] = task
+        task.add_done_callback(lambda _t: self._writes.pop(request_id, None) if self._writes.get(request_id)
+                               is _t else None)
+
+    async def _written(self, request_id: str) -> None:
+        task = self._writes.get(request_id)
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
 
     async def reserve(self, request_id: str, worker_id: str, prefill_tokens: int) -> None:
         member = self._member(request_id, prefill_tokens)
@@ -99,6 +114,7 @@ class SharedLoad:
 
     async def first_token(self, request_id: str) -> None:
         """Prefill done: keep the request counted in flight, with no queued prefill tokens left."""
+        await self._written(request_id)
         entry = self._live.get(request_id)
         if entry is None or request_id in self._first:
             return
@@ -112,6 +128,7 @@ class SharedLoad:
             await self._swap_s.call_keys(self.client, [f"{self.key_prefix}:load:{worker_id}"], [member, done])
 
     async def release(self, request_id: str) -> None:
+        await self._written(request_id)
         entry = self._live.pop(request_id, None)
         original = self._first.pop(request_id, None)
         if entry is None:

@@ -13,12 +13,19 @@ Three sources, tried in this order for a model:
 
 Returns None when the request cannot be tokenized (e.g. images in a chat, engine unreachable):
 routing then falls back to load only for that request. Never raises on client input.
+
+Results are cached (``TokenCache``: bounded LRU keyed by a 128-bit hash of the model and of what
+the template or tokenizer reads from the body), because clients resend the same prompts (retries,
+benchmarks, fixed few-shot prompts) and rendering a chat template + tokenizing an 8k-token prompt
+costs ~15 ms with HF tokenizer files.
 """
 
 from __future__ import annotations
 
+import array
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +35,8 @@ import httpx
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+import orjson
+import xxhash
 from tokenizers import Tokenizer
 
 from adapters.base import EngineAdapter, EngineKind
@@ -172,16 +181,75 @@ def _chat_options(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+CACHE_ENTRIES = 4096
+CACHE_TOKENS = 8_000_000  # ids are kept as uint32 arrays: ~32 MB at most
+
+
+class TokenCache:
+    """Bounded LRU: request key → token ids (stored compactly), by entries and by total tokens."""
+
+    def __init__(self, max_entries: int = CACHE_ENTRIES, max_tokens: int = CACHE_TOKENS) -> None:
+        self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        self._items: OrderedDict[bytes, array.array[int]] = OrderedDict()
+        self._tokens = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @staticmethod
+    def key(model: str, chat: bool, body: dict[str, Any]) -> bytes | None:
+        """A digest of everything that decides the token ids (None if the body cannot be keyed)."""
+        if chat:
+            parts = [model, 1, body.get("messages"), body.get("tools"), body.get("add_generation_prompt"),
+                     body.get("continue_final_message"), body.get("chat_template_kwargs")]
+        else:
+            parts = [model, 0, body.get("prompt")]
+        try:
+            raw = orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
+        except (TypeError, orjson.JSONEncodeError):
+            return None
+        return xxhash.xxh3_128_digest(raw)
+
+    def get(self, key: bytes) -> list[int] | None:
+        ids = self._items.get(key)
+        if ids is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return ids.tolist()
+
+    def put(self, key: bytes, ids: Sequence[int]) -> None:
+        try:
+            packed = array.array("I", ids)
+        except (OverflowError, TypeError):
+            return  # ids outside uint32 (client-supplied junk): not worth caching
+        old = self._items.pop(key, None)
+        if old is not None:
+            self._tokens -= len(old)
+        if len(packed) > self.max_tokens:
+            return
+        self._items[key] = packed
+        self._tokens += len(packed)
+        while len(self._items) > self.max_entries or self._tokens > self.max_tokens:
+            _k, gone = self._items.popitem(last=False)
+            self._tokens -= len(gone)
+
+
 class RequestTokenizer:
     """Token ids of a chat or completions body for a model, from the cheapest exact source."""
 
     def __init__(self, config: DyadConfig, http: httpx.AsyncClient | None = None,
                  adapter_for: Callable[[EngineKind], EngineAdapter] | None = None,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, cache: TokenCache | None = None) -> None:
         self.config = config
         self.http = http
         self.adapter_for = adapter_for
         self.timeout_s = timeout_s
+        self.cache = cache if cache is not None else TokenCache()
         self._local: dict[str, LocalTokenizer | None] = {}
         self.engine_calls = 0
         self.failures = 0
@@ -209,6 +277,21 @@ class RequestTokenizer:
     async def token_ids(self, model: str, endpoint: str, body: dict[str, Any],
                         candidates: Sequence[Worker] = ()) -> list[int] | None:
         chat = endpoint.endswith("chat/completions")
+        if not chat and isinstance(body.get("prompt"), list) and body["prompt"] \
+                and all(isinstance(t, int) for t in body["prompt"]):
+            return list(body["prompt"])  # already token ids
+        key = TokenCache.key(model, chat, body)
+        if key is not None:
+            cached = self.cache.get(key)
+            if cached is not None:
+                return cached
+        ids = await self._token_ids(model, chat, body, candidates)
+        if ids is not None and key is not None:
+            self.cache.put(key, ids)
+        return ids
+
+    async def _token_ids(self, model: str, chat: bool, body: dict[str, Any],
+                         candidates: Sequence[Worker]) -> list[int] | None:
         prompt = body.get("prompt")
         messages = body.get("messages")
         if not chat:

@@ -39,6 +39,9 @@ from orchestrator.telemetry.metrics import DyadMetrics
 
 log = logging.getLogger("dyad.kv.tracker")
 
+TOUCH_INTERVAL_S = 1.0  # a matched prefix's recency is refreshed at most this often
+MAX_TOUCHED = 100_000
+
 
 class PrefixTracker:
     def __init__(self, config: DyadConfig, fleet: FleetRegistry, index: PrefixIndex,
@@ -58,6 +61,7 @@ class PrefixTracker:
         self._block_size: dict[str, int] = {}  # namespace → block size learnt from engine events
         self._hashers: dict[tuple[str, int, str | None], BlockHasher] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._touched: dict[tuple[str, int], float] = {}  # (worker, last matched block) → last touch
         self._started = False
         fleet.subscribe(self._on_fleet)
 
@@ -119,15 +123,29 @@ class PrefixTracker:
         if req.block_hashes:
             for w in holders:
                 if w.id in self.subscribers:
-                    # Engines publish nothing on a cache hit: refresh the matched prefix's recency.
+                    # Engines publish nothing on a cache hit: refresh the matched prefix's recency
+                    # (at most once per TOUCH_INTERVAL_S per worker and prefix: a hot system prompt
+                    # would otherwise be re-stored on every request).
                     ov = req.overlaps.get(w.id)
-                    if ov is not None and ov.blocks:
+                    if ov is not None and ov.blocks and self._touch_due(w.id, req.block_hashes[ov.blocks - 1], now):
                         self._spawn(self.index.store(w.id, req.block_hashes[: ov.blocks], Tier.DEVICE))
                 else:
                     await self.approx.record(w.id, req.block_hashes, now)
         if self.shared_load is not None:
             uncached = max(0, req.prompt_tokens - decision.predicted_cached_tokens)
-            await self.shared_load.reserve(req.request_id, decision.worker.id, uncached)
+            self.shared_load.reserve_soon(req.request_id, decision.worker.id, uncached)
+
+    def _touch_due(self, worker_id: str, last_hash: int, now: float) -> bool:
+        key = (worker_id, last_hash)
+        last = self._touched.get(key)
+        if last is not None and now - last < TOUCH_INTERVAL_S:
+            return False
+        if len(self._touched) >= MAX_TOUCHED:
+            self._touched = {k: t for k, t in self._touched.items() if now - t < TOUCH_INTERVAL_S}
+            if len(self._touched) >= MAX_TOUCHED:
+                self._touched.clear()
+        self._touched[key] = now
+        return True
 
     async def on_first_token(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
         """Prefill is over: other replicas stop counting this request's prompt as queued work."""

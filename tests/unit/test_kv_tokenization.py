@@ -1,0 +1,78 @@
+"""Router-side tokenization: the token cache (hits, keys, bounds) in front of a local tokenizer."""
+
+from __future__ import annotations
+
+from orchestrator.config import load_config
+from orchestrator.kv.tokenization import RequestTokenizer, SimPromptTokenizer, TokenCache
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+class CountingTokenizer(SimPromptTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def encode_prompt(self, prompt):
+        self.calls += 1
+        return super().encode_prompt(prompt)
+
+    def encode_chat(self, messages, **kw):
+        self.calls += 1
+        return super().encode_chat(messages, **kw)
+
+
+def tokenizer(cache: TokenCache | None = None) -> tuple[RequestTokenizer, CountingTokenizer]:
+    cfg = load_config({"models": [{"name": "m", "tokenizer": "sim"}]}, environ={})
+    rt = RequestTokenizer(cfg, cache=cache)
+    counting = CountingTokenizer()
+    rt._local["m"] = counting
+    return rt, counting
+
+
+async def test_repeated_requests_are_tokenized_once():
+    rt, tok = tokenizer()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello there " * 50}]}
+    first = await rt.token_ids("m", CHAT, body)
+    again = await rt.token_ids("m", CHAT, {**body, "max_tokens": 5, "stream": True})  # routing-irrelevant
+    assert first == again and first and tok.calls == 1
+    assert rt.cache.hits == 1
+    again.append(-1)  # callers get their own list
+    assert await rt.token_ids("m", CHAT, body) == first
+
+
+async def test_everything_the_template_reads_is_in_the_key():
+    rt, tok = tokenizer()
+    msgs = [{"role": "user", "content": "same words"}]
+    a = await rt.token_ids("m", CHAT, {"messages": msgs})
+    b = await rt.token_ids("m", CHAT, {"messages": msgs, "add_generation_prompt": False})
+    assert tok.calls == 2 and a != b
+    await rt.token_ids("m", CHAT, {"messages": [{"role": "user", "content": "same words!"}]})
+    await rt.token_ids("m", COMPLETIONS, {"prompt": "same words"})
+    assert tok.calls == 4
+    # Key order inside a message does not matter.
+    await rt.token_ids("m", CHAT, {"messages": [{"content": "same words", "role": "user"}]})
+    assert tok.calls == 4
+
+
+async def test_token_id_prompts_and_untokenizable_bodies_bypass_the_cache():
+    rt, tok = tokenizer()
+    assert await rt.token_ids("m", COMPLETIONS, {"prompt": [5, 6, 7]}) == [5, 6, 7]
+    batched = {"prompt": ["two", "prompts"]}  # routed by load: no single token sequence
+    assert await rt.token_ids("m", COMPLETIONS, batched) is None
+    assert await rt.token_ids("m", CHAT, {"messages": []}) is None
+    assert len(rt.cache) == 0 and tok.calls == 0
+
+
+def test_cache_is_bounded_by_entries_and_tokens():
+    cache = TokenCache(max_entries=3, max_tokens=100)
+    for i in range(5):
+        cache.put(bytes([i]), [i] * 10)
+    assert len(cache) == 3 and cache.get(bytes([0])) is None and cache.get(bytes([4])) == [4] * 10
+    cache.get(bytes([2]))  # recently used: survives the next eviction
+    cache.put(b"big", list(range(90)))  # 30 + 90 > 100 tokens: the least recently used go
+    assert list(cache._items) == [bytes([2]), b"big"]  # 3 and 4 evicted, 2 kept (recently used)
+    assert cache.get(b"big") == list(range(90))
+    cache.put(b"huge", list(range(101)))  # larger than the whole cache: not kept
+    assert cache.get(b"huge") is None
