@@ -131,4 +131,4 @@ async def test_move_a_worker_decode_to_prefill_and_back_under_load_without_failu
     assert failed == [], failed
     assert gateway_sample(gw.url, "dyad_role_changes_total", 'from_role="decode",to_role="prefill"') == 1
     assert gateway_sample(gw.url, "dyad_role_changes_total", 'from_role="prefill",to_role="decode"') == 1
-    assert gateway_sample(gw.url, "dyad_worker_role", 'worker="b",role="decode"') == 1
+    assert gateway_sample(gw.url, "dyad_worker_role", 'role="decode",worker="b"') == 1
