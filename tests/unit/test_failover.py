@@ -1,0 +1,184 @@
+"""Mid-stream failover: the pure pieces (event framing, what was sent, continuation requests, id
+rewriting), then whole streams through a gateway whose engine dies mid-stream.
+
+The end-to-end tests use Dyad's simulated engines because an engine must die after an exact number
+of tokens (``POST /sim/faults {"die_after_tokens": N}``: the engine drops every connection); the
+same with a real vLLM engine killed by SIGKILL is in tests/integration/test_chaos_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from adapters.base import EngineKind
+from orchestrator.config import load_config
+from orchestrator.gateway.failover import (
+    ContinuationRewriter,
+    SseRecorder,
+    continuation_body,
+    error_event,
+    parse_sent,
+    why_not_continuable,
+)
+from orchestrator.gateway.serve import GatewayThread
+from orchestrator.sim.server import SimEngineThread
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def chat_chunk(content: str | None = None, role: str | None = None, finish: str | None = None) -> bytes:
+    delta = {}
+    if role:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    obj = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 100, "model": "m",
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def test_recorder_forwards_whole_events_only():
+    rec = SseRecorder()
+    event = chat_chunk("hello")
+    assert rec.split(event[:10]) == b""
+    assert rec.split(event[10:] + event[:5]) == event
+    out = rec.split(event[5:] + b"data: [DONE]\n\n")
+    assert out == event + b"data: [DONE]\n\n"
+    rec.record(out)
+    assert rec.done
+
+
+def test_parse_sent_and_continuation_bodies():
+    sent = parse_sent([chat_chunk("", role="assistant"), chat_chunk("Hel"), chat_chunk("lo")], chat=True)
+    assert (sent.id, sent.created, sent.content, sent.tokens, sent.role_sent) == ("chatcmpl-x", 100, "Hello", 2, True)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "min_tokens": 3,
+            "stream": True}
+    cont = continuation_body(CHAT, body, sent)
+    assert cont["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
+    assert cont["max_tokens"] == 8 and cont["min_tokens"] == 1
+    assert body["messages"] == [{"role": "user", "content": "hi"}]  # the client's body is untouched
+    comp = continuation_body(COMPLETIONS, {"model": "m", "prompt": "The", "stream": True}, sent)
+    assert comp["prompt"] == "TheHello" and comp["max_tokens"] == 16 - 2  # OpenAI/vLLM default budget
+    assert continuation_body(CHAT, {**body, "max_tokens": 2}, sent) is None  # nothing left to generate
+
+
+@pytest.mark.parametrize(("endpoint", "extra", "engine", "reason"), [
+    (CHAT, {"n": 2}, EngineKind.VLLM, "n > 1"),
+    (CHAT, {"logprobs": True}, EngineKind.VLLM, "logprobs"),
+    (CHAT, {"tools": [{"type": "function"}]}, EngineKind.VLLM, "tools"),
+    (CHAT, {"response_format": {"type": "json_object"}}, EngineKind.VLLM, "structured output"),
+    (CHAT, {}, EngineKind.SGLANG, "chat continuation is not supported on sglang engines"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, EngineKind.VLLM, "the prompt is not a single string"),
+    (COMPLETIONS, {"echo": True}, EngineKind.VLLM, "echo"),
+    (COMPLETIONS, {}, EngineKind.SGLANG, None),
+    (CHAT, {"n": 1, "logprobs": False}, EngineKind.SIM, None),
+])
+def test_what_can_be_continued(endpoint, extra, engine, reason):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt": "p"} | extra
+    assert why_not_continuable(endpoint, body, engine) == reason
+
+
+def test_rewriter_keeps_the_original_id_drops_the_role_chunk_and_moves_usage():
+    sent = parse_sent([chat_chunk("", role="assistant"), chat_chunk("a"), chat_chunk("b"), chat_chunk("c")], chat=True)
+    rw = ContinuationRewriter(sent, chat=True)
+    new = [json.loads(line[6:]) for line in [
+        b'data: {"id":"chatcmpl-other","created":999,"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}',
+        b'data: {"id":"chatcmpl-other","created":999,"choices":[{"index":0,"delta":{"content":"d"},"finish_reason":"stop"}]}',
+        b'data: {"id":"chatcmpl-other","created":999,"choices":[],"usage":{"prompt_tokens":13,"completion_tokens":1,"total_tokens":14}}',
+    ]]
+    raw = b"".join(b"data: " + orjson.dumps(o) + b"\n\n" for o in new) + b"data: [DONE]\n\n"
+    out = rw.feed(raw[:37]) + rw.feed(raw[37:])
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    objs = [json.loads(e[6:]) for e in events[:-1]]
+    assert len(objs) == 2  # the role chunk is gone
+    assert {o["id"] for o in objs} == {"chatcmpl-x"} and {o["created"] for o in objs} == {100}
+    assert objs[0]["choices"][0]["delta"] == {"content": "d"}
+    assert objs[1]["usage"] == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}
+
+
+def test_error_event_ends_with_done():
+    ev = error_event("it broke")
+    first, second, rest = ev.split(b"\n\n")
+    assert json.loads(first[6:])["error"]["message"] == "it broke"
+    assert second == b"data: [DONE]" and rest == b""
+
+
+# --- end to end over simulated engines ---------------------------------------------------------------
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[SimEngineThread, SimEngineThread, GatewayThread]]:
+    a = SimEngineThread(model="m", profile="cpu-tiny", kv_events=False).start()
+    b = SimEngineThread(model="m", profile="cpu-tiny", kv_events=False).start()
+    config = load_config({
+        "models": [{"name": "m"}],
+        "workers": [{"id": "a", "url": a.url, "engine": "sim", "models": ["m"]},
+                    {"id": "b", "url": b.url, "engine": "sim", "models": ["m"]}],
+        "router": {"policy": "round_robin", "debug_headers": True},
+        "health": {"interval_s": 30},
+    }, environ={})
+    with GatewayThread(config) as gw:
+        yield a, b, gw
+    a.stop()
+    b.stop()
+
+
+def stream(gw: GatewayThread, endpoint: str, body: dict) -> tuple[httpx.Response, list[str]]:
+    with httpx.stream("POST", gw.url + endpoint, json={"model": "m", "stream": True, **body}, timeout=30) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    return r, events
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_engine_dies_mid_stream_and_the_stream_completes_on_the_other(pair, endpoint):
+    a, b, gw = pair
+    httpx.post(f"{a.url}/sim/faults", json={"die_after_tokens": 5}, timeout=5)
+    prompt = {"messages": [{"role": "user", "content": "tell me"}]} if endpoint == CHAT else {"prompt": "tell me"}
+    r, events = stream(gw, endpoint, {**prompt, "max_tokens": 12, "ignore_eos": True,
+                                      "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["x-dyad-worker"] == "a"  # it started on the engine that died
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    content = [c["choices"][0] for c in chunks if c["choices"]]
+    pieces = [(ch.get("delta") or {}).get("content") if endpoint == CHAT else ch.get("text") for ch in content]
+    assert sum(1 for p in pieces if p) == 12  # 5 from a, 7 from b: exactly the budget
+    assert content[-1]["finish_reason"] == "length"
+    if endpoint == CHAT:
+        assert sum(1 for ch in content if "role" in ch.get("delta", {})) == 1
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    text = gw.runtime.metrics.render().decode()
+    assert 'dyad_stream_failovers_total{outcome="continued"} 1.0' in text
+
+
+def test_a_stream_that_cannot_be_continued_ends_with_an_error_event(pair):
+    a, b, gw = pair
+    httpx.post(f"{a.url}/sim/faults", json={"die_after_tokens": 3}, timeout=5)
+    r, events = stream(gw, CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10,
+                                  "ignore_eos": True, "logprobs": True})
+    assert r.status_code == 200
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert "(logprobs)" in err["message"] and err["code"] == "upstream_stream_failed"
+    assert 'dyad_stream_failovers_total{outcome="error_event"} 1.0' in gw.runtime.metrics.render().decode()
+
+
+def test_no_other_worker_left_ends_with_an_error_event(pair):
+    a, b, gw = pair
+    b.stop()
+    httpx.post(f"{a.url}/sim/faults", json={"die_after_tokens": 4}, timeout=5)
+    r, events = stream(gw, COMPLETIONS, {"prompt": "x", "max_tokens": 10, "ignore_eos": True})
+    assert r.status_code == 200
+    assert events[-1] == "[DONE]"
+    assert "could not be continued" in json.loads(events[-2])["error"]["message"]
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
+    assert len(texts) == 4  # what was generated before the crash reached the client
