@@ -173,9 +173,15 @@ class RateLimiter:
     async def _take_redis(self, name: str, limits: list[Limit]) -> tuple[float, int]:
         if self._redis is None:
             import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+            from redis.exceptions import ConnectionError as RedisConnectionError
 
+            # One immediate retry: a pooled connection that died with a Redis restart is replaced at once.
             self._redis = aioredis.from_url(self.redis_url, socket_timeout=REDIS_TIMEOUT_S,
-                                            socket_connect_timeout=REDIS_TIMEOUT_S, retry_on_timeout=False)
+                                            socket_connect_timeout=REDIS_TIMEOUT_S,
+                                            retry=Retry(NoBackoff(), 1),
+                                            retry_on_error=[RedisConnectionError])
             self._script = self._redis.register_script(TAKE_LUA)
         # One hash tag per key name: both buckets in the same cluster slot.
         keys = [f"{self.key_prefix}:rl:{{{name}}}:{lim.dimension}" for lim in limits]

@@ -1,0 +1,94 @@
+"""Rate limits: token buckets locally, shared through a real redis-server, local fallback while it is down."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.clock import VirtualClock
+from orchestrator.errors import RateLimited
+from orchestrator.gateway.auth import ClientIdentity
+from orchestrator.gateway.limits import Limit, LocalBuckets, RateLimiter
+from orchestrator.telemetry.metrics import DyadMetrics
+from tests.fixtures.redis import redis_server, unique_prefix  # noqa: F401
+
+
+def test_bucket_refills_at_the_per_minute_rate():
+    b = LocalBuckets()
+    rpm = [Limit("requests", 60, 1)]
+    assert all(b.take("k", rpm, 0.0) == (0.0, -1) for _ in range(60))  # a full minute's burst
+    wait, short = b.take("k", rpm, 0.0)
+    assert wait == pytest.approx(1.0) and short == 0
+    assert b.take("k", rpm, 0.5)[0] == pytest.approx(0.5)
+    assert b.take("k", rpm, 1.0) == (0.0, -1)
+    assert b.take("other", rpm, 1.0) == (0.0, -1)  # keys do not share buckets
+
+
+def test_both_buckets_are_charged_together_or_not_at_all():
+    b = LocalBuckets()
+    limits = [Limit("requests", 10, 1), Limit("tokens", 1000, 800)]
+    assert b.take("k", limits, 0.0)[0] == 0
+    wait, short = b.take("k", limits, 0.0)  # tokens short: 200 left, 800 needed
+    assert short == 1 and wait == pytest.approx(600 / (1000 / 60))
+    # the refused request did not take a request token: 9 one-token requests still fit
+    assert all(b.take("k", [limits[0]], 0.0)[0] == 0 for _ in range(9))
+    assert b.take("k", [limits[0]], 0.0)[0] > 0
+
+
+def test_a_request_larger_than_the_bucket_passes_once_when_full_and_leaves_debt():
+    b = LocalBuckets()
+    big = [Limit("tokens", 600, 1200)]
+    assert b.take("k", big, 0.0)[0] == 0
+    assert b.take("k", big, 0.0)[0] == pytest.approx(120.0)  # -600 → 600 takes two minutes
+
+
+async def test_limiter_raises_429_with_retry_after():
+    clock = VirtualClock()
+    lim = RateLimiter(clock)
+    who = ClientIdentity("team", rpm=2)
+    await lim.check(who, 10)
+    await lim.check(who, 10)
+    with pytest.raises(RateLimited) as e:
+        await lim.check(who, 10)
+    assert e.value.status == 429 and e.value.code == "rpm_exceeded" and e.value.headers["Retry-After"] == "30"
+    assert "'team'" in e.value.message and "2 requests per minute" in e.value.message
+    clock.advance(30)
+    await lim.check(who, 10)
+    await lim.check(ClientIdentity("unlimited"), 10**9)  # no limits: never refused
+    with pytest.raises(RateLimited) as e:
+        await lim.check(ClientIdentity("t2", tpm=100), 50)
+        await lim.check(ClientIdentity("t2", tpm=100), 60)
+    assert e.value.code == "tpm_exceeded"
+
+
+@pytest.mark.redis
+async def test_replicas_share_buckets_in_redis_and_fall_back_locally_when_it_is_down(redis_server):  # noqa: F811
+    prefix = unique_prefix("rl")
+    metrics = DyadMetrics()
+    a = RateLimiter(VirtualClock(), metrics, redis_url=redis_server.url, key_prefix=prefix)
+    b = RateLimiter(VirtualClock(), metrics, redis_url=redis_server.url, key_prefix=prefix)
+    who = ClientIdentity("shared", rpm=6, tpm=1000)
+    try:
+        for lim in (a, b, a, b, a, b):  # six requests between two replicas: the whole budget
+            await lim.check(who, 10)
+        for lim in (a, b):
+            with pytest.raises(RateLimited) as e:
+                await lim.check(who, 10)
+            assert e.value.code == "rpm_exceeded" and 1 <= int(e.value.headers["Retry-After"]) <= 10
+        with redis_server.stopped():
+            # Redis down: each replica decides on its own local buckets (no error, no hang)
+            for _ in range(6):
+                await a.check(who, 10)
+            with pytest.raises(RateLimited):
+                await a.check(who, 10)
+            assert metrics.rate_limit_fallbacks._value.get() == 7
+        # Redis back (empty after the crash): after the retry pause the buckets are shared again
+        a.clock.advance(2.0)
+        b.clock.advance(2.0)
+        for lim in (a, b, a, b, a, b):
+            await lim.check(who, 10)
+        with pytest.raises(RateLimited):
+            await b.check(who, 10)
+        assert metrics.rate_limit_fallbacks._value.get() == 7
+    finally:
+        await a.close()
+        await b.close()
