@@ -26,6 +26,7 @@ from orchestrator.errors import ApiError, GatewayTimeout, NoHealthyWorker, Upstr
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall
 from orchestrator.gateway.failover import StreamRelay
 from orchestrator.gateway.responses import engine_error_body, send_bytes, send_error
+from orchestrator.gateway.stream_timing import TokenTimer
 from orchestrator.router.types import RouteDecision, RouteRequest
 
 if TYPE_CHECKING:
@@ -257,7 +258,7 @@ class ProxyResponse:
         # Too late to change the status from here on: a broken upstream is continued on another
         # worker, or the stream ends with an SSE error event (failover.py).
         relay = StreamRelay(self)
-        await relay.run(send, response)
+        await relay.run(TokenTimer(self.rt.metrics.itl.labels(self.call.model)).wrap(send), response)  # ITL
         self._observe_usage_sse(relay.tail)
 
     async def _whole(self, send: Any, response: httpx.Response, body: bytes) -> None:
