@@ -25,6 +25,7 @@ from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.scrape import MetricsScraper
 from orchestrator.gateway.executor import AggregatedExecutor, Executor
 from orchestrator.gateway.resilience import Backoff, CircuitBreakers
+from orchestrator.gateway.tls import engine_ssl_context
 from orchestrator.gateway.transport import FastTransport
 from orchestrator.router.policies import make_policy
 from orchestrator.router.router import PrefixTracker, Router
@@ -53,11 +54,15 @@ def http_client(config: DyadConfig, transport: httpx.AsyncBaseTransport | None =
     Read timeout = first-byte timeout (also the longest silence allowed between streamed chunks);
     the whole request is bounded by the proxy."""
     gw = config.gateway
+    if transport is None:  # https:// engines: httpx's transport with gateway.engine_tls (orchestrator.gateway.tls)
+        transport = FastTransport(https=httpx.AsyncHTTPTransport(
+            verify=engine_ssl_context(gw.engine_tls), trust_env=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60)))
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=gw.connect_timeout_s, read=gw.first_byte_timeout_s,
                               write=gw.connect_timeout_s, pool=gw.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60),
-        transport=transport if transport is not None else FastTransport(),
+        transport=transport,
         trust_env=False,
     )
 
@@ -74,6 +79,7 @@ class GatewayRuntime:
                              retry_after_s=config.gateway.retry_after_s)
         self.http = http_client(config, transport)
         self.planner: Any = None
+        self.intake: Any = None  # orchestrator.gateway.admission.Intake, set when the app starts
         self.executor: Executor = AggregatedExecutor(self.http, self.adapter_for)
         self.pd_executor: Executor | None = None  # set by orchestrator.disagg when P/D is in use
         self._adapter_factory = adapter_for or default_adapter_for

@@ -23,9 +23,11 @@ from typing import Any
 import uvicorn
 
 from orchestrator.clock import Clock
-from orchestrator.config import ConfigError, DyadConfig, load_config
+from orchestrator.config import ConfigError, DyadConfig, GatewayTlsConfig, load_config
 from orchestrator.gateway.app import create_app
 from orchestrator.gateway.runtime import GatewayRuntime
+from orchestrator.gateway.tls import engine_ssl_context, server_ssl_options
+from orchestrator.telemetry.logging import configure_logging
 
 
 def _fast_options() -> dict[str, str]:
@@ -43,10 +45,13 @@ def _fast_options() -> dict[str, str]:
     return opts
 
 
-def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning",
+                   ssl: dict[str, Any] | None = None) -> uvicorn.Config:
+    """``ssl``: uvicorn's ssl_* options (``tls.server_ssl_options``). ``log_config=None``: uvicorn's loggers
+    go through the root logger (``dyad serve`` configures it with ``configure_logging``)."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
                           lifespan="on", timeout_keep_alive=75, server_header=False, date_header=False,
-                          timeout_graceful_shutdown=5, **_fast_options())
+                          timeout_graceful_shutdown=5, **_fast_options(), **(ssl or {}))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -78,8 +83,9 @@ class GatewayThread:
         self._sock = bind_socket(config.gateway.host, port)
         self.port = self._sock.getsockname()[1]
         host = config.gateway.host
-        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn_config(self.app, host, self.port))
+        ssl = server_ssl_options(config.gateway.tls)
+        self.url = f"{'https' if ssl else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        self._server = uvicorn.Server(uvicorn_config(self.app, host, self.port, ssl=ssl))
         self._thread = threading.Thread(target=self._run, name=f"dyad-gateway-{self.port}", daemon=True)
         self._startup_timeout_s = startup_timeout_s
         self._error: BaseException | None = None
@@ -139,6 +145,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="listen address (overrides gateway.host)")
     parser.add_argument("--port", type=int, help="listen port (overrides gateway.port)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="json", choices=["json", "text"],
+                        help="json: one object per line with the request id (default); text: for a terminal")
+    parser.add_argument("--tls-cert", help="PEM certificate: serve HTTPS (overrides gateway.tls.cert_file)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert (overrides gateway.tls.key_file)")
+    parser.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates (mutual TLS)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,11 +162,18 @@ def run(args: argparse.Namespace) -> int:
         config.gateway.host = args.host
     if args.port is not None:
         config.gateway.port = args.port
-    import logging
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(json=args.log_format == "json", level=args.log_level)
     gw = config.gateway
-    print(f"dyad: gateway on http://{gw.host}:{gw.port} ({len(config.workers)} workers, "
+    try:
+        flags = {"cert_file": args.tls_cert, "key_file": args.tls_key, "client_ca_file": args.tls_client_ca}
+        gw.tls = GatewayTlsConfig.model_validate({**gw.tls.model_dump(), **{k: v for k, v in flags.items() if v}})
+        ssl = server_ssl_options(gw.tls)
+        engine_ssl_context(gw.engine_tls)  # certificate problems now, not on the first https:// engine call
+    except (ConfigError, ValueError) as e:
+        print(f"dyad serve: {e}", file=sys.stderr)
+        return 2
+    print(f"dyad: gateway on {'https' if ssl else 'http'}://{gw.host}:{gw.port} ({len(config.workers)} workers, "
           f"policy {config.router.policy})", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn_config(create_app(config), gw.host, gw.port, args.log_level))
+    server = uvicorn.Server(uvicorn_config(create_app(config), gw.host, gw.port, args.log_level, ssl=ssl))
     server.run()
     return 0

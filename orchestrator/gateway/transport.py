@@ -170,11 +170,13 @@ class _Body(httpx.AsyncByteStream):
 
 
 class FastTransport(httpx.AsyncBaseTransport):
-    def __init__(self, max_idle_per_host: int = 512) -> None:
+    def __init__(self, max_idle_per_host: int = 512, https: httpx.AsyncBaseTransport | None = None) -> None:
+        """``https``: the transport for ``https://`` engines (default: httpx's, system trust store)."""
         self.max_idle_per_host = max_idle_per_host
+        self._https = https
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._all: set[_Conn] = set()
-        self._fallback: httpx.AsyncHTTPTransport | None = None
+        self._fallback: httpx.AsyncBaseTransport | None = None
 
     # --- pool ----------------------------------------------------------------------------------
 
@@ -210,7 +212,7 @@ class FastTransport(httpx.AsyncBaseTransport):
         url = request.url
         if url.scheme != "http":
             if self._fallback is None:
-                self._fallback = httpx.AsyncHTTPTransport()
+                self._fallback = self._https or httpx.AsyncHTTPTransport()
             return await self._fallback.handle_async_request(request)
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         key = (url.host, url.port or 80)

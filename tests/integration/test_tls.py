@@ -1,0 +1,130 @@
+"""TLS on both sides of the gateway, with certificates from a throwaway CA made here by the openssl CLI.
+
+Clients → gateway: HTTPS with mutual TLS (the client must present a certificate signed by the CA).
+Gateway → engine: the engine serves HTTPS and requires a client certificate; the gateway trusts the
+CA from ``gateway.engine_tls`` and presents its own certificate. The engine is the project's
+simulated engine served by uvicorn with the same ssl options vLLM's server exposes
+(``--ssl-certfile/--ssl-keyfile/--ssl-ca-certs/--ssl-cert-reqs``); real vLLM is not started here
+to keep the suite within budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from orchestrator.sim import server as sim_server
+from orchestrator.sim.server import SimEngineThread
+
+MODEL = "tls-model"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+             "-subj", "/CN=dyad-test-ca", "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+                      ("client", "extendedKeyUsage=clientAuth")):
+        _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj",
+                 f"/CN=dyad-{name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
+    return d
+
+
+class TlsSimEngine(SimEngineThread):
+    """The simulated engine behind HTTPS that requires a client certificate from ``ca``."""
+
+    def __init__(self, pki: Path, **kw) -> None:
+        super().__init__(**kw)
+        self.pki = pki
+
+    @property
+    def url(self) -> str:
+        return f"https://{self.config.host}:{self.port}"
+
+    async def _serve(self) -> None:
+        self.app = sim_server.SimServer(self.config)
+        sock = sim_server._bind(self.config.host, self._port)
+        self.app.port = sock.getsockname()[1]
+        cfg = uvicorn.Config(self.app, lifespan="on", log_level="warning", access_log=False,
+                             ssl_certfile=str(self.pki / "server.pem"), ssl_keyfile=str(self.pki / "server.key"),
+                             ssl_ca_certs=str(self.pki / "ca.pem"), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        self.server = uvicorn.Server(cfg)
+        task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started and not task.done():
+            await asyncio.sleep(0.005)
+        self._ready.set()
+        await task
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def engine(pki):
+    with TlsSimEngine(pki, model=MODEL, profile="zero", kv_events=False) as e:
+        yield e
+
+
+def _config(pki: Path, engine_url: str, client_cert: bool = True) -> dict:
+    engine_tls = {"ca_file": str(pki / "ca.pem")}
+    if client_cert:
+        engine_tls |= {"cert_file": str(pki / "client.pem"), "key_file": str(pki / "client.key")}
+    return {
+        "workers": [{"id": "tls-0", "url": engine_url, "engine": "sim", "models": [MODEL]}],
+        "gateway": {"tls": {"cert_file": str(pki / "server.pem"), "key_file": str(pki / "server.key"),
+                            "client_ca_file": str(pki / "ca.pem")},
+                    "engine_tls": engine_tls},
+        "health": {"interval_s": 0.2, "failure_threshold": 1},
+    }
+
+
+def _client(pki: Path, cert: bool = True, trust: bool = True) -> httpx.Client:
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.pem") if trust else None)
+    if cert:
+        ctx.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+    return httpx.Client(verify=ctx, timeout=10)
+
+
+def test_mutual_tls_on_both_sides(pki, engine):
+    with GatewayThread(load_config(_config(pki, engine.url), environ={})) as gw:
+        assert gw.url.startswith("https://")
+        with _client(pki) as c:
+            assert c.get(gw.url + "/ready").status_code == 200  # the engine passed health checks over mTLS
+            r = c.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+        with _client(pki, cert=False) as c, pytest.raises(httpx.TransportError):
+            c.get(gw.url + "/health")  # no client certificate: the handshake is refused
+        with _client(pki, trust=False) as c, pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            c.get(gw.url + "/health")  # the gateway's certificate is not from a public CA
+
+
+def test_engine_refuses_a_gateway_without_its_client_certificate(pki, engine):
+    with GatewayThread(load_config(_config(pki, engine.url, client_cert=False), environ={})) as gw, _client(pki) as c:
+        r = c.get(gw.url + "/ready")
+        assert r.status_code == 503 and r.json()["models"][MODEL]["healthy_workers"] == 0
+        r = c.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_worker"
+
+
+def test_serve_names_an_unreadable_certificate(tmp_path):
+    cfg = tmp_path / "dyad.yaml"
+    cfg.write_text(f"gateway:\n  tls: {{cert_file: {tmp_path}/nope.pem, key_file: {tmp_path}/nope.key}}\n")
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "-c", str(cfg), "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "gateway.tls.cert_file: cannot read" in out.stderr
