@@ -269,8 +269,8 @@ class PlannerConfig(_Section):
     season: int = Field(24, ge=2, description="Holt-Winters season length, in intervals")
     headroom: float = Field(0.0, ge=0, description="Plan for (1 + headroom) x the forecast request rate")
     burst_window_s: float = Field(
-        0.0, ge=0, description="Keep capacity for the highest rate seen over this window (0 = off); "
-                               "set it longer than an engine's start time to ride out bursts")
+        0.0, ge=0, description="Burst floor (0 = off): size prefill for the arrival peak over seconds and keep "
+                               "the largest prefill sizing of this window; set it well above an engine's start time")
     scale_in_margin: float = Field(0.15, ge=0, description="Headroom kept before giving a worker back")
     scale_in_intervals: int = Field(2, ge=1, description="Intervals below capacity before scaling in")
     cooldown_s: float = Field(0.0, ge=0, description="No scale-in of a role for this long after it changed")

@@ -19,12 +19,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from adapters.base import Role
-from orchestrator.planner.metrics_source import Observation
+from orchestrator.planner.metrics_source import PEAK_WINDOW_S, Observation
 from orchestrator.planner.perf_model import LatencyCorrection, PerfModel
 from orchestrator.planner.predictors import LoadForecast, LoadPredictor
 from orchestrator.planner.solver import Limits, Sizing, Targets, fit_budget, solve
 
 ROLES = (Role.PREFILL, Role.DECODE)
+# Bursts are a prefill problem: arrivals queue for prefill at once (TTFT grows linearly with the
+# queue), while a decode pool absorbs the burst in its batches (ITL grows slowly with batch size).
+FLOORED_ROLES = (Role.PREFILL,)
 
 
 @dataclass
@@ -63,7 +66,7 @@ class PlannerSettings:
     start_s: float = 60.0  # time an engine takes to start
     correct_from_latency: bool = True
     headroom: float = 0.0  # plan for (1 + headroom) x the forecast rate: room for surges during start-up
-    burst_window_s: float = 0.0  # plan for at least the peak rate observed over this window (0 = off)
+    burst_window_s: float = 0.0  # burst floor: prefill sized for seconds-scale peaks, kept this long (0 = off)
     fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
 
 
@@ -102,7 +105,8 @@ class Planner:
         self._pending: dict[str, str] = {}  # worker id → "stop" | role value, while draining
         self._below: dict[Role, int] = dict.fromkeys(ROLES, 0)
         self._last_change: dict[Role, float] = dict.fromkeys(ROLES, -math.inf)
-        self._peaks: deque[tuple[float, float]] = deque()  # (time, observed rate) for the burst floor
+        self._sized: deque[tuple[float, dict[Role, float]]] = deque()  # (time, exact need) for the floor
+        self._first_plan: float | None = None
         self.last: PlanDecision | None = None
 
     # ------------------------------------------------------------ inputs
@@ -110,7 +114,6 @@ class Planner:
         if obs.window_s <= 0:
             return
         self.load.observe(obs.request_rate, obs.mean_isl, obs.mean_osl)
-        self._peaks.append((obs.at, obs.request_rate))
         if obs.prefix_hit_ratio is not None:
             self.hit_ratio = 0.5 * self.hit_ratio + 0.5 * min(1.0, max(0.0, obs.prefix_hit_ratio))
         if not self.settings.correct_from_latency or obs.request_rate <= 0 or not obs.mean_isl:
@@ -175,8 +178,11 @@ class Planner:
             self.last = PlanDecision(now, obs, None, None, dict(current), current, actions,
                                      asdict(self.correction), self.load.chosen(), reasons + ["no load observed yet"])
             return self.last
-        forecast = self._floor(forecast, now, reasons)
+        if s.headroom > 0:
+            forecast = LoadForecast(forecast.request_rate * (1 + s.headroom), forecast.isl, forecast.osl)
         sizing = solve(forecast, self.perf, s.targets, s.limits, self.hit_ratio, self.correction)
+        if s.burst_window_s > 0:
+            sizing = self._burst_sizing(sizing, forecast, obs, reasons)
         if sizing.infeasible:
             reasons.append("targets unreachable at any count: " + ", ".join(sizing.infeasible))
         if sizing.over_budget:
@@ -189,6 +195,8 @@ class Planner:
             budget = total  # split the workers we have in proportion to need
             p, d = fit_budget(sizing.prefill_exact, sizing.decode_exact, replace(s.limits, budget=total))
             want = {Role.PREFILL: p, Role.DECODE: d}
+        elif s.burst_window_s > 0:
+            want, exact = self._capacity_floor(want, exact, counts, now, reasons)
         target = self._hysteresis(want, exact, counts, now, reasons, budget)
         actions += self._actions(target, counts, fleet, now)
         desired = {r.value: target[r] for r in ROLES}
@@ -196,27 +204,64 @@ class Planner:
                                  asdict(self.correction), self.load.chosen(), reasons)
         return self.last
 
-    def _floor(self, forecast: LoadForecast, now: float, reasons: list[str]) -> LoadForecast:
-        """Headroom, and the burst floor: never plan below the peak rate of the last ``burst_window_s``.
+    def _burst_sizing(self, sizing: Sizing, forecast: LoadForecast, obs: Observation | None,
+                      reasons: list[str]) -> Sizing:
+        """Size the prefill pool for the interval's burst, not its mean.
 
-        A burst shorter than an engine's start time is over before scale-out helps; only capacity
-        already running absorbs it. Keeping the recent peak's capacity for a window longer than the
-        start time means a burst that came once is met by running workers when it comes again.
+        Arrivals queue for prefill at once, so what TTFT feels is the arrival rate over seconds
+        (``Observation.peak_rate``), not over the interval. Decode keeps the mean-rate sizing: a decode
+        pool absorbs a burst in its batches (ITL grows slowly with batch size).
         """
         s = self.settings
-        rate = forecast.request_rate
-        if s.burst_window_s > 0:
-            while self._peaks and self._peaks[0][0] < now - s.burst_window_s:
-                self._peaks.popleft()
-            peak = max((r for _, r in self._peaks), default=0.0)
-            if peak > rate:
-                reasons.append(f"burst floor: planning for the {s.burst_window_s:g}s peak {peak:.2f} req/s")
-                rate = peak
-        if s.headroom > 0:
-            rate *= 1 + s.headroom
-        if rate == forecast.request_rate:
-            return forecast
-        return LoadForecast(rate, forecast.isl, forecast.osl)
+        peak = obs.peak_rate if obs is not None and obs.peak_rate is not None else 0.0
+        peak *= 1 + s.headroom
+        if peak <= forecast.request_rate:
+            return sizing
+        burst = solve(LoadForecast(peak, forecast.isl, forecast.osl), self.perf, s.targets, s.limits,
+                      self.hit_ratio, self.correction)
+        reasons.append(f"burst: prefill sized for the {PEAK_WINDOW_S:g}s peak {peak:.2f} req/s")
+        p, d = burst.prefill, sizing.decode
+        over = p + d > s.limits.budget
+        if over:
+            p, d = fit_budget(burst.prefill_exact, sizing.decode_exact, s.limits)
+        return replace(sizing, prefill=p, decode=d, prefill_exact=burst.prefill_exact, over_budget=over,
+                       infeasible=sorted(set(sizing.infeasible) | set(burst.infeasible)))
+
+    def _capacity_floor(self, want: dict[Role, int], exact: dict[Role, float], counts: dict[Role, int],
+                        now: float, reasons: list[str]) -> tuple[dict[Role, int], dict[Role, float]]:
+        """The burst floor in workers: keep the largest sizing of the last ``burst_window_s``.
+
+        A burst shorter than an engine's start time is over before scale-out helps; only capacity
+        already running absorbs it. Keeping the sizing of the recent peak for a window longer than
+        the start time means a burst that came once is met by running workers when it comes again.
+        Until a whole window has been seen the planner does not know the peak, so it keeps what it
+        has (no scale-in while warming up).
+        """
+        s = self.settings
+        if self._first_plan is None:
+            self._first_plan = now
+        self._sized.append((now, dict(exact)))
+        while self._sized and self._sized[0][0] < now - s.burst_window_s:
+            self._sized.popleft()
+        warming = now - self._first_plan < s.burst_window_s
+        lim = s.limits
+        caps = {Role.PREFILL: lim.max_prefill, Role.DECODE: lim.max_decode}
+        floor_exact: dict[Role, float] = {}
+        for r in ROLES:
+            f = max(e[r] for _, e in self._sized) if r in FLOORED_ROLES else exact[r]
+            if warming:
+                f = max(f, float(counts[r]))
+            floor_exact[r] = max(exact[r], f)
+        floored = {r: max(want[r], math.ceil(floor_exact[r] - 1e-9)) for r in ROLES}
+        floored = {r: floored[r] if caps[r] is None else min(caps[r], floored[r]) for r in ROLES}
+        if sum(floored.values()) > lim.budget:
+            p, d = fit_budget(floor_exact[Role.PREFILL], floor_exact[Role.DECODE], lim)
+            floored = {Role.PREFILL: p, Role.DECODE: d}
+        if floored != want:
+            reasons.append("burst floor: " + ("warming up, holding" if warming else
+                                              f"keeping the {s.burst_window_s:g}s peak sizing") +
+                           f" ({floored[Role.PREFILL]}P/{floored[Role.DECODE]}D)")
+        return floored, floor_exact
 
     def _hysteresis(self, want: dict[Role, int], exact: dict[Role, float], counts: dict[Role, int],
                     now: float, reasons: list[str], budget: int) -> dict[Role, int]:

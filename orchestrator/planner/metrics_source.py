@@ -28,6 +28,7 @@ class Observation:
     at: float
     window_s: float
     request_rate: float = 0.0  # finished requests per second
+    peak_rate: float | None = None  # highest rate over PEAK_WINDOW_S sub-windows: how bursty arrivals are
     mean_isl: float | None = None
     mean_osl: float | None = None
     ttft_mean: float | None = None
@@ -52,6 +53,9 @@ def _num(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
+PEAK_WINDOW_S = 5.0  # bursts are measured at this time scale (a few TTFT targets): what queues see
+
+
 # ---------------------------------------------------------------- Prometheus HTTP API
 
 def prometheus_queries(window: str, model: str | None = None) -> dict[str, str]:
@@ -67,6 +71,8 @@ def prometheus_queries(window: str, model: str | None = None) -> dict[str, str]:
 
     return {
         "request_rate": f"sum(rate(dyad_request_e2e_seconds_count{sel}[{window}]))",
+        "peak_rate": (f"max_over_time(sum(rate(dyad_request_e2e_seconds_count{sel}[{PEAK_WINDOW_S:g}s]))"
+                      f"[{window}:1s])"),
         "mean_isl": mean("dyad_request_prompt_tokens"),
         "mean_osl": mean("dyad_request_generation_tokens"),
         "ttft_mean": mean("dyad_request_ttft_seconds"),

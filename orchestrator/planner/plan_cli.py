@@ -34,8 +34,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--perf-profile", default=None,
                         help="planner performance profile JSON (from `dyad profile`); default: sweep --profile")
     parser.add_argument("--predictor", default="auto", choices=["constant", "ewma", "linear", "holt_winters", "auto"])
-    parser.add_argument("--headroom", type=float, default=0.5,
+    parser.add_argument("--headroom", type=float, default=0.0,
                         help="planner plans for (1 + headroom) x the forecast rate (surges during engine start)")
+    parser.add_argument("--burst-window", type=float, default=600.0,
+                        help="burst floor: prefill sized for seconds-scale peaks and kept this many seconds (0 = off)")
     parser.add_argument("--keda-prefill-target", type=float, default=1.0,
                         help="queue-length baseline: requests per prefill worker")
     parser.add_argument("--keda-decode-target", type=float, default=32.0,
@@ -55,7 +57,8 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int) 
     settings = PlannerSettings(
         targets=Targets(args.ttft, args.itl), limits=Limits(budget=budget), interval_s=args.interval,
         predictor=getattr(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
-        cooldown_s=2 * args.interval, headroom=getattr(args, "headroom", 0.5))
+        cooldown_s=2 * args.interval, headroom=getattr(args, "headroom", 0.0),
+        burst_window_s=getattr(args, "burst_window", 600.0))
     return Planner(perf_model_for(args, profile), settings)
 
 

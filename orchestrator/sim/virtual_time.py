@@ -35,7 +35,7 @@ from orchestrator.clock import VirtualClock
 from orchestrator.config import RouterConfig
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.planner.core import Action, PlanDecision, WorkerView
-from orchestrator.planner.metrics_source import Observation
+from orchestrator.planner.metrics_source import PEAK_WINDOW_S, Observation
 from orchestrator.router.policies import make_policy
 from orchestrator.router.types import Overlap, RouteRequest
 from orchestrator.sim.engine_model import EngineModel
@@ -389,8 +389,13 @@ class VirtualFleet:
         hits = sum(r.cached for r in arr if r.prefill_worker)
         isl_sum = sum(r.isl for r in arr)
         p90 = sorted(ttfts)[int(0.9 * (len(ttfts) - 1))] if ttfts else None
+        bins: dict[int, int] = {}
+        for r in arr:
+            k = int(r.arrival // PEAK_WINDOW_S)
+            bins[k] = bins.get(k, 0) + 1
         return Observation(
             at=now, window_s=self.interval_s, request_rate=len(arr) / self.interval_s,
+            peak_rate=max(bins.values(), default=0) / PEAK_WINDOW_S,
             mean_isl=isl_sum / len(arr) if arr else None,
             mean_osl=sum(r.osl for r in fin) / len(fin) if fin else None,
             ttft_mean=sum(ttfts) / len(ttfts) if ttfts else None, ttft_p90=p90,

@@ -71,23 +71,19 @@ def test_fixed_fleet_only_moves_workers_between_roles():
     assert d2.desired["decode"] > d2.desired["prefill"] and sum(d2.desired.values()) == 4
 
 
-def test_burst_floor_keeps_capacity_for_the_recent_peak():
+def test_burst_sizing_uses_the_peak_rate_for_prefill_only():
     def planner(window: float) -> Planner:
         return Planner(PerfModel.from_dict(PROFILE), PlannerSettings(
             targets=Targets(1.0, 0.05), limits=Limits(budget=40), predictor="constant", scale_in_intervals=1,
             scale_in_margin=0.0, burst_window_s=window, correct_from_latency=False))
 
-    plain, floored = planner(0), planner(300)
-    fleet = _fleet(1, 1)
-    for pl in (plain, floored):
-        pl.step(_obs(60, 8, 4096, 200), fleet, 60)  # the burst
-    calm_plain = plain.step(_obs(120, 1, 4096, 200), fleet, 120)
-    calm_floor = floored.step(_obs(120, 1, 4096, 200), fleet, 120)
-    assert calm_floor.forecast.request_rate == 8 and calm_plain.forecast.request_rate == 1
-    assert calm_floor.sizing.prefill > calm_plain.sizing.prefill
-    assert any("burst floor" in r for r in calm_floor.reasons)
-    later = floored.step(_obs(500, 1, 4096, 200), fleet, 500)  # the peak left the window
-    assert later.forecast.request_rate == 1
+    bursty = _obs(60, 2, 4096, 200)
+    bursty.peak_rate = 8.0  # 2 req/s over the interval, 8 req/s over a few seconds of it
+    plain = planner(0).step(bursty, _fleet(1, 1), 60)
+    floored = planner(300).step(bursty, _fleet(1, 1), 60)
+    assert floored.sizing.prefill > plain.sizing.prefill
+    assert floored.sizing.decode == plain.sizing.decode
+    assert any("peak 8.00" in r for r in floored.reasons)
 
 
 def test_direct_source_needs_one_input():
