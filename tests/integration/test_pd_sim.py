@@ -256,3 +256,52 @@ def socket_port():
         yield s.getsockname()[1]
     finally:
         s.close()
+
+
+# --- role changes through the admin API (simulated engines; the real-vLLM run is test_pd_roles.py) ----
+
+def test_role_admin_api_answers_and_refuses_clearly():
+    with running(sim(), sim(), sim()) as (e0, e1, e2):
+        config = load_config({
+            "models": [{"name": MODEL}],
+            "workers": [{"id": "a", "url": e0.url, "engine": "sim", "role": "decode", "models": [MODEL]},
+                        {"id": "b", "url": e1.url, "engine": "sim", "role": "decode", "models": [MODEL]},
+                        {"id": "c", "url": e2.url, "engine": "sim", "role": "prefill", "models": [MODEL]}],
+            "gateway": {"admin_token": "t"}, "health": {"interval_s": 30}, "router": {"debug_headers": True}})
+        with running(GatewayThread(config).start()) as (gw,):
+            auth = {"authorization": "Bearer t"}
+            url = f"{gw.url}/admin/workers"
+            assert httpx.post(f"{url}/b/role", json={"role": "prefill"}).status_code == 401
+            r = httpx.post(f"{url}/b/role", json={"role": "sideways"}, headers=auth)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_role"
+            r = httpx.post(f"{url}/b/role", json={}, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "role"
+            r = httpx.post(f"{url}/zz/role", json={"role": "decode"}, headers=auth)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "worker_not_found"
+            # b is busy: the change is accepted (202) and pending until b has drained.
+            gw.runtime.fleet.get("b").inflight = 1
+            r = httpx.post(f"{url}/b/role", json={"role": "prefill"}, headers=auth)
+            assert r.status_code == 202, r.text
+            assert r.json()["target_role"] == "prefill" and r.json()["pools"]["moving"] == ["b"]
+            listed = {w["id"]: w for w in httpx.get(url, headers=auth).json()["workers"]}
+            assert listed["b"]["role"] == "decode" and listed["b"]["target_role"] == "prefill"
+            # Requests meanwhile go around it.
+            for _ in range(3):
+                r = httpx.post(f"{gw.url}/v1/completions", json=body(max_tokens=3), timeout=30)
+                assert r.status_code == 200 and r.headers["x-dyad-worker"] == "a"
+                assert r.headers["x-dyad-prefill-worker"] == "c"
+            r = httpx.post(f"{url}/a/role", json={"role": "prefill"}, headers=auth)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "last_decoder"
+            gw.runtime.fleet.get("b").inflight = 0
+            deadline = time.monotonic() + 3
+            while gw.runtime.fleet.get("b").role.value != "prefill":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            pools = httpx.get(f"{gw.url}/admin/pools", headers=auth).json()["pools"]
+            assert pools == {"prefill": ["b", "c"], "decode": ["a"], "both": [], "moving": []}
+            r = httpx.post(f"{url}/b/role", json={"role": "decode", "wait": True}, headers=auth)
+            assert r.status_code == 200 and r.json()["role"] == "decode" and r.json()["drained"] is True
+            metrics = httpx.get(f"{gw.url}/metrics").text
+            assert 'dyad_role_changes_total{from_role="decode",to_role="prefill"} 1.0' in metrics
+            assert 'dyad_role_changes_total{from_role="prefill",to_role="decode"} 1.0' in metrics
+            assert 'dyad_worker_role{role="decode",worker="b"} 1.0' in metrics
