@@ -78,8 +78,10 @@ async def ready(request: Request) -> Response:
     """200 when every model the fleet knows has a healthy worker that can decode it; else 503."""
     rt: GatewayRuntime = request.app.state.runtime
     models = {m: len(rt.router.candidates(m)) for m in rt.fleet.models()}
-    ok = bool(models) and all(models.values())
+    ok = bool(models) and all(models.values()) and not rt.shutdown.draining
     body = {"ready": ok, "models": {m: {"healthy_workers": n} for m, n in models.items()}}
+    if rt.shutdown.draining:
+        body["reason"] = "shutting down (draining in-flight requests)"
     if not models:
         body["reason"] = "no models configured or discovered yet"
     headers = {} if ok else {"Retry-After": str(rt.config.gateway.retry_after_s)}

@@ -40,6 +40,7 @@ async def _completion(request: Request, endpoint: str, label: str) -> Any:
     rt: GatewayRuntime = request.app.state.runtime
     rid = request_id_of(request)
     bind_request_id(rid)  # every log line of this request carries it (orchestrator.telemetry.logging)
+    rt.shutdown.check()  # draining after SIGTERM: 503 + Retry-After (orchestrator/gateway/shutdown.py)
     gw = rt.config.gateway
     intake = rt.intake  # orchestrator.gateway.admission: auth, rate limits, admission control, queue
     client = intake.authenticate(request)

@@ -25,6 +25,7 @@ from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.scrape import MetricsScraper
 from orchestrator.gateway.executor import AggregatedExecutor, Executor
 from orchestrator.gateway.resilience import Backoff, CircuitBreakers
+from orchestrator.gateway.shutdown import ShutdownState
 from orchestrator.gateway.tls import engine_ssl_context
 from orchestrator.gateway.transport import FastTransport
 from orchestrator.router.policies import make_policy
@@ -94,6 +95,7 @@ class GatewayRuntime:
         self.breakers = CircuitBreakers.from_config(
             res, on_change=lambda wid, state: self.metrics.breaker_transitions.labels(wid, state.value).inc())
         self.fleet.subscribe(lambda event, w: self.breakers.forget(w.id) if event == "removed" else None)
+        self.shutdown = ShutdownState(config.gateway.retry_after_s)  # SIGTERM drain (shutdown.py)
         if config.router.policy == "kv_aware":  # prefix-aware routing: tokenizer, index, KV events (orchestrator.kv)
             from orchestrator.kv.tracker import build_prefix_tracker
             self.prefix_tracker = build_prefix_tracker(config, self.fleet, self.metrics, self.clock,

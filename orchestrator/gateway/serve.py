@@ -26,6 +26,7 @@ from orchestrator.clock import Clock
 from orchestrator.config import ConfigError, DyadConfig, GatewayTlsConfig, load_config
 from orchestrator.gateway.app import create_app
 from orchestrator.gateway.runtime import GatewayRuntime
+from orchestrator.gateway.shutdown import DrainingServer
 from orchestrator.gateway.tls import engine_ssl_context, server_ssl_options
 from orchestrator.telemetry.logging import configure_logging
 
@@ -174,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"dyad: gateway on {'https' if ssl else 'http'}://{gw.host}:{gw.port} ({len(config.workers)} workers, "
           f"policy {config.router.policy})", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn_config(create_app(config), gw.host, gw.port, args.log_level, ssl=ssl))
+    app = create_app(config)
+    # SIGTERM: stop intake, finish in-flight requests (resilience.shutdown_grace_s), exit 0 (shutdown.py)
+    server = DrainingServer(uvicorn_config(app, gw.host, gw.port, args.log_level, ssl=ssl),
+                            lambda: getattr(getattr(app.state, "runtime", None), "shutdown", None),
+                            config.resilience.shutdown_grace_s)
     server.run()
     return 0
