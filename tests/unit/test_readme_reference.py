@@ -132,3 +132,11 @@ def test_readme_links_and_commands_point_at_real_things():
         assert (ROOT / script).exists(), script
     setup = [line for line in text.splitlines() if re.match(r"\s*(\$ )?(make|bash|\./|python|pip|uv|dyad|pytest)", line)]
     assert setup[:2] == ["make demo", "make test"], "README's first set-up commands must be make demo / make test"
+
+
+def test_module_paths_in_the_architecture_sketches_exist():
+    for doc in (README, ROOT / "docs" / "architecture.md"):
+        paths = set(re.findall(r"\b((?:orchestrator|adapters|scripts|tests)/[\w/]+\.py)\b", doc.read_text()))
+        assert len(paths) > 10, doc
+        missing = sorted(p for p in paths if not (ROOT / p).exists())
+        assert not missing, f"{doc.name} names modules that do not exist: {missing}"
