@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ README = ROOT / "README.md"
 def load_generator():
     spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gen_reference", module)
     spec.loader.exec_module(module)
     return module
 
