@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,6 +25,7 @@ from orchestrator.config import DyadConfig
 from orchestrator.disagg import admin_routes as disagg_admin
 from orchestrator.errors import ApiError, error_body
 from orchestrator.gateway import admin, admission, openai_routes
+from orchestrator.gateway.openapi import build_openapi
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.planner.install import install as planner_install
 from orchestrator.planner.routes import planner_router
@@ -144,7 +146,21 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
         finally:
             await rt.stop()
 
-    app = FastAPI(title="Dyad gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Dyad gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    schema: dict = {}
+
+    def openapi() -> dict:
+        """Hand-written hot-path schemas (openapi.py) plus what FastAPI derives for the other routers."""
+        if not schema:
+            schema.update(build_openapi())
+            derived = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path, item in derived.get("paths", {}).items():
+                schema["paths"].setdefault(path, item)
+            schema["components"]["schemas"].update(derived.get("components", {}).get("schemas", {}))
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"])
     app.add_route("/v1/completions", openai_routes.completions, methods=["POST"])
     app.add_route("/v1/models", openai_routes.list_models, methods=["GET"])

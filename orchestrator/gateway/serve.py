@@ -23,10 +23,11 @@ from typing import Any
 import uvicorn
 
 from orchestrator.clock import Clock
-from orchestrator.config import ConfigError, DyadConfig, GatewayTlsConfig, load_config
+from orchestrator.config import ConfigError, DyadConfig, GatewayTlsConfig, ResilienceConfig, load_config
 from orchestrator.gateway.app import create_app
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.gateway.shutdown import DrainingServer
+from orchestrator.gateway.slow_clients import guarded_protocol
 from orchestrator.gateway.tls import engine_ssl_context, server_ssl_options
 from orchestrator.telemetry.logging import configure_logging
 
@@ -47,12 +48,16 @@ def _fast_options() -> dict[str, str]:
 
 
 def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning",
-                   ssl: dict[str, Any] | None = None) -> uvicorn.Config:
+                   ssl: dict[str, Any] | None = None, resilience: ResilienceConfig | None = None) -> uvicorn.Config:
     """``ssl``: uvicorn's ssl_* options (``tls.server_ssl_options``). ``log_config=None``: uvicorn's loggers
-    go through the root logger (``dyad serve`` configures it with ``configure_logging``)."""
+    go through the root logger (``dyad serve`` configures it with ``configure_logging``). ``resilience``:
+    header/body read timeouts against slow clients (``slow_clients.py``; with httptools)."""
+    options = _fast_options()
+    if resilience is not None and options["http"] == "httptools":
+        options["http"] = guarded_protocol(resilience.header_timeout_s, resilience.body_timeout_s)  # type: ignore[assignment]
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
                           lifespan="on", timeout_keep_alive=75, server_header=False, date_header=False,
-                          timeout_graceful_shutdown=5, **_fast_options(), **(ssl or {}))
+                          timeout_graceful_shutdown=5, **options, **(ssl or {}))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -68,7 +73,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def serve(config: DyadConfig, *, clock: Clock | None = None, sock: socket.socket | None = None) -> None:
     """Run a gateway in the current event loop until cancelled."""
     gw = config.gateway
-    server = uvicorn.Server(uvicorn_config(create_app(config, clock=clock), gw.host, gw.port))
+    server = uvicorn.Server(uvicorn_config(create_app(config, clock=clock), gw.host, gw.port,
+                                           resilience=config.resilience))
     await server.serve(sockets=[sock] if sock is not None else None)
 
 
@@ -86,7 +92,8 @@ class GatewayThread:
         host = config.gateway.host
         ssl = server_ssl_options(config.gateway.tls)
         self.url = f"{'https' if ssl else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn_config(self.app, host, self.port, ssl=ssl))
+        self._server = uvicorn.Server(uvicorn_config(self.app, host, self.port, ssl=ssl,
+                                                     resilience=config.resilience))
         self._thread = threading.Thread(target=self._run, name=f"dyad-gateway-{self.port}", daemon=True)
         self._startup_timeout_s = startup_timeout_s
         self._error: BaseException | None = None
@@ -177,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
           f"policy {config.router.policy})", file=sys.stderr, flush=True)
     app = create_app(config)
     # SIGTERM: stop intake, finish in-flight requests (resilience.shutdown_grace_s), exit 0 (shutdown.py)
-    server = DrainingServer(uvicorn_config(app, gw.host, gw.port, args.log_level, ssl=ssl),
+    server = DrainingServer(uvicorn_config(app, gw.host, gw.port, args.log_level, ssl=ssl,
+                                           resilience=config.resilience),
                             lambda: getattr(getattr(app.state, "runtime", None), "shutdown", None),
                             config.resilience.shutdown_grace_s)
     server.run()

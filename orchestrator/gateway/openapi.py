@@ -1,0 +1,164 @@
+"""The gateway's OpenAPI document, served at ``/openapi.json``.
+
+The hot-path handlers are plain Starlette endpoints that validate by hand (``request.py``), so
+FastAPI cannot derive their schemas. The request models below exist only to describe the API: they
+mirror what ``request.py`` checks (and say that other OpenAI/vLLM fields pass through to the
+engine); they are never run on a request. The document is built once per app, on first use.
+Clients, docs and the schema-driven fuzz tests (tests/fuzz) read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_PASS_THROUGH = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": True})
+
+
+class StreamOptions(BaseModel):
+    model_config = _PASS_THROUGH
+    include_usage: bool | None = Field(None, description="Send a final chunk with token usage")
+
+
+class _Common(BaseModel):
+    model_config = _PASS_THROUGH
+    model: str = Field(..., min_length=1, description="A model (or alias) the fleet serves")
+    stream: bool | None = Field(None, description="Server-sent events instead of one JSON answer")
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate")
+    n: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = _PASS_THROUGH
+    role: str = Field(..., description="system, user, assistant, tool, ...")
+    content: str | list[dict[str, Any]] | None = Field(None, description="Text, or an array of content parts")
+
+
+class ChatCompletionRequest(_Common):
+    """OpenAI chat completions; any other field is forwarded to the engine unchanged."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Common):
+    """OpenAI (legacy) completions; any other field is forwarded to the engine unchanged."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="A string, strings, token ids, or arrays of token ids (non-empty)")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class WorkerRequest(BaseModel):
+    """A worker as in the configuration file (``workers[]``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(..., description="http:// or https:// base URL of the engine")
+    id: str | None = None
+    engine: Literal["vllm", "sglang", "sim"] = "vllm"
+    role: Literal["prefill", "decode", "both"] = "both"
+    models: list[str] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+_MODELS = (ChatCompletionRequest, CompletionRequest, ChatMessage, StreamOptions, ErrorDetail, ErrorResponse,
+           WorkerRequest)
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": desc, "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+            for s, desc in ((400, "Invalid request (the error's param names the field)"),
+                            (401, "Missing or wrong key"), (403, "Model not allowed for this key"),
+                            (404, "Unknown model, worker or route"), (408, "Request headers or body too slow"),
+                            (413, "Body larger than gateway.max_body_bytes"),
+                            (429, "Rate limited (Retry-After)"),
+                            (503, "No worker can serve it now, or the gateway is draining (Retry-After)"))
+            if s in statuses}
+
+
+def _json_ok(desc: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"200": {"description": desc, "content": {"application/json": {"schema": schema or {"type": "object"}}}}}
+
+
+def build_openapi(title: str = "Dyad gateway", version: str = "0") -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    for model in _MODELS:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    admin = [{"adminToken": []}]
+    client_errors = _errors(400, 401, 403, 404, 408, 413, 429, 503)
+
+    def completion(op: str, model: str, summary: str) -> dict[str, Any]:
+        ok = {"description": "The engine's answer (JSON), or server-sent events when stream is true",
+              "content": {"application/json": {"schema": {"type": "object"}},
+                          "text/event-stream": {"schema": {"type": "string"}}}}
+        return {"post": {"operationId": op, "summary": summary, "security": [{"apiKey": []}, {}],
+                         "requestBody": {"required": True,
+                                         "content": {"application/json": {"schema": _ref(model)}}},
+                         "responses": {"200": ok, **client_errors}}}
+
+    worker_id = [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    paths = {
+        "/v1/chat/completions": completion("createChatCompletion", "ChatCompletionRequest", "Chat completion"),
+        "/v1/completions": completion("createCompletion", "CompletionRequest", "Text completion"),
+        "/v1/models": {"get": {"operationId": "listModels", "security": [{"apiKey": []}, {}],
+                               "responses": {**_json_ok("Models the fleet serves"), **_errors(401)}}},
+        "/health": {"get": {"operationId": "health", "responses": _json_ok("The process is up")}},
+        "/ready": {"get": {"operationId": "ready", "responses": {
+            **_json_ok("Every model has a healthy worker"),
+            "503": {"description": "Not ready (no healthy worker for a model, or draining)",
+                    "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        "/metrics": {"get": {"operationId": "metrics", "responses": {"200": {
+            "description": "Prometheus exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/admin/workers": {
+            "get": {"operationId": "listWorkers", "security": admin,
+                    "responses": {**_json_ok("Workers and their state"), **_errors(401, 404)}},
+            "post": {"operationId": "addWorker", "security": admin,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("WorkerRequest")}}},
+                     "responses": {"201": {"description": "Added (probed at once)",
+                                           "content": {"application/json": {"schema": {"type": "object"}}}},
+                                   "409": {"description": "Id taken",
+                                           "content": {"application/json": {"schema": _ref("ErrorResponse")}}},
+                                   **_errors(400, 401, 404, 413)}}},
+        "/admin/workers/{worker_id}": {"delete": {"operationId": "removeWorker", "security": admin,
+                                                  "parameters": worker_id,
+                                                  "responses": {**_json_ok("Removed"), **_errors(401, 404)}}},
+        "/admin/workers/{worker_id}/drain": {"post": {
+            "operationId": "drainWorker", "security": admin, "parameters": worker_id,
+            "responses": {**_json_ok("Draining: nothing new, finishes what it has"), **_errors(401, 404)}}},
+        "/admin/workers/{worker_id}/undrain": {"post": {
+            "operationId": "undrainWorker", "security": admin, "parameters": worker_id,
+            "responses": {**_json_ok("Back in rotation (when healthy)"), **_errors(401, 404)}}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version,
+                 "description": "OpenAI-compatible gateway in front of vLLM/SGLang engines. Fields not listed "
+                                "in a request schema are forwarded to the engine unchanged."},
+        "paths": paths,
+        "components": {"schemas": schemas, "securitySchemes": {
+            "apiKey": {"type": "http", "scheme": "bearer", "description": "Client key (when configured)"},
+            "adminToken": {"type": "http", "scheme": "bearer", "description": "gateway.admin_token"}}},
+    }
