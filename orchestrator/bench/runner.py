@@ -406,7 +406,8 @@ async def run_bench(requests: Sequence[TraceRequest], opts: BenchOptions) -> Ben
     if opts.api_key:
         headers["authorization"] = f"Bearer {opts.api_key}"
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
-    timeout = httpx.Timeout(opts.timeout_s, connect=10.0)
+    # Generous connect timeout: under overload a router may accept late, which is latency, not failure.
+    timeout = httpx.Timeout(opts.timeout_s, connect=min(opts.timeout_s, 60.0))
     progress = Progress(len(requests), enabled=opts.progress)
     results: list[RequestResult] = []
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
