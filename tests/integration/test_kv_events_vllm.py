@@ -4,7 +4,9 @@ Checked: router-side tokenization (local tokenizer files + chat template) equals
 /tokenize; a subscriber that joins after traffic learns the engine's blocks through the replay
 endpoint; blocks mapped from the engine's ``token_ids`` match the hashes the router computes for the
 same prompt (so the index predicts the real hit); ``/reset_prefix_cache`` (AllBlocksCleared) empties
-the worker's entries; a worker that goes unhealthy is cleared.
+the worker's entries; a worker that goes unhealthy is cleared; on an engine with a tiny KV cache
+(64 blocks), real evictions arrive as ``BlockRemoved`` and the index then predicts exactly the hit
+the engine reports for a partly evicted prompt.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from orchestrator.fleet.worker import WorkerState
 from orchestrator.kv.tracker import build_prefix_tracker
 from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry.metrics import DyadMetrics
-from tests.fixtures.vllm import VllmEngine
+from tests.fixtures.vllm import VllmEngine, VllmPool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -130,3 +132,76 @@ async def test_engine_events_map_to_the_routers_hashes(vllm_engine: VllmEngine):
 async def _blocks_zero(tracker, req) -> bool:
     ov = await tracker.index.overlaps(req.block_hashes)
     return "v0" not in ov
+
+
+SMALL_KV_BYTES = 64 * 32 * 2048  # 64 blocks of 32 tokens at 2 KiB per token (tiny-llama-512: 4 layers × 2 KV heads × 64 × bf16 × K,V)
+
+
+def _prefix_hits(metrics_text: str) -> float:
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_real_evictions_remove_entries(vllm_pool: VllmPool):
+    try:
+        (engine,) = vllm_pool.get(1, key="small-kv", extra_args=[
+            "--kv-cache-memory-bytes", str(SMALL_KV_BYTES), "--max-model-len", "1024"])
+    except (RuntimeError, TimeoutError) as e:
+        pytest.fail(str(e), pytrace=False)
+    cfg = config_for(engine)
+    fleet = FleetRegistry.from_config(cfg)
+    worker = fleet.get("v0")
+    fleet.record_health(worker, True, 0.0)
+    metrics = DyadMetrics()
+    tracker = build_prefix_tracker(cfg, fleet, metrics)
+    # The watched prompt: ~520 tokens (16 blocks). Fillers: ~130 tokens (4 blocks) each, so the
+    # first evictions take only part of it (vLLM evicts a freed request's tail blocks first).
+    watched = " ".join(f"document zero sentence {i} says something new." for i in range(20))
+    fillers = [" ".join(f"filler {d} line {i} adds other words." for i in range(5)) for d in range(40)]
+    await tracker.start()
+    try:
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def send(prompt: str) -> dict:
+                r = await c.post(f"{engine.url}/v1/completions",
+                                 json={"model": engine.model, "prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            async def overlap_of(prompt: str) -> int:
+                req = RouteRequest(request_id="probe", model=engine.model, prompt_tokens=0)
+                await tracker.annotate(req, {"prompt": prompt}, "/v1/completions", [worker])
+                ov = req.overlaps.get("v0")
+                return ov.blocks if ov else 0
+
+            first = await send(watched)
+            full = first["usage"]["prompt_tokens"] // 32
+            assert 12 <= full <= 20
+            assert await until(lambda: _eq(overlap_of(watched), full)) is True
+            for filler in fillers:  # fill the 64-block cache until the watched prompt starts to go
+                await send(filler)
+                await asyncio.sleep(0.3)
+                if await overlap_of(watched) < full:
+                    break
+
+            async def removed() -> bool:
+                n = metrics.registry.get_sample_value("dyad_kv_events_total", {"worker": "v0", "type": "BlockRemoved"})
+                return bool(n) and await overlap_of(watched) < full
+            await until(removed)
+            await asyncio.sleep(0.5)  # let the last batch of events land
+            predicted = await overlap_of(watched)
+            assert 0 < predicted < full  # partly evicted: its head is still cached
+            # The index's view equals the engine's: resend the first prompt and compare with the hit
+            # the engine itself counts.
+            before = _prefix_hits((await c.get(f"{engine.url}/metrics")).text)
+            await send(watched)
+            after = _prefix_hits((await c.get(f"{engine.url}/metrics")).text)
+            assert after - before == predicted * 32, (predicted, after - before)
+    finally:
+        await tracker.stop()
+
+
+async def _eq(value_coro, expected) -> bool:
+    return (await value_coro) == expected
