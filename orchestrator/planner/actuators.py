@@ -243,3 +243,8 @@ class RoleChangeActuator:
         if rest and self.fallback is not None:
             done += await self.fallback.apply(replace(decision, actions=rest))
         return done
+
+    async def close(self) -> None:
+        close = getattr(self.fallback, "close", None)
+        if close is not None:
+            await close()

@@ -121,6 +121,9 @@ class _DrainingLocal:
         self.local = local
         self.runtime = runtime
 
+    async def close(self) -> None:
+        await self.local.close()
+
     async def apply(self, decision: Any) -> list[str]:
         done = []
         for a in decision.actions:

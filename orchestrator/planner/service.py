@@ -65,15 +65,21 @@ class PlannerService:
         return decision
 
     async def run(self) -> None:
-        """Plan every ``interval_s`` until cancelled (``GatewayRuntime.add_task`` runs it)."""
-        while True:
-            await asyncio.sleep(self.planner.settings.interval_s)
-            try:
-                await self.run_once()
-                self.last_error = None
-            except Exception as e:  # keep planning; show the error on /admin/planner
-                self.last_error = f"{type(e).__name__}: {e}"
-                log.warning("planner interval failed: %s", self.last_error)
+        """Plan every ``interval_s`` until cancelled (``GatewayRuntime.add_task`` runs it); on the way
+        out the actuator is closed (engines a local actuator started do not outlive the gateway)."""
+        try:
+            while True:
+                await asyncio.sleep(self.planner.settings.interval_s)
+                try:
+                    await self.run_once()
+                    self.last_error = None
+                except Exception as e:  # keep planning; show the error on /admin/planner
+                    self.last_error = f"{type(e).__name__}: {e}"
+                    log.warning("planner interval failed: %s", self.last_error)
+        finally:
+            close = getattr(self.actuator, "close", None)
+            if close is not None:
+                await close()
 
     def start(self) -> None:
         if self._task is None:

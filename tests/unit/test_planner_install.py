@@ -146,3 +146,36 @@ def test_gateway_without_planner_answers_404():
         assert gw.runtime.planner is None
         r = httpx.get(f"{gw.url}/admin/planner", headers={"Authorization": "Bearer adm"}, timeout=5)
         assert r.status_code == 404 and r.json()["error"]["code"] == "planner_disabled"
+
+
+async def test_stopping_the_service_closes_the_actuator():
+    """Engines a local actuator started must not outlive the gateway: cancelling the loop closes it."""
+    import asyncio
+
+    from orchestrator.clock import VirtualClock
+    from orchestrator.planner.service import PlannerService
+
+    class Closable:
+        name = "local"
+        closed = False
+
+        async def apply(self, decision):
+            return []
+
+        async def close(self):
+            self.closed = True
+
+    class NoLoad:
+        async def observe(self, now):
+            return Observation(at=now, window_s=0.0)
+
+    actuator = Closable()
+    planner = Planner(PerfModel.from_dict(PROFILE), PlannerSettings(interval_s=0.01))
+    service = PlannerService(planner, NoLoad(), actuator, fleet=lambda: _fleet(1, 1), clock=VirtualClock())
+    task = asyncio.create_task(service.run())
+    while not service.history:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert actuator.closed
