@@ -35,8 +35,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local exp = now + tonumber(ARGV[2])
 for i = 3, #ARGV, 2 do
-  redis.call('ZADD', ARGV[1] .. ':load:' .. ARGV[i], exp, ARGV[i + 1])
-  redis.call('PEXPIRE', ARGV[1] .. ':load:' .. ARGV[i], tonumber(ARGV[2]) * 2)
+  local key = ARGV[1] .. ':load:' .. ARGV[i]
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  redis.call('ZADD', key, exp, ARGV[i + 1])
+  redis.call('PEXPIRE', key, tonumber(ARGV[2]) * 2)
 end
 return now
 """
@@ -52,16 +54,16 @@ end
 return 0
 """
 
-# ARGV: prefix, own replica id, workers...  → flat [inflight, prefill_tokens] per worker.
+# ARGV: prefix, own replica id, workers...  → "i n tokens;" for each worker i (1-based) that other
+# replicas load (one short string, cheap to parse; most workers usually have none). Read-only:
+# expired reservations are skipped here and trimmed by the next _RESERVE on that worker.
 _PEERS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local own = ARGV[2] .. '|'
 local out = {}
 for i = 3, #ARGV do
-  local key = ARGV[1] .. ':load:' .. ARGV[i]
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  local members = redis.call('ZRANGE', key, 0, -1)
+  local members = redis.call('ZRANGEBYSCORE', ARGV[1] .. ':load:' .. ARGV[i], '(' .. now, '+inf')
   local n, tokens = 0, 0
   for _, m in ipairs(members) do
     if string.sub(m, 1, #own) ~= own then
@@ -69,10 +71,9 @@ for i = 3, #ARGV do
       tokens = tokens + tonumber(string.match(m, '|(%d+)$') or '0')
     end
   end
-  out[#out + 1] = n
-  out[#out + 1] = tokens
+  if n > 0 then out[#out + 1] = (i - 2) .. ' ' .. n .. ' ' .. tokens end
 end
-return out
+return table.concat(out, ';')
 """
 
 
@@ -146,11 +147,10 @@ class SharedLoad:
         except REDIS_DOWN_ERRORS:
             return {}
         out: dict[str, PeerLoad] = {}
-        values = list(flat)  # type: ignore[call-overload]
-        for i, w in enumerate(worker_ids):
-            n, tokens = int(values[2 * i]), int(values[2 * i + 1])
-            if n or tokens:
-                out[w] = PeerLoad(inflight=n, prefill_tokens=tokens)
+        text = flat.decode() if isinstance(flat, bytes) else str(flat)
+        for entry in text.split(";") if text else ():
+            i, n, tokens = entry.split(" ")
+            out[worker_ids[int(i) - 1]] = PeerLoad(inflight=int(n), prefill_tokens=int(tokens))
         return out
 
     async def renew(self) -> None:

@@ -72,26 +72,46 @@ class KvAwarePolicy:
     def cost_of(self, req: RouteRequest, w: Worker, overlap: Overlap | None, peer: PeerLoad | None) -> WorkerCost:
         bs = max(1, req.block_size)
         request_blocks = math.ceil(max(req.prompt_tokens, 0) / bs)
-        credit = min(overlap.weighted_blocks, request_blocks) if overlap else 0.0
-        queued_tokens = w.inflight_prefill_tokens + (peer.prefill_tokens if peer else 0)
-        queued_blocks = queued_tokens / bs
+        return self._cost(request_blocks, bs, w, overlap, peer)
+
+    def _cost(self, request_blocks: int, bs: int, w: Worker, overlap: Overlap | None,
+              peer: PeerLoad | None) -> WorkerCost:
+        credit = 0.0
+        if overlap is not None:
+            credit = overlap.weighted_blocks if overlap.weighted_blocks < request_blocks else float(request_blocks)
+        load = w.load
+        if peer is None:
+            queued_blocks = w.inflight_prefill_tokens / bs
+            inflight = w.inflight
+        else:
+            queued_blocks = (w.inflight_prefill_tokens + peer.prefill_tokens) / bs
+            inflight = w.inflight + peer.inflight
         # The engine's own queue also counts traffic from outside this gateway; take the larger view.
-        engine_waiting_blocks = w.load.waiting * request_blocks
-        queued_blocks = max(queued_blocks, engine_waiting_blocks)
-        prefill = max(queued_blocks + request_blocks - credit, 0.0)
-        inflight = w.inflight + (peer.inflight if peer else 0)
-        running = max(float(inflight), w.load.running)
-        kv_blocks = w.load.kv_usage * w.load.num_blocks if w.load.num_blocks else 0.0
+        engine_waiting_blocks = load.waiting * request_blocks
+        if engine_waiting_blocks > queued_blocks:
+            queued_blocks = engine_waiting_blocks
+        prefill = queued_blocks + request_blocks - credit
+        if prefill < 0.0:
+            prefill = 0.0
+        running = inflight if inflight > load.running else load.running
+        kv_blocks = load.kv_usage * load.num_blocks if load.num_blocks else 0.0
         # Fresher than a scrape: each running request holds about this request's uncached size.
-        active = max(kv_blocks, running * max(request_blocks - credit, 1.0))
-        decode = active + request_blocks
-        cost = self.config.prefill_load_weight * prefill + self.config.decode_load_weight * decode
-        return WorkerCost(w, cost, overlap.blocks if overlap else 0, credit, prefill, active)
+        uncached = request_blocks - credit
+        active = running * (uncached if uncached > 1.0 else 1.0)
+        if kv_blocks > active:
+            active = kv_blocks
+        cfg = self.config
+        cost = cfg.prefill_load_weight * prefill + cfg.decode_load_weight * (active + request_blocks)
+        return WorkerCost(w, cost, overlap.blocks if overlap is not None else 0, credit, prefill, active)
 
     # --- the choice -----------------------------------------------------------------------------
     def choose(self, req: RouteRequest, candidates: Sequence[Worker], now: float) -> RouteDecision:
         peers = peer_load_of(req)
-        costs = [self.cost_of(req, w, req.overlaps.get(w.id), peers.get(w.id)) for w in candidates]
+        overlaps = req.overlaps
+        bs = max(1, req.block_size)
+        request_blocks = math.ceil(max(req.prompt_tokens, 0) / bs)
+        cost = self._cost
+        costs = [cost(request_blocks, bs, w, overlaps.get(w.id), peers.get(w.id)) for w in candidates]
         best_cost = min(c.cost for c in costs)
         chosen: WorkerCost | None = None
         why = ""
@@ -109,7 +129,7 @@ class KvAwarePolicy:
         if req.session_key:
             self._remember(req.session_key, chosen.worker.id, now)
         cached_tokens = min(chosen.overlap_blocks * req.block_size, req.prompt_tokens)
-        reason = (f"{why}: overlap {chosen.overlap_blocks}/{math.ceil(req.prompt_tokens / max(1, req.block_size))}"
+        reason = (f"{why}: overlap {chosen.overlap_blocks}/{request_blocks}"
                   f" blocks, uncached+queued prefill {chosen.prefill_blocks:.0f} blocks,"
                   f" active {chosen.active_blocks:.0f} blocks, cost {chosen.cost:.1f} (best {best_cost:.1f})")
         if log.isEnabledFor(logging.DEBUG):
