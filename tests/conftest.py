@@ -1,4 +1,73 @@
-"""Shared fixtures: a thin importer of tests/fixtures modules (one module per real service)."""
+"""Shared fixtures (a thin importer of tests/fixtures modules, one module per real service), and the
+run order of the real-vLLM tier.
 
-from tests.fixtures.vllm import vllm_engine, vllm_engines, vllm_paths, vllm_pool  # noqa: F401
+Real-vLLM tests (marker ``vllm``) run after every other test, grouped by the engine configuration
+they need (``@pytest.mark.vllm_config("pd")``; ``default`` when unmarked) so that each configuration
+starts once per session; see tests/fixtures/vllm.py. The first test of each group also pays for the
+engine start (and, on a shared machine, the wait for the machine lock), so its timeout is raised by
+that budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures.vllm import (
+    LOCK_WAIT_S,
+    START_TIMEOUT_S,
+    engine_start_summary,
+    vllm_engine,  # noqa: F401
+    vllm_engines,  # noqa: F401
+    vllm_paths,  # noqa: F401
+    vllm_pool,  # noqa: F401
+    vllm_run_order,
+)
 from tests.fixtures.vllm_pd import vllm_pd_engines  # noqa: F401
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "vllm_config(name): the real-vLLM engine configuration the test needs (tests/fixtures/vllm.py "
+        "ENGINE_SETS: default, small-kv, both, pd); tests are grouped by it",
+    )
+
+
+def vllm_config_of(item: pytest.Item) -> str | None:
+    """The engine configuration a real-vLLM test needs; ``None`` for other tests."""
+    marker = item.get_closest_marker("vllm_config")
+    if marker is not None:
+        return marker.args[0]
+    return "default" if item.get_closest_marker("vllm") else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: a vllm_config test is a vllm test
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    others, real = [], []
+    for item in items:
+        key = vllm_config_of(item)
+        if key is None:
+            others.append(item)
+            continue
+        if item.get_closest_marker("vllm") is None:
+            item.add_marker(pytest.mark.vllm)
+        real.append((key, item))
+    order = vllm_run_order([(key, item.name) for key, item in real])
+    ordered = [real[i] for i in order]
+    previous = None
+    for key, item in ordered:
+        if key != previous:  # this test starts the configuration's engines
+            marker = item.get_closest_marker("timeout")
+            base = float(marker.args[0]) if marker is not None and marker.args else float(config.getini("timeout") or 0)
+            if base > 0:  # 0: no timeout at all
+                item.add_marker(pytest.mark.timeout(base + START_TIMEOUT_S + LOCK_WAIT_S), append=False)
+            previous = key
+    items[:] = others + [item for _, item in ordered]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    lines = engine_start_summary()
+    if lines:
+        terminalreporter.section("real vLLM engine starts")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -134,9 +134,6 @@ async def _blocks_zero(tracker, req) -> bool:
     return "v0" not in ov
 
 
-SMALL_KV_BYTES = 64 * 32 * 2048  # 64 blocks of 32 tokens at 2 KiB per token (tiny-llama-512: 4 layers × 2 KV heads × 64 × bf16 × K,V)
-
-
 def _prefix_hits(metrics_text: str) -> float:
     total = 0.0
     for line in metrics_text.splitlines():
@@ -145,10 +142,10 @@ def _prefix_hits(metrics_text: str) -> float:
     return total
 
 
+@pytest.mark.vllm_config("small-kv")  # one engine, 64-block KV cache (tests/fixtures/vllm.py SMALL_KV_BYTES)
 async def test_real_evictions_remove_entries(vllm_pool: VllmPool):
     try:
-        (engine,) = vllm_pool.get(1, key="small-kv", extra_args=[
-            "--kv-cache-memory-bytes", str(SMALL_KV_BYTES), "--max-model-len", "1024"])
+        (engine,) = vllm_pool.use("small-kv")
     except (RuntimeError, TimeoutError) as e:
         pytest.fail(str(e), pytrace=False)
     cfg = config_for(engine)

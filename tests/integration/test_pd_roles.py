@@ -18,7 +18,7 @@ from orchestrator.gateway.serve import GatewayThread
 from tests.fixtures.vllm import MODEL_NAME
 from tests.fixtures.vllm_pd import PdEngines
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_config("both"), pytest.mark.slow, pytest.mark.timeout(900)]
 
 ADMIN = "roles-admin-token"
 AUTH = {"authorization": f"Bearer {ADMIN}"}

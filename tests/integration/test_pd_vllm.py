@@ -23,7 +23,7 @@ from orchestrator.gateway.serve import GatewayThread
 from tests.fixtures.vllm import MODEL_NAME
 from tests.fixtures.vllm_pd import PdEngines
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_config("pd"), pytest.mark.slow, pytest.mark.timeout(900)]
 
 ADMIN = "pd-admin-token"
 LONG_PROMPT = "Summarize the inventory: " + " ".join(f"item{i} costs {i * 7 % 97}" for i in range(120))
