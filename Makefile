@@ -9,7 +9,7 @@ $(BIN)/dyad: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(BIN)/dyad
 
-.PHONY: demo test install lint
+.PHONY: demo test install lint readme
 install: $(BIN)/dyad
 
 demo: $(BIN)/dyad
@@ -21,3 +21,7 @@ test: $(BIN)/dyad
 
 lint: $(BIN)/dyad
 	$(BIN)/ruff check orchestrator adapters tests
+
+# Refresh the generated reference sections of README.md (config, CLI, metrics) from the code.
+readme: $(BIN)/dyad
+	$(BIN)/python scripts/gen_reference.py

@@ -32,27 +32,29 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """A served model. Workers name the models they serve; the router may tokenize locally."""
 
-    name: str
+    name: str = Field(..., description="Model name clients send in `model`")
     tokenizer: str | None = Field(None, description="Directory with tokenizer files for router-side tokenization")
     block_size: int = Field(32, ge=1, description="KV block size in tokens (must match the engines)")
-    aliases: list[str] = Field(default_factory=list)
+    aliases: list[str] = Field(default_factory=list, description="Other names clients may use for this model")
 
 
 class KvEventsConfig(_Section):
     """Where a worker publishes KV-cache events (vLLM --kv-events-config)."""
 
     endpoint: str = Field(..., description="ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557")
-    replay_endpoint: str | None = None
-    topic: str = "kv-events"
+    replay_endpoint: str | None = Field(None, description="ZMQ replay endpoint for missed batches (vLLM replay_endpoint)")
+    topic: str = Field("kv-events", description="ZMQ topic the engine publishes on")
 
 
 class WorkerConfig(_Section):
-    url: str
-    id: str | None = None
-    engine: EngineKind = EngineKind.VLLM
-    role: Role = Role.BOTH
+    """One engine instance Dyad routes to."""
+
+    url: str = Field(..., description="Engine base URL, http(s)://host:port")
+    id: str | None = Field(None, description="Stable worker id (default w<index>)")
+    engine: EngineKind = Field(EngineKind.VLLM, description="Wire dialect: vllm, sglang, or sim (simulator, vLLM dialect)")
+    role: Role = Field(Role.BOTH, description="prefill, decode, or both (aggregated)")
     models: list[str] = Field(default_factory=list, description="Models served; empty = ask the engine")
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels (e.g. zone, for P/D transfer locality)")
     kv_events: KvEventsConfig | None = None
     bootstrap_port: int | None = Field(None, description="SGLang P/D bootstrap port (default 8998)")
     api_key: str | None = Field(None, description="Bearer key Dyad presents to the engine")
@@ -71,17 +73,20 @@ PolicyName = Literal["round_robin", "least_load", "power_of_two", "kv_aware", "r
 class KvAwareConfig(_Section):
     """Parameters of the ``kv_aware`` policy (prefix overlap vs load)."""
 
-    prefill_load_weight: float = Field(1.0, ge=0)
-    decode_load_weight: float = Field(1.0, ge=0)
-    temperature: float = Field(0.0, ge=0)
-    tier_weights: dict[str, float] = Field(default_factory=lambda: {"device": 1.0, "host": 0.75, "disk": 0.25})
-    session_header: str = "x-session-id"
-    session_ttl_s: float = Field(600.0, gt=0)
+    prefill_load_weight: float = Field(1.0, ge=0, description="Weight of uncached + queued prefill blocks in the cost")
+    decode_load_weight: float = Field(1.0, ge=0, description="Weight of active decode blocks in the cost")
+    temperature: float = Field(0.0, ge=0, description="0 = pick the cheapest worker; > 0 = softmax over normalized costs")
+    tier_weights: dict[str, float] = Field(default_factory=lambda: {"device": 1.0, "host": 0.75, "disk": 0.25},
+                                           description="Credit per cached block by tier")
+    session_header: str = Field("x-session-id", description="Request header naming a session for affinity")
+    session_ttl_s: float = Field(600.0, gt=0, description="How long a session sticks to its worker")
 
 
 class RouterConfig(_Section):
-    policy: PolicyName = "round_robin"
-    seed: int | None = None
+    """How each request picks its worker."""
+
+    policy: PolicyName = Field("round_robin", description="round_robin, least_load, power_of_two, random or kv_aware")
+    seed: int | None = Field(None, description="Seed for randomized policies (reproducible runs)")
     kv_aware: KvAwareConfig = Field(default_factory=KvAwareConfig)
     debug_headers: bool = Field(False, description="Add x-dyad-worker / x-dyad-predicted-cached-tokens to responses")
 
@@ -127,15 +132,17 @@ class EngineTlsConfig(_Section):
 
 
 class GatewayConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    """The OpenAI-compatible HTTP front door."""
+
+    host: str = Field("127.0.0.1", description="Listen address")
+    port: int = Field(8000, ge=0, le=65535, description="Listen port (0 = any free port)")
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="Larger request bodies get 413")
     api_keys: list[str] = Field(default_factory=list, description="Client keys; empty = no client auth")
     admin_token: str | None = Field(None, description="Bearer token for /admin/*; unset = admin API disabled")
-    connect_timeout_s: float = Field(5.0, gt=0)
-    first_byte_timeout_s: float = Field(300.0, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
-    retry_after_s: int = Field(1, ge=0)
+    connect_timeout_s: float = Field(5.0, gt=0, description="Connecting to an engine")
+    first_byte_timeout_s: float = Field(300.0, gt=0, description="Waiting for an engine's response headers")
+    request_timeout_s: float = Field(600.0, gt=0, description="Whole non-streamed request")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds on 503/429 answers")
     max_attempts: int = Field(3, ge=1, description="Tries on different workers before the first byte")
     tls: GatewayTlsConfig = Field(default_factory=GatewayTlsConfig, description="HTTPS for clients")
     engine_tls: EngineTlsConfig = Field(default_factory=EngineTlsConfig,
@@ -212,23 +219,27 @@ class LimitsConfig(_Section):
 
 
 class HealthConfig(_Section):
-    interval_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(2.0, gt=0)
-    failure_threshold: int = Field(2, ge=1)
-    success_threshold: int = Field(1, ge=1)
+    """Background health probes; a worker leaves rotation after failure_threshold misses."""
+
+    interval_s: float = Field(2.0, gt=0, description="Seconds between health probes of each worker")
+    timeout_s: float = Field(2.0, gt=0, description="Probe timeout")
+    failure_threshold: int = Field(2, ge=1, description="Consecutive failures before a worker is unhealthy")
+    success_threshold: int = Field(1, ge=1, description="Consecutive successes before it is healthy again")
 
 
 class ScrapeConfig(_Section):
-    interval_s: float = Field(1.0, gt=0)
-    timeout_s: float = Field(2.0, gt=0)
+    """Background /metrics scrapes that feed each worker's load snapshot."""
+
+    interval_s: float = Field(1.0, gt=0, description="Seconds between /metrics scrapes of each worker")
+    timeout_s: float = Field(2.0, gt=0, description="Scrape timeout")
 
 
 class IndexConfig(_Section):
     """The global prefix index: in memory (default) or in Redis when router replicas share it."""
 
-    backend: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "dyad"
+    backend: Literal["memory", "redis"] = Field("memory", description="memory (one router) or redis (replicas share it)")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server for the shared index and load")
+    key_prefix: str = Field("dyad", description="Prefix of every Redis key Dyad writes")
     max_blocks: int = Field(1_000_000, ge=1, description="Cap on indexed (worker, block) entries; LRU beyond")
     approximate_ttl_s: float = Field(120.0, gt=0, description="TTL of routing-decision entries (no KV events)")
 
@@ -236,11 +247,11 @@ class IndexConfig(_Section):
 class DisaggConfig(_Section):
     """Prefill/decode disaggregation (used when the fleet has prefill and decode workers)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Split prefill from decode when the fleet has prefill and decode workers")
     min_prefill_tokens: int | None = Field(
         None, ge=0, description="Uncached prompt tokens below which decode prefills locally (None = from profile)")
-    prefill_timeout_s: float = Field(30.0, gt=0)
-    connector: Literal["nixl", "example"] = "nixl"
+    prefill_timeout_s: float = Field(30.0, gt=0, description="Bound on the prefill step; past it decode prefills locally")
+    connector: Literal["nixl", "example"] = Field("nixl", description="vLLM KV connector the engines run")
 
 
 class PlannerConfig(_Section):
@@ -284,14 +295,15 @@ class PlannerConfig(_Section):
     prometheus_window_s: float | None = Field(
         None, gt=0, description="PromQL rate window (default: interval_s, at least 2 scrape intervals)")
     model: str | None = Field(None, description="Plan for this model only (Prometheus label filter)")
-    actuator: Literal["recommend", "local", "kubernetes", "role_change"] = "recommend"
+    actuator: Literal["recommend", "local", "kubernetes", "role_change"] = Field(
+        "recommend", description="How decisions are carried out: recommend only, local processes, Kubernetes, role changes")
     local_commands: dict[Role, str] = Field(
         default_factory=dict, description="actuator local: command template per role; {port}, {role} and "
                                           "{worker_id} are filled in")
     local_engine: EngineKind = Field(EngineKind.VLLM, description="actuator local: engine kind of started workers")
     local_models: list[str] = Field(default_factory=list, description="actuator local: models they serve")
     kubernetes_api: str = Field("https://kubernetes.default.svc", description="actuator kubernetes: API server")
-    kubernetes_namespace: str = "default"
+    kubernetes_namespace: str = Field("default", description="Namespace of the scaled workloads")
     kubernetes_workloads: dict[Role, str] = Field(
         default_factory=dict, description="actuator kubernetes: role → deployments/<name> or statefulsets/<name>")
     kubernetes_token_file: str | None = Field(

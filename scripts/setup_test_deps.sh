@@ -13,8 +13,6 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
-# The Debian prometheus package starts a system service on :9090; the tests start their own.
-if command -v systemctl >/dev/null 2>&1; then systemctl stop prometheus >/dev/null 2>&1 || true; fi
-pkill -x prometheus >/dev/null 2>&1 || true
-pkill -x redis-server >/dev/null 2>&1 || true
+# The tests start their own redis-server and prometheus on free loopback ports, so services the Debian
+# packages may have started (:6379, :9090) are left alone.
 bash "$here/setup_vllm.sh"
