@@ -1,119 +1,80 @@
 """The real-vLLM tier's planning, without starting vLLM: the engine configurations and the run order."""
-"""The real-vLLM tier's planning, without starting vLLM: the engine configurations and the run order."""
-
 
 from __future__ import annotations
 
-
 import json
 from pathlib import Path
-from pathlib import Path
-
 
 import pytest
 
-
-from tests.fixtures.vllm import ENGINE_SETS, RUN_ORDER, SMALL_KV_BYTES, VllmPaths, VllmPool, vllm_run_order
+from tests.fixtures.vllm import (
+    ENGINE_SETS,
+    RUN_ORDER,
+    SMALL_KV_BYTES,
+    EngineSpec,
+    VllmPaths,
+    VllmPool,
+    vllm_run_order,
+)
 
 
 def _flag(cmd: list[str], name: str) -> str:
-    return cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1]  # the last occurrence wins in argparse
     return cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1]  # the last occurrence wins in argparse
 
 
 def test_every_configuration_fits_the_machine_and_has_a_place_in_the_order():
     assert set(ENGINE_SETS) == set(RUN_ORDER)
-    assert set(ENGINE_SETS) == set(RUN_ORDER)
-    assert all(1 <= s.count <= 2 for s in ENGINE_SETS.values())
     assert all(1 <= s.count <= 2 for s in ENGINE_SETS.values())
     assert ENGINE_SETS["default"].kv_events and not ENGINE_SETS["default"].nixl_roles
-    assert ENGINE_SETS["default"].kv_events and not ENGINE_SETS["default"].nixl_roles
     assert ENGINE_SETS["pd"].nixl_roles == ("kv_producer", "kv_consumer")
-    assert ENGINE_SETS["pd"].nixl_roles == ("kv_producer", "kv_consumer")
-    assert ENGINE_SETS["both"].nixl_roles == ("kv_both", "kv_both")
     assert ENGINE_SETS["both"].nixl_roles == ("kv_both", "kv_both")
 
 
 def test_pd_engines_get_their_nixl_role_a_side_channel_port_each_and_no_event_publisher(tmp_path: Path):
     pool = VllmPool(VllmPaths(venv=tmp_path, model_dir=tmp_path), tmp_path)
-    pool = VllmPool(VllmPaths(venv=tmp_path, model_dir=tmp_path), tmp_path)
-    s = ENGINE_SETS["pd"]
     s = ENGINE_SETS["pd"]
 
 
-    engines = [pool._engine("pd", i, _Spec(args, nixl=True, kv_events=s.kv_events)) for i, args in enumerate(s.args)]
-    roles, side_ports = [], set()
+    engines = [pool._engine("pd", i, EngineSpec(args, nixl=True, kv_events=s.kv_events)) for i, args in enumerate(s.args)]
     roles, side_ports = [], set()
     for i, e in enumerate(engines):
-    for i, e in enumerate(engines):
-        cmd = e.command()
         cmd = e.command()
         assert "--kv-events-config" not in cmd
-        assert "--kv-events-config" not in cmd
-        cfg = json.loads(_flag(cmd, "--kv-transfer-config"))
         cfg = json.loads(_flag(cmd, "--kv-transfer-config"))
         assert cfg["kv_connector"] == "NixlConnector" and cfg["kv_buffer_device"] == "cpu"
-        assert cfg["kv_connector"] == "NixlConnector" and cfg["kv_buffer_device"] == "cpu"
-        roles.append(cfg["kv_role"])
         roles.append(cfg["kv_role"])
         assert ("kv_load_failure_policy" in cfg) == (cfg["kv_role"] == "kv_consumer")
-        assert ("kv_load_failure_policy" in cfg) == (cfg["kv_role"] == "kv_consumer")
-        env = e.environment()
         env = e.environment()
         side_ports.add(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
-        side_ports.add(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
-        assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(i)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(i)
         assert env["PYTHONPATH"].split(":")[0] == str(tmp_path / "site")  # AMX sitecustomize
-        assert env["PYTHONPATH"].split(":")[0] == str(tmp_path / "site")  # AMX sitecustomize
-    assert roles == ["kv_producer", "kv_consumer"] and len(side_ports) == 2
     assert roles == ["kv_producer", "kv_consumer"] and len(side_ports) == 2
 
 
 def test_small_kv_engine_overrides_cache_bytes_and_context():
     (args,) = ENGINE_SETS["small-kv"].args
-    (args,) = ENGINE_SETS["small-kv"].args
-    cmd = ["--kv-cache-memory-bytes", "268435456", "--max-model-len", "4096", *args]
     cmd = ["--kv-cache-memory-bytes", "268435456", "--max-model-len", "4096", *args]
     assert _flag(cmd, "--kv-cache-memory-bytes") == str(SMALL_KV_BYTES) == str(64 * 32 * 2048)
-    assert _flag(cmd, "--kv-cache-memory-bytes") == str(SMALL_KV_BYTES) == str(64 * 32 * 2048)
-    assert _flag(cmd, "--max-model-len") == "1024"
     assert _flag(cmd, "--max-model-len") == "1024"
 
 
 def test_run_order_groups_by_configuration_and_runs_killers_last():
     tests = [
-    tests = [
-        ("pd", "test_pd_a"), ("default", "test_one_engine_killed"), ("default", "test_a"),
         ("pd", "test_pd_a"), ("default", "test_one_engine_killed"), ("default", "test_a"),
         ("small-kv", "test_evict"), ("both", "test_roles"), ("default", "test_b"),
-        ("small-kv", "test_evict"), ("both", "test_roles"), ("default", "test_b"),
-        ("pd", "test_prefill_engine_killed"), ("pd", "test_pd_b"), ("custom", "test_x"),
         ("pd", "test_prefill_engine_killed"), ("pd", "test_pd_b"), ("custom", "test_x"),
     ]  # fmt: skip
-    ]  # fmt: skip
-    names = [tests[i][1] for i in vllm_run_order(tests)]
     names = [tests[i][1] for i in vllm_run_order(tests)]
     assert names == ["test_a", "test_b", "test_one_engine_killed", "test_evict", "test_roles",
-    assert names == ["test_a", "test_b", "test_one_engine_killed", "test_evict", "test_roles",
-                     "test_pd_a", "test_pd_b", "test_prefill_engine_killed", "test_x"]
                      "test_pd_a", "test_pd_b", "test_prefill_engine_killed", "test_x"]
 
 
 def test_pool_rejects_unknown_configurations_and_oversized_requests(tmp_path: Path):
     pool = VllmPool(VllmPaths(venv=tmp_path, model_dir=tmp_path), tmp_path)
-    pool = VllmPool(VllmPaths(venv=tmp_path, model_dir=tmp_path), tmp_path)
-    with pytest.raises(ValueError, match="unknown vLLM engine configuration"):
     with pytest.raises(ValueError, match="unknown vLLM engine configuration"):
         pool.use("four-engines")
-        pool.use("four-engines")
-    with pytest.raises(ValueError, match="has 1 engine"):
     with pytest.raises(ValueError, match="has 1 engine"):
         pool.get(2, key="small-kv")
-        pool.get(2, key="small-kv")
-    with pytest.raises(RuntimeError, match="nixl is not installed"):
     with pytest.raises(RuntimeError, match="nixl is not installed"):
         pool.use("pd")  # checked before anything starts
-        pool.use("pd")  # checked before anything starts
-    assert pool.engines == [] and not pool.lock.held
     assert pool.engines == [] and not pool.lock.held
