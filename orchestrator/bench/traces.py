@@ -390,13 +390,16 @@ def rescale_time(reqs: Sequence[TraceRequest], factor: float) -> list[TraceReque
 # ---------------------------------------------------------------------------------------------- analysis
 
 
-def ideal_prefix_hit_ratio(reqs: Sequence[TraceRequest]) -> float:
-    """Share of prompt tokens an infinite prefix cache would serve from cache, replaying in order.
+def ideal_prefix_hit_ratio(reqs: Sequence[TraceRequest], capacity_blocks: int | None = None) -> float:
+    """Share of prompt tokens an ideal prefix cache would serve from cache, replaying in order.
 
     Hash-id traces count each request's leading blocks already seen (a block is reusable only if
-    every block before it matched too). Traces with text use ``ideal_prefix_hit_ratio_tokens``.
+    every block before it matched too). ``capacity_blocks=None``: an infinite cache. Otherwise one
+    pooled LRU cache of that many trace blocks — what a whole fleet's caches could hold if routing
+    placed every block perfectly, so the upper bound any router can reach with finite memory.
+    Traces with text use ``ideal_prefix_hit_ratio_tokens``.
     """
-    seen: set[int] = set()
+    seen: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for r in reqs:
         total += r.input_len
@@ -408,7 +411,12 @@ def ideal_prefix_hit_ratio(reqs: Sequence[TraceRequest]) -> float:
             if h not in seen:
                 break
             hit += m
-        seen.update(r.hash_ids)
+        for h in r.hash_ids:
+            seen[h] = None
+            seen.move_to_end(h)
+        if capacity_blocks is not None:
+            while len(seen) > capacity_blocks:
+                seen.popitem(last=False)
     return hit / total if total else 0.0
 
 

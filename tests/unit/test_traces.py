@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.bench.traces import (
     BlockSynthesizer,
+    TraceRequest,
     ideal_prefix_hit_ratio,
     ideal_prefix_hit_ratio_tokens,
     load_aibrix,
@@ -143,3 +144,11 @@ def test_time_window_rebases_and_load_trace_rejects_unknown(mooncake_file: Path)
     assert [(r.index, r.arrival_s) for r in win] == [(0, pytest.approx(0.05)), (1, pytest.approx(0.3))]
     with pytest.raises(ValueError, match="unknown trace format"):
         load_trace(mooncake_file, "csv")
+
+
+def test_ideal_hit_ratio_with_finite_pooled_cache_evicts_lru() -> None:
+    reqs = [TraceRequest(index=i, arrival_s=float(i), input_len=1024, output_len=1, hash_ids=h)
+            for i, h in enumerate([(1, 2), (3, 4), (1, 2)])]
+    assert ideal_prefix_hit_ratio(reqs) == pytest.approx(1024 / 3072)
+    assert ideal_prefix_hit_ratio(reqs, capacity_blocks=4) == pytest.approx(1024 / 3072)
+    assert ideal_prefix_hit_ratio(reqs, capacity_blocks=2) == 0.0  # (1, 2) evicted by (3, 4)
