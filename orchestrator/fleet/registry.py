@@ -133,6 +133,11 @@ class FleetRegistry:
             worker.last_error = None
             if first or worker.consecutive_successes >= self.health.success_threshold:
                 worker.health_ok = True
+        elif self._recently_served(worker, now):
+            # Real traffic outranks a missed probe: an engine that just answered a request is up, even if
+            # its /health probe timed out on an overloaded machine. Requests that fail mark it at once.
+            worker.last_error = error
+            return
         else:
             worker.consecutive_failures += 1
             worker.consecutive_successes = 0
@@ -140,6 +145,11 @@ class FleetRegistry:
             if first or worker.consecutive_failures >= self.health.failure_threshold:
                 worker.health_ok = False
         self._apply_health(worker)
+
+    def _recently_served(self, worker: Worker, now: float) -> bool:
+        if worker.last_served_at is None or worker.health_ok is not True:
+            return False
+        return now - worker.last_served_at < self.health.interval_s * self.health.failure_threshold
 
     def mark_failed(self, worker: Worker, now: float, error: str) -> None:
         """The gateway could not reach the worker (connection refused/reset): take it out at once

@@ -39,6 +39,7 @@ class Worker:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     last_health_at: float | None = None
+    last_served_at: float | None = None  # when a request last completed successfully (passive health)
     last_error: str | None = None
     health_ok: bool | None = None  # last verdict of the health thresholds; None = never probed
     # A pending role change (applied once the worker has drained its old-role work):

@@ -132,6 +132,8 @@ class Router:
         """The request left the worker (success, error or cancellation)."""
         self.first_token(decision, req)
         decision.worker.inflight = max(0, decision.worker.inflight - 1)
+        if ok:
+            decision.worker.last_served_at = self.clock.now()
         self._tell_tracker("on_finished", req, decision, ok)
 
     def _tell_tracker(self, hook: str, *args: Any) -> None:

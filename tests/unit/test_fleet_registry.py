@@ -99,3 +99,21 @@ def test_add_remove_and_listeners():
         reg.remove("a")
     assert events == [("added", "a"), ("state", "a"), ("removed", "a")]
     assert reg.get("a") is None and len(reg) == 0
+
+
+def test_missed_probes_do_not_evict_a_worker_that_is_serving_traffic():
+    """Passive health: on an overloaded machine a /health probe can time out while the engine keeps
+    answering real requests; those answers outrank the probe. Once traffic stops, probes decide again."""
+    reg = fleet(failure=2, success=1)  # interval 2 s → a success counts for 4 s
+    w = reg.add(Worker("a", "http://a", models=["m"]))
+    reg.record_health(w, True, 0.0)
+    w.last_served_at = 9.0
+    reg.record_health(w, False, 10.0, "ReadTimeout")
+    reg.record_health(w, False, 12.0, "ReadTimeout")
+    assert w.state is WorkerState.HEALTHY and w.consecutive_failures == 0 and w.last_error == "ReadTimeout"
+    reg.record_health(w, False, 14.0, "ReadTimeout")  # 5 s since the last served request: probes count
+    reg.record_health(w, False, 16.0, "ReadTimeout")
+    assert w.state is WorkerState.UNHEALTHY
+    w.last_served_at = 16.5  # a worker already out of rotation is not brought back by stale traffic
+    reg.record_health(w, False, 17.0, "ReadTimeout")
+    assert w.state is WorkerState.UNHEALTHY
