@@ -25,6 +25,7 @@ from orchestrator.config import DyadConfig
 from orchestrator.disagg import admin_routes as disagg_admin
 from orchestrator.errors import ApiError, error_body
 from orchestrator.gateway import admin, admission, openai_routes
+from orchestrator.gateway.fastpath import GatewayApp
 from orchestrator.gateway.openapi import build_openapi
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.planner.install import install as planner_install
@@ -146,8 +147,9 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
         finally:
             await rt.stop()
 
-    app = FastAPI(title="Dyad gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")
+    # The two completion routes skip FastAPI's middleware and routing layers (fastpath.py).
+    app = GatewayApp(title="Dyad gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                     openapi_url="/openapi.json")
     schema: dict = {}
 
     def openapi() -> dict:
@@ -161,8 +163,8 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.add_route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"])
-    app.add_route("/v1/completions", openai_routes.completions, methods=["POST"])
+    app.add_hot_route("/v1/chat/completions", openai_routes.chat_completions)
+    app.add_hot_route("/v1/completions", openai_routes.completions)
     app.add_route("/v1/models", openai_routes.list_models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/ready", ready, methods=["GET"])

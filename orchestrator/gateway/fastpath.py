@@ -1,0 +1,83 @@
+"""The two hot endpoints, dispatched ahead of FastAPI's middleware stack and router.
+
+Every request to ``POST /v1/chat/completions`` or ``POST /v1/completions`` would otherwise pass
+through about ten ASGI layers (FastAPI telemetry, server-error and exception middleware, the body
+limit and exit-stack middleware, route matching, Starlette's request/response wrapper), each one a
+coroutine call per request and a wrapped ``send`` per message: together more CPU than the proxying
+itself. ``GatewayApp.__call__`` answers those two paths directly and hands everything else to
+FastAPI unchanged. The routes stay declared on the app (``app.add_route``), so ``/openapi.json``
+and any scope this fast path does not take (a ``root_path`` mount, other methods) behave as before.
+
+Error handling is the app's own: the handlers registered with ``add_exception_handler`` for
+``ApiError``, ``HTTPException`` and ``Exception`` render every failure, exactly as FastAPI's
+middleware would call them; an exception after the response started is re-raised (the server
+closes the connection), as Starlette does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+
+Endpoint = Callable[[Request], Awaitable[Any]]
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, except for the POST routes registered with ``add_hot_route``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hot: dict[str, Endpoint] = {}
+
+    def add_hot_route(self, path: str, endpoint: Endpoint) -> None:
+        """``POST path`` served by ``endpoint`` without FastAPI's layers (and declared as a normal route)."""
+        self._hot[path] = endpoint
+        self.add_route(path, endpoint, methods=["POST"])
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            endpoint = self._hot.get(scope["path"])
+            if endpoint is not None:
+                await self._serve_hot(endpoint, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    def _handler(self, exc: Exception) -> Callable[[Request, Exception], Awaitable[Response]] | None:
+        for cls in type(exc).__mro__:
+            handler = self.exception_handlers.get(cls)
+            if handler is not None:
+                return handler  # type: ignore[no-any-return]
+        return None
+
+    async def _serve_hot(self, endpoint: Endpoint, scope: Any, receive: Any, send: Any) -> None:
+        scope["app"] = self
+        request = Request(scope, receive, send)
+        started = False
+
+        async def tracked_send(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            response = await endpoint(request)
+            await response(scope, receive, tracked_send)
+        except Exception as exc:
+            handler = self._handler(exc)
+            if started or handler is None:
+                raise
+            error_response = await handler(request, exc)
+            await error_response(scope, receive, send)
+            if self._handler_is_catch_all(exc):
+                raise  # as Starlette's ServerErrorMiddleware: the server logs it too
+
+    def _handler_is_catch_all(self, exc: Exception) -> bool:
+        for cls in type(exc).__mro__:
+            if cls in self.exception_handlers:
+                return cls is Exception
+        return False
