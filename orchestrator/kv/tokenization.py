@@ -22,11 +22,11 @@ costs ~15 ms with HF tokenizer files.
 
 from __future__ import annotations
 
-import array
 import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 from adapters.base import EngineAdapter, EngineKind
 from orchestrator.config import DyadConfig
 from orchestrator.fleet.worker import Worker
+from orchestrator.kv.hashing import BlockHasher
 from orchestrator.sim.tokenizer import SimTokenizer
 
 log = logging.getLogger("dyad.kv.tokenization")
@@ -182,16 +183,34 @@ def _chat_options(body: dict[str, Any]) -> dict[str, Any]:
 
 
 CACHE_ENTRIES = 4096
-CACHE_TOKENS = 8_000_000  # ids are kept as uint32 arrays: ~32 MB at most
+CACHE_TOKENS = 1_000_000  # ids are Python int lists (~36 B per token): ~40 MB at most
+HASHERS_PER_ENTRY = 4
+
+
+@dataclass
+class Tokenized:
+    """A request's token ids plus their block hashes, memoized per hasher (namespace, block size,
+    salt), so a repeated prompt is neither re-tokenized nor re-hashed. Shared: do not mutate."""
+
+    ids: list[int]
+    _hashes: dict[BlockHasher, list[int]] = field(default_factory=dict)
+
+    def block_hashes(self, hasher: BlockHasher) -> list[int]:
+        hashes = self._hashes.get(hasher)
+        if hashes is None:
+            if len(self._hashes) >= HASHERS_PER_ENTRY:
+                self._hashes.clear()
+            hashes = self._hashes[hasher] = hasher.hash_blocks(self.ids)
+        return hashes
 
 
 class TokenCache:
-    """Bounded LRU: request key → token ids (stored compactly), by entries and by total tokens."""
+    """Bounded LRU: request key → ``Tokenized``, bounded by entries and by total tokens."""
 
     def __init__(self, max_entries: int = CACHE_ENTRIES, max_tokens: int = CACHE_TOKENS) -> None:
         self.max_entries = max_entries
         self.max_tokens = max_tokens
-        self._items: OrderedDict[bytes, array.array[int]] = OrderedDict()
+        self._items: OrderedDict[bytes, Tokenized] = OrderedDict()
         self._tokens = 0
         self.hits = 0
         self.misses = 0
@@ -213,30 +232,26 @@ class TokenCache:
             return None
         return xxhash.xxh3_128_digest(raw)
 
-    def get(self, key: bytes) -> list[int] | None:
-        ids = self._items.get(key)
-        if ids is None:
+    def get(self, key: bytes) -> Tokenized | None:
+        entry = self._items.get(key)
+        if entry is None:
             self.misses += 1
             return None
         self._items.move_to_end(key)
         self.hits += 1
-        return ids.tolist()
+        return entry
 
-    def put(self, key: bytes, ids: Sequence[int]) -> None:
-        try:
-            packed = array.array("I", ids)
-        except (OverflowError, TypeError):
-            return  # ids outside uint32 (client-supplied junk): not worth caching
+    def put(self, key: bytes, entry: Tokenized) -> None:
         old = self._items.pop(key, None)
         if old is not None:
-            self._tokens -= len(old)
-        if len(packed) > self.max_tokens:
+            self._tokens -= len(old.ids)
+        if len(entry.ids) > self.max_tokens:
             return
-        self._items[key] = packed
-        self._tokens += len(packed)
+        self._items[key] = entry
+        self._tokens += len(entry.ids)
         while len(self._items) > self.max_entries or self._tokens > self.max_tokens:
             _k, gone = self._items.popitem(last=False)
-            self._tokens -= len(gone)
+            self._tokens -= len(gone.ids)
 
 
 class RequestTokenizer:
@@ -276,19 +291,29 @@ class RequestTokenizer:
 
     async def token_ids(self, model: str, endpoint: str, body: dict[str, Any],
                         candidates: Sequence[Worker] = ()) -> list[int] | None:
+        """The request's token ids (a new list), or None when it cannot be tokenized."""
+        tok = await self.tokenize(model, endpoint, body, candidates)
+        return None if tok is None else list(tok.ids)
+
+    async def tokenize(self, model: str, endpoint: str, body: dict[str, Any],
+                       candidates: Sequence[Worker] = ()) -> Tokenized | None:
+        """Like ``token_ids`` but returns the cached, shared ``Tokenized`` (block hashes memoized)."""
         chat = endpoint.endswith("chat/completions")
         if not chat and isinstance(body.get("prompt"), list) and body["prompt"] \
                 and all(isinstance(t, int) for t in body["prompt"]):
-            return list(body["prompt"])  # already token ids
+            return Tokenized(list(body["prompt"]))  # already token ids
         key = TokenCache.key(model, chat, body)
         if key is not None:
             cached = self.cache.get(key)
             if cached is not None:
                 return cached
         ids = await self._token_ids(model, chat, body, candidates)
-        if ids is not None and key is not None:
-            self.cache.put(key, ids)
-        return ids
+        if ids is None:
+            return None
+        tok = Tokenized(ids)
+        if key is not None:
+            self.cache.put(key, tok)
+        return tok
 
     async def _token_ids(self, model: str, chat: bool, body: dict[str, Any],
                          candidates: Sequence[Worker]) -> list[int] | None:

@@ -93,16 +93,16 @@ class PrefixTracker:
             user = body.get("user")
             if isinstance(user, str) and user:
                 req.session_key = f"user:{user}"
-        ids = await self.tokenizer.token_ids(req.model, endpoint, body, candidates)
-        if ids is None:
+        tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates)
+        if tok is None:
             return
         ns = self.namespace(req.model)
         bs = self.block_size_for(ns)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        req.token_ids = ids
-        req.prompt_tokens = len(ids)
+        req.token_ids = tok.ids  # shared with the token cache: read-only
+        req.prompt_tokens = len(tok.ids)
         req.block_size = bs
-        req.block_hashes = self.hasher(ns, bs, salt).hash_blocks(ids)
+        req.block_hashes = tok.block_hashes(self.hasher(ns, bs, salt))
         if len(self.approx):
             await self.approx.expire(self.clock.now())
         started = time.perf_counter()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from orchestrator.config import load_config
-from orchestrator.kv.tokenization import RequestTokenizer, SimPromptTokenizer, TokenCache
+from orchestrator.kv.hashing import BlockHasher
+from orchestrator.kv.tokenization import RequestTokenizer, SimPromptTokenizer, TokenCache, Tokenized
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -68,11 +69,22 @@ async def test_token_id_prompts_and_untokenizable_bodies_bypass_the_cache():
 def test_cache_is_bounded_by_entries_and_tokens():
     cache = TokenCache(max_entries=3, max_tokens=100)
     for i in range(5):
-        cache.put(bytes([i]), [i] * 10)
-    assert len(cache) == 3 and cache.get(bytes([0])) is None and cache.get(bytes([4])) == [4] * 10
+        cache.put(bytes([i]), Tokenized([i] * 10))
+    assert len(cache) == 3 and cache.get(bytes([0])) is None and cache.get(bytes([4])).ids == [4] * 10
     cache.get(bytes([2]))  # recently used: survives the next eviction
-    cache.put(b"big", list(range(90)))  # 30 + 90 > 100 tokens: the least recently used go
+    cache.put(b"big", Tokenized(list(range(90))))  # 30 + 90 > 100 tokens: the least recently used go
     assert list(cache._items) == [bytes([2]), b"big"]  # 3 and 4 evicted, 2 kept (recently used)
-    assert cache.get(b"big") == list(range(90))
-    cache.put(b"huge", list(range(101)))  # larger than the whole cache: not kept
+    cache.put(b"huge", Tokenized(list(range(101))))  # larger than the whole cache: not kept
     assert cache.get(b"huge") is None
+
+
+async def test_block_hashes_are_memoized_per_hasher():
+    rt, tok = tokenizer()
+    body = {"prompt": " ".join(f"w{i}" for i in range(100))}
+    a = await rt.tokenize("m", COMPLETIONS, body)
+    h16, h32 = BlockHasher("m", 16), BlockHasher("m", 32)
+    assert a.block_hashes(h16) == h16.hash_blocks(a.ids) and len(a.block_hashes(h16)) == 6
+    b = await rt.tokenize("m", COMPLETIONS, dict(body))  # cache hit: the same entry, hashes reused
+    assert b is a and b.block_hashes(h16) is a.block_hashes(h16)
+    assert b.block_hashes(h32) == h32.hash_blocks(a.ids) and len(b.block_hashes(h32)) == 3
+    assert tok.calls == 1
