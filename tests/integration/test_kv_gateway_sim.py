@@ -127,3 +127,19 @@ def test_one_shared_system_prompt_is_spread_over_the_fleet(fleet):
     assert len(per_worker) >= 2, per_worker
     assert max(per_worker.values()) <= 0.8 * len(jobs), per_worker
 
+
+
+def test_session_header_keeps_a_conversation_on_one_worker(fleet):
+    gw, _ = fleet
+    header = gw.runtime.config.router.kv_aware.session_header
+    with httpx.Client(base_url=gw.url, timeout=60, trust_env=False) as c:
+        def turn(session: str, i: int) -> str:
+            r = c.post("/v1/completions", headers={header: session},
+                       json={"model": MODEL, "prompt": f"unrelated message {i} for {session}", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            return r.headers["x-dyad-worker"]
+        # Distinct short prompts on an idle fleet tie on cost: without affinity each would be a
+        # random pick among three workers.
+        for session in ("alice", "bob"):
+            served = {turn(session, i) for i in range(6)}
+            assert len(served) == 1, (session, served)
