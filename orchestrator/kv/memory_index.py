@@ -1,6 +1,7 @@
 """In-process prefix index (the default backend).
 
-Layout (``orchestrator/kv/masks.py``): each worker id gets a slot; ``block → holder mask`` (one
+Layout (``orchestrator/kv/masks.py``): each worker id gets a slot (a cleared worker's slot is
+reused); ``block → holder mask`` (one
 byte per slot holding that worker's tier mask) answers lookups with a few int operations per
 block whatever the fleet size. An ordered dict of ``(slot, block)`` entries gives the LRU order
 for the cap, and ``slot → blocks`` lets clearing a worker touch only its own entries.
@@ -8,6 +9,7 @@ for the cap, and ``slot → blocks`` lets clearing a worker touch only its own e
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -32,6 +34,7 @@ class MemoryPrefixIndex(PrefixIndex):
         self._metrics = metrics
         self._slots: dict[str, int] = {}
         self._ids: list[str] = []  # slot → worker id
+        self._free_slots: list[int] = []  # slots of cleared workers (min-heap), reused first
         self._blocks: dict[int, int] = {}  # block hash → holder mask
         self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # (slot, block), oldest first
         self._by_slot: dict[int, set[int]] = {}
@@ -42,15 +45,22 @@ class MemoryPrefixIndex(PrefixIndex):
     # --- slots
     def _slot(self, worker_id: str) -> int:
         slot = self._slots.get(worker_id)
-        if slot is None:  # slots are never reused: a worker id keeps its slot for the index's life
-            slot = self._slots[worker_id] = len(self._ids)
-            self._ids.append(worker_id)
+        if slot is None:
+            # A cleared worker's slot is reused, so masks stay narrow however many workers come
+            # and go (autoscaling): a slot is only freed once none of its entries remain.
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+                self._ids[slot] = worker_id
+            else:
+                slot = len(self._ids)
+                self._ids.append(worker_id)
+            self._slots[worker_id] = slot
             self._candidate_masks.clear()
         return slot
 
     def _candidates(self, workers: Sequence[str] | None) -> int:
         if workers is None:
-            return sum(slot_bit(s) for s in range(len(self._ids)))
+            return sum(slot_bit(s) for s in self._slots.values())
         key = tuple(workers)
         mask = self._candidate_masks.get(key)
         if mask is None:
@@ -129,6 +139,9 @@ class MemoryPrefixIndex(PrefixIndex):
             if mask is not None:
                 self._drop(slot, h, mask & keep)
         self._by_slot.pop(slot, None)
+        del self._slots[worker_id]
+        heapq.heappush(self._free_slots, slot)
+        self._candidate_masks.clear()
         self._gauge()
 
     def _drop(self, slot: int, h: int, remaining: int) -> None:

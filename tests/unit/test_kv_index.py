@@ -84,6 +84,11 @@ async def test_clear_worker_forgets_only_that_worker(make_index):
     assert set(ov) == {"b"} and ov["b"].blocks == 5
     assert await idx.size() == 5
     assert await idx.worker_blocks("a") == 0
+    await idx.store("c", B[:2])  # (memory: takes the slot "a" left free)
+    ov = await idx.overlaps(B)
+    assert {w: o.blocks for w, o in ov.items()} == {"b": 5, "c": 2}
+    await idx.store("a", B[:1])  # "a" comes back: a fresh slot, nothing of its past entries
+    assert {w: o.blocks for w, o in (await idx.overlaps(B)).items()} == {"a": 1, "b": 5, "c": 2}
 
 
 async def test_candidate_filter(make_index):
