@@ -2,11 +2,13 @@
 
 Key schema (``P`` = ``index.key_prefix``; one Redis node, no cluster; docs/prefix-index.md):
 
-- ``P:idx:slots``     HASH   worker id → slot (a small integer, assigned once, never reused).
-- ``P:idx:nslots``    STRING slots assigned so far (the next slot).
+- ``P:idx:slots``     HASH   worker id → slot (a small integer; a cleared worker's slot is freed).
+- ``P:idx:nslots``    STRING slots ever created (the next new slot).
+- ``P:idx:free``      ZSET   freed slots (score = slot), the lowest reused first.
+- ``P:idx:gen``       STRING bumped whenever the slot table changes.
 - ``P:idx:epoch``     STRING random id written with the first slot (each write proposes a fresh
   one; SETNX keeps the first): a Redis that lost its data gets a new epoch, so replicas know
-  their cached slot table is stale.
+  their cached slot table is stale; with ``gen`` it tells a replica when to re-read the table.
 - ``P:idx:b:<hash>``  STRING the block's holder mask: byte ``s`` = worker ``s``'s tier mask
   (1 device, 2 host, 4 disk), written with SETBIT/BITFIELD (``orchestrator/kv/masks.py``).
 - ``P:idx:w:<slot>``  SET    block hashes held by the worker (clearing a worker touches only these).
@@ -62,8 +64,15 @@ local p = ARGV[1]
 local function slot_of(w, create)
   local s = redis.call('HGET', p .. ':idx:slots', w)
   if s or not create then return s end
-  s = tostring(redis.call('INCR', p .. ':idx:nslots') - 1)
+  local free = redis.call('ZRANGE', p .. ':idx:free', 0, 0)
+  if #free > 0 then
+    s = free[1]
+    redis.call('ZREM', p .. ':idx:free', s)
+  else
+    s = tostring(redis.call('INCR', p .. ':idx:nslots') - 1)
+  end
   redis.call('HSET', p .. ':idx:slots', w, s)
+  redis.call('INCR', p .. ':idx:gen')
   redis.call('SETNX', p .. ':idx:epoch', ARGV[#ARGV])
   return s
 end
@@ -140,10 +149,14 @@ if not s then return 0 end
 local members = redis.call('SMEMBERS', p .. ':idx:w:' .. s)
 for i = 1, #members do drop(members[i], s, true) end
 redis.call('DEL', p .. ':idx:w:' .. s)
+-- Free the slot (none of its bits remain) so masks stay narrow as workers come and go.
+redis.call('HDEL', p .. ':idx:slots', ARGV[2])
+redis.call('ZADD', p .. ':idx:free', tonumber(s), s)
+redis.call('INCR', p .. ':idx:gen')
 return #members
 """
 
-# ARGV: prefix, hashes packed as big-endian uint64.  → {epoch, nslots, (uint16 length, mask)...}
+# ARGV: prefix, hashes packed as big-endian uint64.  → {epoch, gen, (uint16 length, mask)...}
 _LOOKUP = """
 local p = ARGV[1]
 local bp = p .. ':idx:b:'
@@ -155,7 +168,7 @@ for pos = 1, #packed, 8 do
   if not v then break end
   parts[#parts + 1] = struct.pack('>I2', #v) .. v
 end
-return {redis.call('GET', p .. ':idx:epoch') or '', redis.call('GET', p .. ':idx:nslots') or '',
+return {redis.call('GET', p .. ':idx:epoch') or '', redis.call('GET', p .. ':idx:gen') or '',
         table.concat(parts)}
 """
 
@@ -233,8 +246,8 @@ class RedisPrefixIndex(PrefixIndex):
         self.mirror = MemoryPrefixIndex(max_blocks=max_blocks)  # this replica's own view; fallback
         self._store_s, self._remove_s, self._clear_s = LuaScript(_STORE), LuaScript(_REMOVE), LuaScript(_CLEAR)
         self._lookup_s = LuaScript(_LOOKUP)
-        self._meta_keys = [f"{key_prefix}:idx:epoch", f"{key_prefix}:idx:nslots"]
-        # The slot table as last read from Redis, valid for (epoch, slot count) = _slot_view.
+        self._meta_keys = [f"{key_prefix}:idx:epoch", f"{key_prefix}:idx:gen"]
+        # The slot table as last read from Redis, valid for (epoch, generation) = _slot_view.
         self._slot_view: tuple[bytes, bytes] = (b"", b"")
         self._slot_of: dict[str, int] = {}
         self._id_of: dict[int, str] = {}
@@ -343,8 +356,8 @@ class RedisPrefixIndex(PrefixIndex):
         async with self._client.pipeline(transaction=True) as pipe:
             pipe.mget(self._meta_keys)
             pipe.hgetall(f"{self.key_prefix}:idx:slots")
-            (epoch, nslots), table = await pipe.execute()
-        self._slot_view = (epoch or b"", nslots or b"")
+            (epoch, gen), table = await pipe.execute()
+        self._slot_view = (epoch or b"", gen or b"")
         self._slot_of = {k.decode(): int(v) for k, v in table.items()}
         self._id_of = {s: w for w, s in self._slot_of.items()}
         self._candidate_masks.clear()
@@ -388,8 +401,8 @@ class RedisPrefixIndex(PrefixIndex):
             return self.mirror.overlaps_now(block_hashes, tier_weights, workers)
         packed = struct.pack(f">{len(block_hashes)}Q", *block_hashes)
         try:
-            epoch, nslots, blob = await self._lookup_s(self._client, [self.key_prefix, packed])  # type: ignore[misc]
-            if (epoch, nslots) != self._slot_view:
+            epoch, gen, blob = await self._lookup_s(self._client, [self.key_prefix, packed])  # type: ignore[misc]
+            if (epoch, gen) != self._slot_view:
                 await self._load_slots()
         except REDIS_DOWN_ERRORS as e:
             self._mark_down(e)
