@@ -51,6 +51,7 @@ def both(vllm_pd_engines: PdEngines):
         "router": {"policy": "least_load", "debug_headers": True},
         "gateway": {"admin_token": ADMIN},
         "health": {"interval_s": 0.5},
+        "scrape": {"interval_s": 0.5},
         "disagg": {"min_prefill_tokens": 64, "prefill_timeout_s": 20},
     })
     with GatewayThread(config) as gw:
@@ -89,6 +90,11 @@ class SteadyLoad:
             while len(self.results) < count:
                 await asyncio.sleep(0.1)
 
+    async def until_served(self, workers: set[str], since: int, timeout: float = 60) -> None:
+        async with asyncio.timeout(timeout):
+            while not workers <= {x[2] for x in self.results[since:]}:
+                await asyncio.sleep(0.1)
+
     async def stop(self) -> None:
         self._stop.set()
         await asyncio.gather(*self._tasks)
@@ -118,7 +124,10 @@ async def test_move_a_worker_decode_to_prefill_and_back_under_load_without_failu
             r = await admin.post(f"{gw.url}/admin/workers/b/role", json={"role": "decode", "wait": True})
             assert r.status_code == 200, r.text
             back_at = len(load.results)
+            # least_load also reads each engine's scraped queue, up to one scrape old: a's still shows
+            # the split phase's decodes for a moment, so the first requests can all go to b.
             await load.until(back_at + 6)
+            await load.until_served({"a", "b"}, since=back_at)
             assert {x[1] for x in load.results[back_at + 2:]} == {None}
             assert {x[2] for x in load.results[back_at:]} == {"a", "b"}
 

@@ -102,14 +102,20 @@ def test_chat_stream_with_include_usage_through_openai_client(gateway: GatewayTh
 
 
 def test_completion_stream_without_usage_ends_with_done(client: httpx.Client):
-    with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "the model", "max_tokens": 4,
-                                                        "ignore_eos": True, "stream": True}) as r:
+    body = {"model": MODEL, "prompt": "the model", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    whole = client.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert sum(len(c["choices"]) for c in chunks) == 4  # one token per chunk
+    # One token per chunk, unless the engine merged deltas (vLLM's RequestOutputCollector does when
+    # its reader lags, e.g. on a loaded machine): every token arrives either way.
+    assert 1 <= sum(len(c["choices"]) for c in chunks) <= 4
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == whole.json()["choices"][0]["text"]
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1] == "length"
     assert all(c.get("usage") is None for c in chunks)
 
 
