@@ -228,6 +228,11 @@ async def test_redis_slot_table_follows_other_replicas_and_data_loss(redis_serve
         assert set(await idx.overlaps(B)) == {"a"}  # idx caches the slot table: a = slot 0
         await other.store("b", B[:5])  # a slot idx has not seen
         assert {w: o.blocks for w, o in (await idx.overlaps(B)).items()} == {"a": 2, "b": 5}
+        # Another replica clears "a"; its slot goes to a newcomer: idx must not call it "a".
+        await other.clear_worker("a")
+        await other.store("c", B[:4])
+        assert {w: o.blocks for w, o in (await idx.overlaps(B)).items()} == {"b": 5, "c": 4}
+        assert int(await other.client.get(f"{idx.key_prefix}:idx:nslots")) == 2  # slot 0 was reused
         # Redis loses its data (flushed, or restarted empty) and slots are handed out again in
         # another order: b = slot 0, a = slot 1. idx must not read b's bits as a's.
         sync_redis.Redis.from_url(redis_server.url).flushdb()
