@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -147,14 +147,18 @@ class PrefixTracker:
         self._touched[key] = now
         return True
 
-    async def on_first_token(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
+    # The two hooks below return a coroutine (run in the background by the Router) only when
+    # there is shared load to update; alone, a gateway pays nothing for them.
+    def on_first_token(self, req: RouteRequest, decision: RouteDecision, now: float) -> Awaitable[None] | None:
         """Prefill is over: other replicas stop counting this request's prompt as queued work."""
-        if self.shared_load is not None:
-            await self.shared_load.first_token(req.request_id)
+        if self.shared_load is None:
+            return None
+        return self.shared_load.first_token(req.request_id)
 
-    async def on_finished(self, req: RouteRequest, decision: RouteDecision, ok: bool, now: float) -> None:
-        if self.shared_load is not None:
-            await self.shared_load.release(req.request_id)
+    def on_finished(self, req: RouteRequest, decision: RouteDecision, ok: bool, now: float) -> Awaitable[None] | None:
+        if self.shared_load is None:
+            return None
+        return self.shared_load.release(req.request_id)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
