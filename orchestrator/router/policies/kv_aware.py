@@ -10,7 +10,7 @@ Per candidate the policy estimates the work the request would add and wait behin
 (device 1.0, host 0.75, disk 0.25 by default). ``queued_prefill_blocks`` is the uncached prompt
 work already dispatched to the worker and not yet prefilled: this gateway's own
 (``Worker.inflight_prefill_tokens``) plus other replicas' (shared through Redis), or the engine's
-queue when that is larger. ``active_blocks`` is the KV the worker is already using
+waiting requests × this request's uncached size there when that is larger. ``active_blocks`` is the KV the worker is already using
 (``kv_usage × num_blocks`` from its scrape) or, when larger, the requests in flight × this
 request's uncached size (fresher than a scrape during a burst).
 
@@ -86,18 +86,21 @@ class KvAwarePolicy:
         else:
             queued_blocks = (w.inflight_prefill_tokens + peer.prefill_tokens) / bs
             inflight = w.inflight + peer.inflight
+        # Requests on this worker look like this one there (same tenants, same prefixes): each
+        # queued or running request is taken to need about this request's uncached blocks.
+        uncached = request_blocks - credit
+        per_request = uncached if uncached > 1.0 else 1.0
         # The engine's own queue also counts traffic from outside this gateway; take the larger view.
-        engine_waiting_blocks = load.waiting * request_blocks
+        engine_waiting_blocks = load.waiting * per_request
         if engine_waiting_blocks > queued_blocks:
             queued_blocks = engine_waiting_blocks
-        prefill = queued_blocks + request_blocks - credit
+        prefill = queued_blocks + uncached
         if prefill < 0.0:
             prefill = 0.0
         running = inflight if inflight > load.running else load.running
         kv_blocks = load.kv_usage * load.num_blocks if load.num_blocks else 0.0
         # Fresher than a scrape: each running request holds about this request's uncached size.
-        uncached = request_blocks - credit
-        active = running * (uncached if uncached > 1.0 else 1.0)
+        active = running * per_request
         if kv_blocks > active:
             active = kv_blocks
         cfg = self.config
