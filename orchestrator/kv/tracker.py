@@ -173,12 +173,23 @@ class PrefixTracker:
             return  # an unhealthy worker's entries stay cleared; re-learnt by replay when it is back
         if self.metrics is not None and ts > 0:
             self.metrics.kv_event_lag.labels(worker_id).set(max(0.0, time.time() - ts))
+        # Consecutive operations of the same kind and tier are merged, so a batch of N events
+        # costs one index write (one Redis round trip) per run instead of N; order is kept.
+        pending: IndexOp | None = None
         for ev in events:
             if self.metrics is not None:
                 self.metrics.kv_events.labels(worker_id, str(ev.get("type", "unknown"))).inc()
             op = mapper.apply(ev)
-            if op is not None:
-                await self.apply_op(worker_id, op)
+            if op is None:
+                continue
+            if pending is not None and _mergeable(pending, op):
+                pending.hashes.extend(op.hashes)
+                continue
+            if pending is not None:
+                await self.apply_op(worker_id, pending)
+            pending = IndexOp(op.kind, list(op.hashes), op.tier, op.block_size, op.namespace)
+        if pending is not None:
+            await self.apply_op(worker_id, pending)
 
     async def apply_op(self, worker_id: str, op: IndexOp) -> None:
         if op.kind == "store":
@@ -277,6 +288,11 @@ class PrefixTracker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.index.close()
+
+
+def _mergeable(a: IndexOp, b: IndexOp) -> bool:
+    return (a.kind == b.kind and a.kind in ("store", "remove") and a.tier == b.tier
+            and a.block_size == b.block_size and a.namespace == b.namespace)
 
 
 def build_index(config: DyadConfig, metrics: DyadMetrics | None = None, clock: Clock = SYSTEM_CLOCK) -> PrefixIndex:

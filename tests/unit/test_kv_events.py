@@ -149,3 +149,41 @@ async def test_subscriber_replays_gaps_joins_late_and_clears_on_restart():
         await sub.stop()
         pub.close()
         ctx.term()
+
+
+class _CountingIndex(MemoryPrefixIndex):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    async def store(self, worker_id, block_hashes, tier=Tier.DEVICE):
+        self.writes += 1
+        await super().store(worker_id, block_hashes, tier)
+
+    async def remove(self, worker_id, block_hashes, tier=None):
+        self.writes += 1
+        await super().remove(worker_id, block_hashes, tier)
+
+
+async def test_a_batch_is_applied_in_order_with_runs_merged():
+    from orchestrator.config import load_config
+    from orchestrator.fleet.registry import FleetRegistry
+    from orchestrator.kv.tokenization import RequestTokenizer
+    from orchestrator.kv.tracker import PrefixTracker
+
+    cfg = load_config({"models": [{"name": "m", "block_size": BS}],
+                       "workers": [{"id": "w", "url": "http://127.0.0.1:1", "models": ["m"]}]}, environ={})
+    index = _CountingIndex()
+    fleet = FleetRegistry.from_config(cfg)
+    fleet.record_health(fleet.get("w"), True, 0.0)
+    tracker = PrefixTracker(cfg, fleet, index, RequestTokenizer(cfg))
+    tracker.mappers["w"] = KvEventMapper("w", lambda: "m")
+    batch = [stored([1, 2], TOKENS[:8]), stored([3], TOKENS[8:12], parent=2), stored([4], TOKENS[12:16], parent=3),
+             {"type": "BlockRemoved", "block_hashes": [4], "medium": "GPU"},
+             {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"},
+             stored([3], TOKENS[8:12], parent=2), stored([5, 6], TOKENS[12:20], parent=3, medium="CPU")]
+    await tracker.apply_events("w", 0.0, batch)
+    # 3 stores → 1 write, 2 removes → 1, then a device store and a host store: 4 writes in all.
+    assert index.writes == 4
+    ov = (await index.overlaps(OURS, {"device": 1.0, "host": 0.5, "disk": 0.25}))["w"]
+    assert ov.blocks == 5 and ov.weighted_blocks == 3 + 2 * 0.5  # block 3 re-stored after its removal
