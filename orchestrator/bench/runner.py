@@ -412,11 +412,14 @@ async def run_bench(requests: Sequence[TraceRequest], opts: BenchOptions) -> Ben
     results: list[RequestResult] = []
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         before = await read_engine_counters(client, opts.engines) if opts.engines else []
+        # Render every body before the clock starts: synthesizing a long prompt costs ms of CPU that
+        # would otherwise delay the send (and, on a loaded machine, put the client behind schedule).
+        bodies = [build_body(req, opts.model, opts.api, stream=opts.stream, ignore_eos=opts.ignore_eos,
+                             temperature=opts.temperature) for req in requests]
         start = time.perf_counter()
 
-        async def one(req: TraceRequest, due: float) -> None:
-            path, body = build_body(req, opts.model, opts.api, stream=opts.stream, ignore_eos=opts.ignore_eos,
-                                    temperature=opts.temperature)
+        async def one(req: TraceRequest, due: float, built: tuple[str, dict[str, Any]]) -> None:
+            path, body = built
             res = RequestResult(index=req.index, scheduled_s=due, sent_s=time.perf_counter() - start,
                                 input_len=req.input_len, max_tokens=req.output_len)
             await send_request(client, url, path, body, res, headers or None)
@@ -426,23 +429,23 @@ async def run_bench(requests: Sequence[TraceRequest], opts: BenchOptions) -> Ben
         if opts.concurrency is not None:
             if opts.concurrency < 1:
                 raise ValueError("concurrency must be >= 1")
-            queue: asyncio.Queue[TraceRequest] = asyncio.Queue()
-            for r in requests:
-                queue.put_nowait(r)
+            queue: asyncio.Queue[tuple[TraceRequest, tuple[str, dict[str, Any]]]] = asyncio.Queue()
+            for item in zip(requests, bodies, strict=True):
+                queue.put_nowait(item)
 
             async def worker() -> None:
                 while not queue.empty():
-                    req = queue.get_nowait()
-                    await one(req, time.perf_counter() - start)
+                    req, built = queue.get_nowait()
+                    await one(req, time.perf_counter() - start, built)
 
             await asyncio.gather(*(worker() for _ in range(opts.concurrency)))
         else:
             tasks = []
-            for req, due in zip(requests, schedule(requests, opts), strict=True):
+            for req, due, built in zip(requests, schedule(requests, opts), bodies, strict=True):
                 delay = start + due - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(req, due)))
+                tasks.append(asyncio.create_task(one(req, due, built)))
             await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         after = await read_engine_counters(client, opts.engines) if opts.engines else []
