@@ -62,6 +62,7 @@ class PrefixTracker:
         self._hashers: dict[tuple[str, int, str | None], BlockHasher] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._touched: dict[tuple[str, int], float] = {}  # (worker, last matched block) → last touch
+        self.annotate_failures = 0
         self._started = False
         fleet.subscribe(self._on_fleet)
 
@@ -89,10 +90,24 @@ class PrefixTracker:
     # --- the Router's calls ----------------------------------------------------------------------
     async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
                        candidates: Sequence[Worker]) -> None:
+        """Fill ``req`` with token ids, block hashes, overlaps (and peer load). Never raises: a
+        request this cannot handle (odd content, a tokenizer error) is routed on load alone."""
         if req.session_key is None:
             user = body.get("user")
             if isinstance(user, str) and user:
                 req.session_key = f"user:{user}"
+        try:
+            await self._annotate(req, body, endpoint, candidates)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - routing degrades to load, the request goes on
+            self.annotate_failures += 1
+            log.warning("prefix lookup failed for request %s (%s: %s); routing it on load alone",
+                        req.request_id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            req.overlaps = {}
+
+    async def _annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
+                        candidates: Sequence[Worker]) -> None:
         tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates)
         if tok is None:
             return

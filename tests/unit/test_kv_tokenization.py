@@ -88,3 +88,25 @@ async def test_block_hashes_are_memoized_per_hasher():
     assert b is a and b.block_hashes(h16) is a.block_hashes(h16)
     assert b.block_hashes(h32) == h32.hash_blocks(a.ids) and len(b.block_hashes(h32)) == 3
     assert tok.calls == 1
+
+
+async def test_a_tokenizer_failure_routes_on_load_instead_of_failing_the_request():
+    from orchestrator.fleet.registry import FleetRegistry
+    from orchestrator.kv.memory_index import MemoryPrefixIndex
+    from orchestrator.kv.tracker import PrefixTracker
+    from orchestrator.router.types import RouteRequest
+
+    cfg = load_config({"models": [{"name": "m", "tokenizer": "sim"}],
+                       "workers": [{"id": "w", "url": "http://127.0.0.1:1", "models": ["m"]}]}, environ={})
+    rt, tok = tokenizer()
+
+    def broken(prompt):
+        raise RuntimeError("tokenizer exploded")
+
+    tok.encode_prompt = broken
+    fleet = FleetRegistry.from_config(cfg)
+    tracker = PrefixTracker(cfg, fleet, MemoryPrefixIndex(), rt)
+    req = RouteRequest(request_id="r", model="m", prompt_tokens=7)
+    await tracker.annotate(req, {"prompt": "hello", "user": "ann"}, COMPLETIONS, fleet.workers())
+    assert req.overlaps == {} and req.block_hashes == [] and req.prompt_tokens == 7
+    assert req.session_key == "user:ann" and tracker.annotate_failures == 1
