@@ -23,6 +23,7 @@ import orjson
 
 from adapters.base import EngineAdapter, EngineKind
 from orchestrator.fleet.worker import Worker
+from orchestrator.gateway.transport import send_post
 from orchestrator.router.types import RouteDecision
 
 
@@ -66,30 +67,15 @@ def engine_headers(call: UpstreamCall, worker: Worker) -> dict[str, str]:
     return headers
 
 
-_URLS: dict[str, httpx.URL] = {}
-
-
-def _url(raw: str) -> httpx.URL:
-    """Parsed engine URLs, cached: parsing a URL costs more than the rest of building a request."""
-    url = _URLS.get(raw)
-    if url is None:
-        if len(_URLS) > 4096:
-            _URLS.clear()
-        url = _URLS[raw] = httpx.URL(raw)
-    return url
-
-
 async def send_to_worker(http: httpx.AsyncClient, worker: Worker, path: str, body: dict[str, Any],
                          headers: dict[str, str]) -> httpx.Response:
     """POST ``body`` to ``worker`` and return once the response headers are in (body unread).
 
-    The request is built directly (not with ``http.build_request``, which re-merges and re-parses
-    the URL each time) with the client's timeouts.
+    On the gateway's own client this goes straight to its ``FastTransport`` (``transport.send_post``:
+    no ``httpx.Request``, none of ``AsyncClient.send``'s layers), with the client's timeouts.
     """
-    request = httpx.Request("POST", _url(worker.url + path), content=orjson.dumps(body), headers=headers,
-                            extensions={"timeout": http.timeout.as_dict()})
     try:
-        return await http.send(request, stream=True)
+        return await send_post(http, worker.url + path, orjson.dumps(body), headers)
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
         raise AttemptFailed(worker, "connect", f"cannot connect to {worker.url}: {e or type(e).__name__}",
                             reachable=False) from e

@@ -215,13 +215,34 @@ class FastTransport(httpx.AsyncBaseTransport):
                 self._fallback = self._https or httpx.AsyncHTTPTransport()
             return await self._fallback.handle_async_request(request)
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
-        key = (url.host, url.port or 80)
-        head = _request_head(request)
-        body = await _request_body(request)
+        return await self._exchange((url.host, url.port or 80), _request_head(request), await _request_body(request),
+                                    timeouts.get("connect"), timeouts.get("read"), request)
+
+    async def post(self, url: str, content: bytes, headers: dict[str, str], timeout: httpx.Timeout) -> httpx.Response:
+        """POST ``content`` to an ``http://`` URL; the response comes back once its headers are in.
+
+        The request head is written straight from ``headers`` (plus Host and Content-Length): no
+        ``httpx.Request``, and none of ``AsyncClient.send``'s layers (auth, redirects, cookies, event
+        hooks), which engine calls do not use and which cost more than the exchange itself.
+        """
+        target = _TARGETS.get(url)
+        if target is None:
+            target = _target(url)
+        key, start = target
+        lines = [start]
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value:
+                raise httpx.LocalProtocolError(f"invalid characters in the {name} header value")
+            lines.append(f"{name}: {value}\r\n".encode())
+        lines.append(b"content-length: %d\r\n\r\n" % len(content))
+        return await self._exchange(key, b"".join(lines), content, timeout.connect, timeout.read, None)
+
+    async def _exchange(self, key: tuple[str, int], head: bytes, body: bytes, connect_timeout: float | None,
+                        read_timeout: float | None, request: httpx.Request | None) -> httpx.Response:
         for attempt in range(2):
             idle = self._idle.get(key)
             reused = bool(idle)
-            conn = idle.pop() if idle else await self._connect(key, timeouts.get("connect"))
+            conn = idle.pop() if idle else await self._connect(key, connect_timeout)
             if conn.closed:
                 continue
             assert conn.transport is not None
@@ -229,7 +250,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             if len(body) >= 65536:
                 conn.transport.write(body)
             try:
-                await asyncio.wait_for(asyncio.shield(conn.headers_done), timeouts.get("read"))
+                await asyncio.wait_for(asyncio.shield(conn.headers_done), read_timeout)
             except TimeoutError:
                 conn.close()
                 raise httpx.ReadTimeout("timed out waiting for the engine's response headers",
@@ -237,13 +258,14 @@ class FastTransport(httpx.AsyncBaseTransport):
             except httpx.RemoteProtocolError as e:
                 if reused and attempt == 0 and not conn.got_bytes:
                     continue  # a stale keep-alive connection: try once more on a fresh one
-                e.request = request
+                if request is not None:
+                    e.request = request
                 raise
             except asyncio.CancelledError:
                 conn.close()
                 raise
-            return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, timeouts.get("read")),
-                                  extensions={"http_version": b"HTTP/1.1"}, request=request)
+            return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, read_timeout),
+                                  extensions=_HTTP11, request=request)
         raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
 
     async def aclose(self) -> None:
@@ -252,6 +274,39 @@ class FastTransport(httpx.AsyncBaseTransport):
         self._idle.clear()
         if self._fallback is not None:
             await self._fallback.aclose()
+
+
+_HTTP11 = {"http_version": b"HTTP/1.1"}
+_TARGETS: dict[str, tuple[tuple[str, int], bytes]] = {}
+
+
+def _target(url: str) -> tuple[tuple[str, int], bytes]:
+    """(host, port) and the request line + Host header for ``url``, cached (parsing costs more than sending)."""
+    parsed = httpx.URL(url)
+    if parsed.scheme != "http":
+        raise ValueError(f"FastTransport.post takes http:// URLs only: {url}")
+    port = parsed.port or 80
+    host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
+    host_header = host if parsed.port is None else f"{host}:{port}"
+    start = b"POST " + parsed.raw_path + b" HTTP/1.1\r\nhost: " + host_header.encode("ascii") + b"\r\n"
+    if len(_TARGETS) > 4096:
+        _TARGETS.clear()
+    target = _TARGETS[url] = ((parsed.host, port), start)
+    return target
+
+
+async def send_post(http: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
+    """POST with ``http``'s timeouts and return once the response headers are in (body unread).
+
+    When ``http`` runs on a ``FastTransport`` (the gateway's client) and the URL is plain http, the
+    request goes to the transport directly (``FastTransport.post``); otherwise through ``http.send``.
+    """
+    transport = getattr(http, "_transport", None)
+    if isinstance(transport, FastTransport) and url.startswith("http://") and not getattr(http, "_mounts", None):
+        return await transport.post(url, content, headers, http.timeout)
+    request = httpx.Request("POST", url, content=content, headers=headers,
+                            extensions={"timeout": http.timeout.as_dict()})
+    return await http.send(request, stream=True)
 
 
 def _request_head(request: httpx.Request) -> bytes:
