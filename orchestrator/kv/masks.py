@@ -30,33 +30,6 @@ def tier_of(mask: int, slot: int) -> int:
     return (mask >> (SLOT_BITS * slot)) & 0xFF
 
 
-def with_tier(mask: int, slot: int, tier: int) -> int:
-    return mask | (int(tier) << (SLOT_BITS * slot))
-
-
-def without_tier(mask: int, slot: int, tier: int | None) -> int:
-    """Drop ``tier`` (or every tier when None) of worker ``slot`` from the mask."""
-    bits = 0xFF if tier is None else int(tier)
-    return mask & ~(bits << (SLOT_BITS * slot))
-
-
-def held_by(mask: int) -> int:
-    """Byte-per-slot mask → a mask with each holder's lowest bit set (any tier)."""
-    return (mask | (mask >> 1) | (mask >> 2)) & _low_bits(mask.bit_length())
-
-
-_LOW_CACHE: dict[int, int] = {}
-
-
-def _low_bits(nbits: int) -> int:
-    """The lowest bit of every byte up to ``nbits`` bits (cached per width)."""
-    nbytes = (nbits + 7) // 8
-    low = _LOW_CACHE.get(nbytes)
-    if low is None:
-        low = _LOW_CACHE[nbytes] = int.from_bytes(b"\x01" * nbytes, "little")
-    return low
-
-
 def slots_of(bits: int) -> Iterable[int]:
     """The slots whose lowest bit is set in an "any tier" mask."""
     while bits:
