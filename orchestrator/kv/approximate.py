@@ -4,14 +4,22 @@ The router records its own decisions: a request's blocks are assumed cached on t
 sent to, for ``index.approximate_ttl_s`` seconds after the last request that used them (Dynamo and
 llm-d do the same, 120 s by default). Expiry is driven by the clock passed in, so it runs unchanged
 in virtual time.
+
+With a shared (Redis) index the expiry is shared too: entries carry their expiry in Redis, any
+replica that routes to them refreshes it, and any replica's expiry pass drops them — so a replica
+does not remove what another still uses, and one that stops leaves nothing behind. This replica's
+own record then only ages its local mirror (the fallback while Redis is unreachable).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from orchestrator.kv.index import PrefixIndex, Tier
+
+SHARED_EXPIRY_EVERY_S = 1.0  # how often a replica runs the shared expiry pass
 
 
 class ApproximateRecorder:
@@ -20,14 +28,26 @@ class ApproximateRecorder:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._expiry: OrderedDict[tuple[str, int], float] = OrderedDict()  # ordered by expiry
+        self.shared = hasattr(index, "record_approximate") and hasattr(index, "mirror")
+        self._next_shared_pass = 0.0
+        if self.shared:
+            index.approximate_ttl_of = self.remaining  # type: ignore[attr-defined]
+        self._now = 0.0
+        self._pass: asyncio.Future[int] | None = None
 
     def __len__(self) -> int:
         return len(self._expiry)
+
+    def remaining(self, worker_id: str, block_hash: int) -> float | None:
+        """Seconds left on an entry this replica recorded (None: not an approximate entry)."""
+        until = self._expiry.get((worker_id, block_hash))
+        return None if until is None else max(0.0, until - self._now)
 
     async def record(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
         """``worker_id`` just received a request for these blocks: it will hold them for a while."""
         if not block_hashes:
             return
+        self._now = now
         until = now + self.ttl_s
         exp = self._expiry
         for h in block_hashes:
@@ -35,13 +55,17 @@ class ApproximateRecorder:
             if key in exp:
                 exp.move_to_end(key)
             exp[key] = until
-        await self.index.store(worker_id, block_hashes, Tier.DEVICE)
+        if self.shared:
+            await self.index.record_approximate(worker_id, block_hashes, self.ttl_s)  # type: ignore[attr-defined]
+        else:
+            await self.index.store(worker_id, block_hashes, Tier.DEVICE)
         if len(exp) > self.max_entries:  # the index evicts on its own; just keep this map bounded
             for _ in range(len(exp) - self.max_entries):
                 exp.popitem(last=False)
 
     async def expire(self, now: float) -> int:
-        """Remove entries whose TTL has passed; returns how many."""
+        """Remove entries whose TTL has passed; returns how many this replica had recorded."""
+        self._now = now
         exp = self._expiry
         gone: dict[str, list[int]] = {}
         while exp:
@@ -51,7 +75,14 @@ class ApproximateRecorder:
             exp.popitem(last=False)
             gone.setdefault(key[0], []).append(key[1])
         for worker_id, hashes in gone.items():
-            await self.index.remove(worker_id, hashes)
+            if self.shared:
+                self.index.mirror.remove_now(worker_id, hashes)  # type: ignore[attr-defined]
+            else:
+                await self.index.remove(worker_id, hashes)
+        if self.shared and now >= self._next_shared_pass and (self._pass is None or self._pass.done()):
+            self._next_shared_pass = now + SHARED_EXPIRY_EVERY_S
+            # In the background: it is a Redis round trip, not this request's business.
+            self._pass = asyncio.ensure_future(self.index.expire_approximate())  # type: ignore[attr-defined]
         return sum(len(v) for v in gone.values())
 
     def forget_worker(self, worker_id: str) -> None:

@@ -15,6 +15,9 @@ Key schema (``P`` = ``index.key_prefix``; one Redis node, no cluster; docs/prefi
 - ``P:idx:lru``       ZSET   member ``<hash>|<slot>``, score = store sequence; lowest evicted first
   once its size passes ``index.max_blocks``.
 - ``P:idx:seq``       STRING counter giving the LRU order.
+- ``P:idx:approx``    ZSET   member ``<hash>|<slot>`` of approximate-mode entries (workers without KV
+  events), score = expiry in Redis server ms; refreshed by any replica that routes there, dropped
+  by any replica's expiry pass, so a replica that stops (or crashes) leaves nothing behind.
 
 Hashes are unsigned 64-bit integers written as 16 hex digits. A lookup is ONE script call whose
 arguments are the key prefix and the request's hashes packed as 8-byte big-endian integers; it
@@ -35,7 +38,7 @@ import asyncio
 import logging
 import struct
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
@@ -81,19 +84,25 @@ local function drop(h, s, lru_too)
   redis.call('BITFIELD', bkey, 'SET', 'u8', '#' .. s, 0)
   if redis.call('BITCOUNT', bkey) == 0 then redis.call('DEL', bkey) end
   redis.call('SREM', p .. ':idx:w:' .. s, h)
+  redis.call('ZREM', p .. ':idx:approx', h .. '|' .. s)
   if lru_too then redis.call('ZREM', p .. ':idx:lru', h .. '|' .. s) end
 end
 """
 
-# ARGV: prefix, worker, tier mask, cap, hashes..., epoch candidate
+# ARGV: prefix, worker, tier mask, cap, approximate TTL ms (0: not approximate), hashes..., epoch candidate
 _STORE = _COMMON + """
-local w, tier, cap = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local w, tier, cap, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local s = slot_of(w, true)
 local offs = {}
 for b = 0, 2 do
   if bit.band(tier, bit.lshift(1, b)) ~= 0 then offs[#offs + 1] = tonumber(s) * 8 + 7 - b end
 end
-local first, last = 5, #ARGV - 1
+local first, last = 6, #ARGV - 1
+local approx_until = nil
+if ttl > 0 then
+  local t = redis.call('TIME')
+  approx_until = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+end
 local n_new = last - first + 1
 local top = redis.call('INCRBY', p .. ':idx:seq', n_new)
 local wkey = p .. ':idx:w:' .. s
@@ -104,6 +113,7 @@ for i = first, last do
   for _, o in ipairs(offs) do redis.call('SETBIT', bkey, o, 1) end
   redis.call('SADD', wkey, h)
   redis.call('ZADD', lru, top - last + i, h .. '|' .. s)
+  if approx_until then redis.call('ZADD', p .. ':idx:approx', approx_until, h .. '|' .. s) end
 end
 local n = redis.call('ZCARD', lru)
 local evicted = 0
@@ -140,6 +150,19 @@ if s then
   end
 end
 return redis.call('ZCARD', p .. ':idx:lru')
+"""
+
+# ARGV: prefix, max entries, epoch candidate (unused).  Drops approximate entries past their
+# shared expiry (Redis server time), whichever replica recorded or last refreshed them.
+_EXPIRE = _COMMON + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', p .. ':idx:approx', '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
+for _, member in ipairs(due) do
+  local sep = string.find(member, '|', 1, true)
+  drop(string.sub(member, 1, sep - 1), string.sub(member, sep + 1), true)
+end
+return #due
 """
 
 # ARGV: prefix, worker, epoch candidate (unused)
@@ -245,7 +268,9 @@ class RedisPrefixIndex(PrefixIndex):
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         self.mirror = MemoryPrefixIndex(max_blocks=max_blocks)  # this replica's own view; fallback
         self._store_s, self._remove_s, self._clear_s = LuaScript(_STORE), LuaScript(_REMOVE), LuaScript(_CLEAR)
-        self._lookup_s = LuaScript(_LOOKUP)
+        self._lookup_s, self._expire_s = LuaScript(_LOOKUP), LuaScript(_EXPIRE)
+        # Remaining approximate TTL (s) of a (worker, block) this replica recorded, for resync.
+        self.approximate_ttl_of: Callable[[str, int], float | None] | None = None
         self._meta_keys = [f"{key_prefix}:idx:epoch", f"{key_prefix}:idx:gen"]
         # The slot table as last read from Redis, valid for (epoch, generation) = _slot_view.
         self._slot_view: tuple[bytes, bytes] = (b"", b"")
@@ -303,20 +328,28 @@ class RedisPrefixIndex(PrefixIndex):
         """Write the local mirror back into Redis (after Redis came back, possibly empty)."""
         try:
             grouped: dict[tuple[str, int], list[int]] = {}
+            approximate: list[tuple[str, int, float]] = []
+            ttl_of = self.approximate_ttl_of
             for worker_id, h, mask in self.mirror.entries():
+                left = ttl_of(worker_id, h) if ttl_of is not None else None
+                if left is not None:
+                    approximate.append((worker_id, h, left))
+                    continue
                 for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
                     if mask & tier:
                         grouped.setdefault((worker_id, int(tier)), []).append(h)
             for (worker_id, tier), hashes in grouped.items():
                 for i in range(0, len(hashes), self.RESYNC_CHUNK):
                     await self._write_store(worker_id, hashes[i:i + self.RESYNC_CHUNK], Tier(tier))
+            for worker_id, h, left in approximate:  # keep their remaining TTL
+                await self._write_store(worker_id, [h], Tier.DEVICE, max(1, int(left * 1000)))
             self.resyncs += 1
         except REDIS_DOWN_ERRORS as e:
             self._mark_down(e)
 
     # --- writes
-    async def _write_store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier) -> None:
-        res = await self._store_s(self._client, [self.key_prefix, worker_id, int(tier), self.max_blocks,
+    async def _write_store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier, ttl_ms: int = 0) -> None:
+        res = await self._store_s(self._client, [self.key_prefix, worker_id, int(tier), self.max_blocks, ttl_ms,
                                                  *hex_hashes(block_hashes), uuid.uuid4().hex])
         evicted, size = res  # type: ignore[misc]
         if evicted:
@@ -338,6 +371,26 @@ class RedisPrefixIndex(PrefixIndex):
             self._mark_down(e)
             return
         self._mark_up()
+
+    async def record_approximate(self, worker_id: str, block_hashes: Sequence[int], ttl_s: float) -> None:
+        """Store device-tier entries that expire ``ttl_s`` after the last replica that records them
+        (approximate mode); expiry is shared: any replica's ``expire_approximate`` drops them."""
+        if not block_hashes:
+            return
+        self.mirror.store_now(worker_id, block_hashes, Tier.DEVICE)
+        if not self._may_try():
+            return
+        try:
+            await self._write_store(worker_id, block_hashes, Tier.DEVICE, max(1, int(ttl_s * 1000)))
+        except REDIS_DOWN_ERRORS as e:
+            self._mark_down(e)
+            return
+        self._mark_up()
+
+    async def expire_approximate(self, limit: int = 10_000) -> int:
+        """Drop approximate entries past their shared expiry; returns how many (0 while Redis is down)."""
+        n = await self._run(self._expire_s, [self.key_prefix, limit])
+        return int(n) if n is not None else 0  # type: ignore[call-overload]
 
     async def remove(self, worker_id: str, block_hashes: Sequence[int], tier: Tier | None = None) -> None:
         if not block_hashes:

@@ -118,7 +118,7 @@ class PrefixTracker:
         req.prompt_tokens = len(tok.ids)
         req.block_size = bs
         req.block_hashes = tok.block_hashes(self.hasher(ns, bs, salt))
-        if len(self.approx):
+        if len(self.approx) or self.approx.shared:
             await self.approx.expire(self.clock.now())
         started = time.perf_counter()
         ids_of = [w.id for w in candidates]

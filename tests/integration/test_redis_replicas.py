@@ -40,13 +40,14 @@ pytestmark = pytest.mark.redis
 SYSTEM = " ".join(f"rule{i}" for i in range(640))  # 640 sim tokens = 20 blocks of 32
 
 
-def replica(url: str, prefix: str):
+def replica(url: str, prefix: str, approximate_ttl_s: float = 120.0):
     cfg = load_config({
         "models": [{"name": "m", "tokenizer": "sim", "block_size": 32}],
         "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{9000 + i}", "engine": "sim", "models": ["m"]}
                     for i in range(3)],
         "router": {"policy": "kv_aware", "seed": 1},
-        "index": {"backend": "redis", "redis_url": url, "key_prefix": prefix},
+        "index": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+                  "approximate_ttl_s": approximate_ttl_s},
     }, environ={})
     fleet = FleetRegistry.from_config(cfg)
     for w in fleet.workers():
@@ -114,6 +115,40 @@ async def test_replicas_share_index_and_load_and_survive_redis_restart(redis_ser
         req_a2 = RouteRequest(request_id="a3", model="m", prompt_tokens=0)
         await a.annotate(req_a2, {"prompt": SYSTEM}, "/v1/completions", fa.candidates("m"))
         assert max(o.blocks for o in req_a2.overlaps.values()) == 20
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_approximate_entries_expire_on_a_shared_clock(redis_server):  # noqa: F811
+    """Approximate mode (no KV events): an entry lives ttl after the last replica that used it —
+    the replica that recorded it first does not delete it while another still uses it, and entries
+    of a replica that stopped are dropped by the others."""
+    prefix = unique_prefix("approx")
+    a, fa, pa = replica(redis_server.url, prefix, approximate_ttl_s=1.0)
+    b, fb, pb = replica(redis_server.url, prefix, approximate_ttl_s=1.0)
+    await a.start()
+    await b.start()
+    try:
+        req_a, d = await route(a, fa, pa, "a1", SYSTEM + " first")
+        await a.on_finished(req_a, d, True, 0.0)  # done: its in-flight load no longer repels B
+        await asyncio.sleep(0.6)
+        req_b, d_b = await route(b, fb, pb, "b1", SYSTEM + " second")  # B uses and refreshes it
+        assert d_b.worker.id == d.worker.id and req_b.overlaps[d.worker.id].blocks == 20
+        await asyncio.sleep(0.7)  # A's own TTL has passed; B's refresh has not
+        probe = RouteRequest(request_id="p1", model="m", prompt_tokens=0)
+        await a.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fa.candidates("m"))
+        if a.approx._pass is not None:
+            await a.approx._pass
+        assert probe.overlaps[d.worker.id].blocks == 20  # still in Redis: B refreshed it
+        await a.stop()  # A goes away; B's expiry pass cleans up after everyone
+        await asyncio.sleep(0.6)
+        await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
+        if b.approx._pass is not None:
+            await b.approx._pass
+        await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
+        assert probe.overlaps == {}
+        assert await b.index.size() == 0
     finally:
         await a.stop()
         await b.stop()
