@@ -298,7 +298,10 @@ class PrefixTracker:
             await sub.stop()
         if self.shared_load is not None:
             await self.shared_load.stop()
-        for task in list(self._background):
+        background = list(self._background)
+        if self.approx._pass is not None:
+            background.append(self.approx._pass)  # type: ignore[arg-type]
+        for task in background:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
