@@ -22,6 +22,7 @@ costs ~15 ms with HF tokenizer files.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import OrderedDict
@@ -48,6 +49,22 @@ from orchestrator.sim.tokenizer import SimTokenizer
 log = logging.getLogger("dyad.kv.tokenization")
 
 SIM_TOKENIZER = "sim"
+
+
+OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized off the event loop
+
+
+def _text_size(prompt_or_messages: Any) -> int:
+    if isinstance(prompt_or_messages, str):
+        return len(prompt_or_messages)
+    size = 0
+    for m in prompt_or_messages or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+    return size
 
 
 class Untokenizable(Exception):
@@ -332,8 +349,14 @@ class RequestTokenizer:
         if local is not None:
             try:
                 if chat:
-                    return local.encode_chat(messages, **_chat_options(body))
-                return local.encode_prompt(prompt)
+                    encode, arg, kw = local.encode_chat, messages, _chat_options(body)
+                else:
+                    encode, arg, kw = local.encode_prompt, prompt, {}
+                if isinstance(local, HfTokenizer) and _text_size(arg) > OFFLOAD_CHARS:
+                    # A long prompt takes milliseconds in the Rust tokenizer, which releases the GIL while it
+                    # works: do it on a thread so the event loop keeps serving other requests meanwhile.
+                    return await asyncio.to_thread(encode, arg, **kw)
+                return encode(arg, **kw)
             except Untokenizable as e:
                 log.debug("model %s: not tokenized locally: %s", model, e)
                 return None

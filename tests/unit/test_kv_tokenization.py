@@ -110,3 +110,39 @@ async def test_a_tokenizer_failure_routes_on_load_instead_of_failing_the_request
     await tracker.annotate(req, {"prompt": "hello", "user": "ann"}, COMPLETIONS, fleet.workers())
     assert req.overlaps == {} and req.block_hashes == [] and req.prompt_tokens == 7
     assert req.session_key == "user:ann" and tracker.annotate_failures == 1
+
+
+def _tiny_hf_tokenizer_dir(path):
+    """A real (tiny) byte-level BPE tokenizer with a chat template, trained here in milliseconds."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["the prefix cache routes requests to workers"] * 50, trainer=trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}"}))
+    return tok
+
+
+async def test_long_prompts_tokenized_off_the_loop_give_the_same_ids(tmp_path):
+    from orchestrator.kv import tokenization
+
+    raw = _tiny_hf_tokenizer_dir(tmp_path)
+    cfg = load_config({"models": [{"name": "m", "tokenizer": str(tmp_path)}]}, environ={})
+    rt = RequestTokenizer(cfg)
+    long_text = "the prefix cache routes requests to workers " * (tokenization.OFFLOAD_CHARS // 40 + 10)
+    assert len(long_text) > tokenization.OFFLOAD_CHARS  # takes the thread path
+    ids = await rt.token_ids("m", COMPLETIONS, {"prompt": long_text})
+    assert ids == raw.encode(long_text, add_special_tokens=True).ids
+    chat = await rt.token_ids("m", CHAT, {"messages": [{"role": "user", "content": long_text}]})
+    assert chat == raw.encode(f"<|user|>{long_text}\n<|assistant|>", add_special_tokens=False).ids
+    short = await rt.token_ids("m", COMPLETIONS, {"prompt": "the cache"})  # inline path
+    assert short == raw.encode("the cache", add_special_tokens=True).ids
