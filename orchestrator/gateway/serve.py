@@ -25,6 +25,7 @@ import uvicorn
 from orchestrator.clock import Clock
 from orchestrator.config import ConfigError, DyadConfig, GatewayTlsConfig, ResilienceConfig, load_config
 from orchestrator.gateway.app import create_app
+from orchestrator.gateway.fastpath import coalescing_protocol
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.gateway.shutdown import DrainingServer
 from orchestrator.gateway.slow_clients import guarded_protocol
@@ -54,7 +55,9 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning",
     header/body read timeouts against slow clients (``slow_clients.py``; with httptools)."""
     options = _fast_options()
     if resilience is not None and options["http"] == "httptools":
-        options["http"] = guarded_protocol(resilience.header_timeout_s, resilience.body_timeout_s)  # type: ignore[assignment]
+        # + one send per event-loop step towards the client (fastpath.CoalescingTransport)
+        options["http"] = coalescing_protocol(  # type: ignore[assignment]
+            guarded_protocol(resilience.header_timeout_s, resilience.body_timeout_s))
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
                           lifespan="on", timeout_keep_alive=75, server_header=False, date_header=False,
                           timeout_graceful_shutdown=5, **options, **(ssl or {}))
