@@ -30,7 +30,7 @@ import bisect
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -319,6 +319,13 @@ class EngineModel:
             return run.ends[run.done]
         return self._next_start()
 
+    def run_end_time(self) -> float | None:
+        """When the whole planned run of steps ends (``next_event_time`` is its next step); None when
+        no run is planned. A driver that needs no per-step tokens can sleep until then: a submit or
+        an abort cuts the run anyway."""
+        run = self._run
+        return None if run is None else run.ends[-1]
+
     def release_lease(self, request_id: str, now: float) -> bool:
         """The remote decode engine has pulled this prefill's KV: unpin its blocks."""
         r = self._reqs.get(request_id)
@@ -385,12 +392,18 @@ class EngineModel:
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of this prompt are in the prefix cache right now (no side effects)."""
+        return self.cached_prefix_blocks(chain_block_hashes(token_ids, self._bs)) * self._bs
+
+    def cached_prefix_blocks(self, block_hashes: Iterable[int]) -> int:
+        """How many leading blocks of this hash chain are in the prefix cache (no side effects, no
+        LRU touch)."""
+        cache = self._cache
         n = 0
-        for h in chain_block_hashes(token_ids, self._bs):
-            if h not in self._cache:
+        for h in block_hashes:
+            if h not in cache:
                 break
             n += 1
-        return n * self._bs
+        return n
 
     # ------------------------------------------------------------------ internals: time
     def _derive_seed(self, prompt: Sequence[int]) -> int:

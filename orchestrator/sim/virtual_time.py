@@ -86,13 +86,7 @@ class _ModelCacheView:
         self.model = model
 
     def match(self, blocks: Sequence[int], touch: bool = False) -> int:
-        cache = self.model._cache  # read-only look at the core's block table (hash → refcount)
-        n = 0
-        for b in blocks:
-            if b not in cache:
-                break
-            n += 1
-        return n
+        return self.model.cached_prefix_blocks(blocks)
 
 
 class ModelEngine:
@@ -104,8 +98,6 @@ class ModelEngine:
     One simulated block = one trace prefix block (``block_tokens``, 512 for Mooncake), so trace hash
     ids are the engine's block hashes and no token ids are materialized (the prompt is a ``range``).
     The KV transfer is charged by the fleet (``handoff``), so the engine's own transfer cost is 0.
-    Two reads of the core's private state (``_run`` for the run's end, ``_cache`` for kv_aware
-    overlap) stand in for public accessors the core does not have yet.
     """
 
     def __init__(self, profile: EngineProfile, role: Role, block_tokens: int = 512) -> None:
@@ -122,9 +114,9 @@ class ModelEngine:
         """When the fleet must look again: the end of the core's planned run of decode steps, not of
         each step (the core plans per-step ends for streaming; nothing here needs them one by one,
         and a submit cuts the run anyway). This is what keeps an hour of 32 engines at seconds of CPU."""
-        run = self.model._run  # read-only; see the class docstring
-        if run is not None:
-            return run.ends[-1]
+        t = self.model.run_end_time()
+        if t is not None:
+            return t
         t = self.model.next_event_time()
         return INF if t is None else t
 

@@ -243,3 +243,29 @@ def test_load_profile_from_json(tmp_path):
         load_profile(str(f))
     with pytest.raises(ValueError, match="unknown engine profile"):
         load_profile("nope")
+
+
+def test_public_views_for_drivers_run_end_and_cached_prefix_blocks():
+    """What the virtual-time fleet reads: the end of the planned run, and the cached prefix of a chain."""
+    m = EngineModel(CPU_TINY, seed=1)
+    assert m.run_end_time() is None
+    prompt = list(range(300))
+    m.submit(SimRequest("a", prompt, 16), 0.0)
+    assert m.run_end_time() is None  # queued, nothing planned yet
+    ends = []
+    while (t := m.next_event_time()) is not None and len(ends) < 4:
+        ends.append((t, m.run_end_time()))
+        m.advance(t)
+    planned = [(t, end) for t, end in ends if end is not None]
+    assert planned and all(end >= t for t, end in planned)
+    assert any(end > t for t, end in planned)  # decode steps planned in one go: the run ends later
+    end = max(end for _, end in planned)
+    m.advance(end)
+    assert m.run_end_time() is None and m.next_event_time() is None  # 16 tokens done: idle
+    hashes = chain_block_hashes(prompt, CPU_TINY.block_size)
+    full = len(prompt) // CPU_TINY.block_size
+    assert m.cached_prefix_blocks(hashes) == full
+    assert m.cached_prefix_blocks(hashes[:3]) == 3
+    assert m.cached_prefix_blocks([hashes[0], 12345, hashes[2]]) == 1  # a prefix, not a count
+    assert m.cached_prefix_blocks([]) == 0
+    assert m.cached_prefix_tokens(prompt) == full * CPU_TINY.block_size
