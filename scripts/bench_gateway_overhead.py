@@ -4,8 +4,9 @@ when installed, vllm-router and sglang-router), all in one run.
 
 Every target fronts the SAME engine process (``dyad sim-engine --profile zero``: answers at once), so
 the difference between a target and "direct" is what that router adds. Latency is measured one
-request at a time, interleaving the targets in a fresh random order every round so that machine noise
-(2 shared cores) hits all of them alike; throughput is closed-loop at ``--concurrency`` for
+request at a time, interleaving the targets in a fresh random order at every step so that machine noise
+(2 shared cores) hits all of them alike, in ``--rounds`` rounds; the p50 reported is the median of the
+per-round p50s (a noisy stretch spoils one round, not the result); throughput is closed-loop at ``--concurrency`` for
 ``--duration`` seconds per target, repeated ``--rounds`` times in shuffled order.
 
 The client is ``orchestrator.bench.loadgen`` (raw keep-alive HTTP/1.1), so its own cost stays small.
@@ -149,27 +150,38 @@ def request_bytes(base: str, stream: bool, max_tokens: int) -> tuple[str, int, b
     return encode_request(f"{base}/v1/completions", body)
 
 
-async def latency_phase(targets: dict[str, str], n: int, stream: bool, max_tokens: int,
-                        seed: int) -> dict[str, dict[str, list[float]]]:
-    """``n`` rounds; each round sends one request to every target, one at a time, in random order."""
+async def latency_phase(targets: dict[str, str], n: int, stream: bool, max_tokens: int, seed: int,
+                        rounds: int) -> dict[str, dict[str, list[float]]]:
+    """``n`` requests per target, one at a time, each step sending one request to every target in a new
+    random order; split into ``rounds`` consecutive rounds whose p50s are kept (``round_p50``,
+    ``round_first_p50``): the median of per-round p50s is robust to a noisy stretch on a shared machine."""
     rng = random.Random(seed)
     conns, reqs = {}, {}
     for name, base in targets.items():
         host, port, raw = request_bytes(base, stream, max_tokens)
         conns[name], reqs[name] = RawConnection(host, port), raw
-    out: dict[str, dict[str, list[float]]] = {name: {"total": [], "first": []} for name in targets}
+    out: dict[str, dict[str, list[float]]] = {name: {"total": [], "first": [], "round_p50": [], "round_first_p50": []}
+                                              for name in targets}
     names = list(targets)
     for _ in range(50):  # warm-up: connections, caches
         for name in names:
             await conns[name].send(reqs[name])
-    for _ in range(n):
-        rng.shuffle(names)
-        for name in names:
-            t = await conns[name].send(reqs[name])
-            if t.status != 200:
-                raise RuntimeError(f"{name}: HTTP {t.status}: {t.body[:300]!r}")
-            out[name]["total"].append(t.total_s)
-            out[name]["first"].append(t.first_byte_s)
+    per_round = max(1, n // rounds)
+    for _ in range(rounds):
+        this: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in targets}
+        for _ in range(per_round):
+            rng.shuffle(names)
+            for name in names:
+                t = await conns[name].send(reqs[name])
+                if t.status != 200:
+                    raise RuntimeError(f"{name}: HTTP {t.status}: {t.body[:300]!r}")
+                this[name][0].append(t.total_s)
+                this[name][1].append(t.first_byte_s)
+        for name, (total, first) in this.items():
+            out[name]["total"].extend(total)
+            out[name]["first"].extend(first)
+            out[name]["round_p50"].append(percentile(total, 50))
+            out[name]["round_first_p50"].append(percentile(first, 50))
     for c in conns.values():
         await c.close()
     return out
@@ -230,7 +242,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1000, help="latency samples per target and mode")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per throughput measurement")
-    ap.add_argument("--rounds", type=int, default=3, help="throughput rounds per target")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="latency rounds (p50 = median of per-round p50s) and throughput rounds per target")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per response")
     ap.add_argument("--policies", default="round_robin", help="Dyad policies to measure, comma-separated")
@@ -246,34 +259,42 @@ def main() -> int:
             targets = start_targets(ps, args)
             print(f"targets: {', '.join(f'{k} {v}' for k, v in targets.items())}", file=sys.stderr)
             t_start = time.time()
-            lat_ns = asyncio.run(latency_phase(targets, args.requests, False, args.max_tokens, args.seed))
-            lat_st = asyncio.run(latency_phase(targets, args.requests, True, args.max_tokens, args.seed + 7))
+            load_before = os.getloadavg()
+            lat_ns = asyncio.run(latency_phase(targets, args.requests, False, args.max_tokens, args.seed, args.rounds))
+            lat_st = asyncio.run(latency_phase(targets, args.requests, True, args.max_tokens, args.seed + 7,
+                                               args.rounds))
             thr = asyncio.run(throughput_phase(targets, args.concurrency, args.duration, args.rounds,
                                                args.max_tokens, args.seed))
             elapsed = time.time() - t_start
+            load_after = os.getloadavg()
         finally:
             ps.stop_all()
 
-    base_ns = percentile(lat_ns["direct"]["total"], 50)
+    def p50(name: str, lat: dict[str, dict[str, list[float]]], key: str = "round_p50") -> float:
+        return statistics.median(lat[name][key])  # median of the per-round p50s
+
+    base_ns, base_st = p50("direct", lat_ns), p50("direct", lat_st)
     base_ns99 = percentile(lat_ns["direct"]["total"], 99)
-    base_st = percentile(lat_st["direct"]["total"], 50)
-    base_ttfb = percentile(lat_st["direct"]["first"], 50)
+    base_ttfb = p50("direct", lat_st, "round_first_p50")
     rows = []
-    print(f"\nOne request at a time ({args.requests} per target and mode, interleaved), {args.max_tokens} output "
-          f"tokens; latency in ms; 'added' = target p50 - direct p50:")
+    print(f"\nOne request at a time ({args.requests} per target and mode, interleaved, in {args.rounds} rounds), "
+          f"{args.max_tokens} output tokens; latency in ms; p50 = median of the per-round p50s, p99 over all "
+          f"requests; 'added' = target - direct:")
     print(f"{'target':<28}{'non-stream p50':>15}{'p99':>9}{'added p50':>11}{'added p99':>11}"
           f"{'stream p50':>12}{'p99':>9}{'added p50':>11}{'first-chunk p50':>17}{'added':>9}")
     for name in targets:
         ns, st = lat_ns[name]["total"], lat_st[name]["total"]
         row = {
             "target": name,
-            "nonstream_p50_s": percentile(ns, 50), "nonstream_p99_s": percentile(ns, 99),
-            "nonstream_added_p50_s": percentile(ns, 50) - base_ns,
+            "nonstream_p50_s": p50(name, lat_ns), "nonstream_p99_s": percentile(ns, 99),
+            "nonstream_added_p50_s": p50(name, lat_ns) - base_ns,
             "nonstream_added_p99_s": percentile(ns, 99) - base_ns99,
-            "stream_p50_s": percentile(st, 50), "stream_p99_s": percentile(st, 99),
-            "stream_added_p50_s": percentile(st, 50) - base_st,
-            "stream_first_chunk_p50_s": percentile(lat_st[name]["first"], 50),
-            "stream_first_chunk_added_p50_s": percentile(lat_st[name]["first"], 50) - base_ttfb,
+            "nonstream_round_p50s_s": lat_ns[name]["round_p50"],
+            "stream_p50_s": p50(name, lat_st), "stream_p99_s": percentile(st, 99),
+            "stream_added_p50_s": p50(name, lat_st) - base_st,
+            "stream_round_p50s_s": lat_st[name]["round_p50"],
+            "stream_first_chunk_p50_s": p50(name, lat_st, "round_first_p50"),
+            "stream_first_chunk_added_p50_s": p50(name, lat_st, "round_first_p50") - base_ttfb,
             "throughput": thr[name],
         }
         rows.append(row)
@@ -288,9 +309,10 @@ def main() -> int:
         t = thr[name]
         rounds = "/".join(f"{r:.0f}" for r in t["rps_rounds"])
         print(f"{name:<28}{t['rps_median']:>9.0f}{rounds:>26}{ms(t['p50_s']):>9}{ms(t['p99_s']):>9}{t['errors']:>8}")
-    print(f"\n(measurement took {elapsed:.0f} s)")
+    print(f"\n(measurement took {elapsed:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "elapsed_s": elapsed,
+                                               "loadavg_before": load_before, "loadavg_after": load_after}, indent=1))
     return 0
 
 
