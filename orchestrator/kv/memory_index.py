@@ -32,6 +32,8 @@ class MemoryPrefixIndex(PrefixIndex):
             raise ValueError("max_blocks must be >= 1")
         self.max_blocks = max_blocks
         self._metrics = metrics
+        if metrics is not None:
+            metrics.index_capacity.labels(self.backend).set(max_blocks)
         self._slots: dict[str, int] = {}
         self._ids: list[str] = []  # slot → worker id
         self._free_slots: list[int] = []  # slots of cleared workers (min-heap), reused first

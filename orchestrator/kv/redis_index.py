@@ -263,6 +263,8 @@ class RedisPrefixIndex(PrefixIndex):
         self.key_prefix = key_prefix
         self.max_blocks = max_blocks
         self._metrics = metrics
+        if metrics is not None:
+            metrics.index_capacity.labels(self.backend).set(max_blocks)
         self._clock = clock
         self._client = client or aioredis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)

@@ -110,6 +110,8 @@ async def test_cap_evicts_least_recently_stored_and_counts(make_index):
     assert "a" not in ov and ov["b"].blocks == 5
     backend = idx.backend
     assert metrics.registry.get_sample_value("dyad_index_evictions_total", {"backend": backend}) == 2
+    # The cap is published from the start (dashboards plot fill = blocks / capacity).
+    assert metrics.registry.get_sample_value("dyad_index_capacity_blocks", {"backend": backend}) == 8
     # Storing again refreshes recency: b's early blocks survive the next eviction.
     await idx.store("b", B[:2])
     await idx.store("c", B[:6])  # evicts a's 3 blocks, then b's blocks 2..4 (older than b's 0..1)
