@@ -34,14 +34,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def vllm_config_of(item: pytest.Item) -> str | None:
-    """The engine configuration a real-vLLM test needs; ``None`` for other tests."""
+    """The engine configuration a real-vLLM test needs; ``None`` for other tests. A test that uses
+    the engine pool (directly or through another fixture) is a real-vLLM test even if unmarked."""
     marker = item.get_closest_marker("vllm_config")
     if marker is not None:
         return marker.args[0]
-    return "default" if item.get_closest_marker("vllm") else None
+    uses_pool = "vllm_pool" in getattr(item, "fixturenames", ())
+    return "default" if uses_pool or item.get_closest_marker("vllm") else None
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: a vllm_config test is a vllm test
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: every test that needs engines is a vllm test
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     others, real = [], []
     for item in items:

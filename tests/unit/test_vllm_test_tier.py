@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import pytest_collection_modifyitems
 from tests.fixtures.vllm import (
     ENGINE_SETS,
+    LOCK_WAIT_S,
     RUN_ORDER,
     SMALL_KV_BYTES,
+    START_TIMEOUT_S,
     EngineSpec,
     VllmPaths,
     VllmPool,
@@ -78,3 +81,44 @@ def test_pool_rejects_unknown_configurations_and_oversized_requests(tmp_path: Pa
     with pytest.raises(RuntimeError, match="nixl is not installed"):
         pool.use("pd")  # checked before anything starts
     assert pool.engines == [] and not pool.lock.held
+
+
+class _Item:
+    """Just what the conftest hook reads of a collected test."""
+
+    def __init__(self, name: str, *markers: pytest.MarkDecorator, fixtures: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.own_markers = [m.mark for m in markers]
+        self.fixturenames = fixtures
+
+    def get_closest_marker(self, name: str):
+        return next((m for m in self.own_markers if m.name == name), None)
+
+    def add_marker(self, marker: pytest.MarkDecorator, append: bool = True) -> None:
+        self.own_markers.insert(len(self.own_markers) if append else 0, marker.mark)
+
+
+class _Config:
+    def getini(self, name: str) -> str:
+        assert name == "timeout"
+        return "300"
+
+
+def test_conftest_puts_vllm_tests_last_in_configuration_groups_with_a_start_budget():
+    items = [
+        _Item("test_pd", pytest.mark.vllm, pytest.mark.vllm_config("pd"), pytest.mark.timeout(900)),
+        _Item("test_unit"),
+        _Item("test_uses_pool_unmarked", fixtures=("vllm_pool",)),
+        _Item("test_a_killed", pytest.mark.vllm),
+        _Item("test_evict", pytest.mark.vllm_config("small-kv")),
+        _Item("test_b", pytest.mark.vllm),
+    ]
+    pytest_collection_modifyitems(_Config(), items)
+    assert [i.name for i in items] == ["test_unit", "test_uses_pool_unmarked", "test_b", "test_a_killed",
+                                       "test_evict", "test_pd"]
+    assert all(i.get_closest_marker("vllm") for i in items[1:]) and not items[0].get_closest_marker("vllm")
+    budget = {i.name: i.get_closest_marker("timeout").args[0] for i in items if i.get_closest_marker("timeout")}
+    # the first test of each group starts its engines; the others keep their own timeout
+    assert budget == {"test_uses_pool_unmarked": 300 + START_TIMEOUT_S + LOCK_WAIT_S,
+                      "test_evict": 300 + START_TIMEOUT_S + LOCK_WAIT_S,
+                      "test_pd": 900 + START_TIMEOUT_S + LOCK_WAIT_S}
