@@ -5,8 +5,9 @@ through about ten ASGI layers (FastAPI telemetry, server-error and exception mid
 limit and exit-stack middleware, route matching, Starlette's request/response wrapper), each one a
 coroutine call per request and a wrapped ``send`` per message: together more CPU than the proxying
 itself. ``GatewayApp.__call__`` answers those two paths directly and hands everything else to
-FastAPI unchanged. The routes stay declared on the app (``app.add_route``), so ``/openapi.json``
-and any scope this fast path does not take (a ``root_path`` mount, other methods) behave as before.
+FastAPI unchanged. The routes stay declared on the app (``app.add_route``; their request schemas in
+``/openapi.json`` come from ``openapi.py`` as before), and any scope this fast path does not take (a
+``root_path`` mount, other methods) is FastAPI's as before.
 
 Error handling is the app's own: the handlers registered with ``add_exception_handler`` for
 ``ApiError``, ``HTTPException`` and ``Exception`` render every failure, exactly as FastAPI's
@@ -16,9 +17,12 @@ closes the connection), as Starlette does.
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
@@ -130,3 +134,62 @@ def coalescing_protocol(base: type) -> type:
         base.connection_made(self, CoalescingTransport(transport, self.loop))
 
     return type(f"Coalescing{base.__name__}", (base,), {"connection_made": connection_made})
+
+
+# --- small per-request helpers ------------------------------------------------------------------
+
+_RID_PREFIX = os.urandom(8).hex()  # 64 random bits per process: ids stay unique across gateway replicas
+_RID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A fresh request id: this process's random prefix + a counter (``uuid4().hex`` costs several
+    times as much: an ``os.urandom`` syscall and a ``UUID`` object per request)."""
+    return f"{_RID_PREFIX}{next(_RID_COUNTER):016x}"
+
+
+def child(metric: Any, *values: str) -> Any:
+    """``metric.labels(*values)``, remembered on the metric: ``labels`` takes a lock and rebuilds the
+    label tuple on every call. For request metrics whose label values are bounded (model names,
+    endpoints, statuses) and never removed."""
+    try:
+        cache = metric._dyad_children
+    except AttributeError:
+        cache = metric._dyad_children = {}
+    found = cache.get(values)
+    if found is None:
+        found = cache[values] = metric.labels(*values)
+    return found
+
+
+_USAGE = b'"usage"'
+
+
+def usage_of(body: bytes) -> Any:
+    """The ``usage`` object of an OpenAI JSON answer, without parsing the whole answer.
+
+    The last ``"usage"`` key is located from the end (an escaped quote inside generated text can
+    never match) and only its object is parsed; anything unexpected falls back to parsing it all.
+    Returns None when there is no usage object.
+    """
+    idx = body.rfind(_USAGE)
+    if idx < 0:
+        return None
+    start = body.find(b"{", idx + len(_USAGE))
+    end = body.find(b"}", start + 1) if start >= 0 else -1
+    if start >= 0 and end > 0 and body[idx + len(_USAGE):start].strip() == b":":
+        # usage holds numbers and at most one level of nested objects (``*_tokens_details``)
+        while body.count(b"{", start, end) > body.count(b"}", start, end + 1):
+            end = body.find(b"}", end + 1)
+            if end < 0:
+                break
+        if end > 0:
+            try:
+                return orjson.loads(body[start:end + 1])
+            except orjson.JSONDecodeError:
+                pass
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return data.get("usage") if isinstance(data, dict) else None

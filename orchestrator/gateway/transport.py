@@ -309,6 +309,32 @@ async def send_post(http: httpx.AsyncClient, url: str, content: bytes, headers: 
     return await http.send(request, stream=True)
 
 
+async def read_all(response: httpx.Response) -> bytes:
+    """The whole (raw) body of a response that ``FastTransport`` opened, read from the connection
+    directly (no ``aiter_raw`` layers); other responses are read with ``aiter_raw``. Errors are httpx's."""
+    stream = response.stream
+    if isinstance(stream, _Body) and not response.is_stream_consumed:
+        response.is_stream_consumed = True
+        conn, timeout = stream.conn, stream.read_timeout
+        first = await conn.next_chunk(timeout)
+        if first is None:
+            stream._release()
+            return b""
+        rest = await conn.next_chunk(timeout)
+        if rest is None:
+            stream._release()
+            return first
+        chunks = [first, rest]
+        while (chunk := await conn.next_chunk(timeout)) is not None:
+            chunks.append(chunk)
+        stream._release()
+        return b"".join(chunks)
+    if response.is_stream_consumed:
+        return response.content  # built from bytes (httpx.MockTransport, tests)
+    chunks = [chunk async for chunk in response.aiter_raw()]
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 def _request_head(request: httpx.Request) -> bytes:
     target = request.url.raw_path
     lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]

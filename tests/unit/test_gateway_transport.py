@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from orchestrator.gateway.transport import FastTransport
+from orchestrator.gateway.transport import FastTransport, read_all, send_post
 
 
 class RawServer:
@@ -134,3 +134,65 @@ async def test_closing_an_unfinished_stream_closes_the_connection():
         await r2.stop()
     await asyncio.sleep(0.05)
     await srv.stop()
+
+
+# --- the direct POST path (FastTransport.post / send_post / read_all) ------------------------------
+
+async def test_post_writes_one_exact_request_and_reuses_the_connection():
+    srv = RawServer(lambda req: ok(req.split(b"\r\n\r\n", 1)[1]))
+    url = await srv.start()
+    async with httpx.AsyncClient(transport=FastTransport(), timeout=5) as c:
+        for i in range(3):
+            r = await send_post(c, url + "/v1/completions", b'{"n":%d}' % i,
+                                {"content-type": "application/json", "x-request-id": f"r{i}"})
+            assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+            assert await read_all(r) == b'{"n":%d}' % i
+            await r.aclose()
+    host = url.removeprefix("http://")
+    assert srv.requests[1] == (b"POST /v1/completions HTTP/1.1\r\nhost: " + host.encode()
+                               + b"\r\ncontent-type: application/json\r\nx-request-id: r1\r\n"
+                               b"content-length: 7\r\n\r\n{\"n\":1}")
+    assert srv.connections == 1
+    await srv.stop()
+
+
+async def test_post_refuses_header_injection_and_read_all_joins_chunks():
+    def respond(req):
+        return [(0, b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\none\r\n"),
+                (0.02, b"3\r\ntwo\r\n"), (0.02, b"0\r\n\r\n")]
+    srv = RawServer(respond)
+    url = await srv.start()
+    async with httpx.AsyncClient(transport=FastTransport(), timeout=5) as c:
+        with pytest.raises(httpx.LocalProtocolError):
+            await send_post(c, url + "/x", b"{}", {"x-request-id": "a\r\nevil: 1"})
+        r = await send_post(c, url + "/x", b"{}", {})
+        assert await read_all(r) == b"onetwo"
+        with pytest.raises(httpx.StreamConsumed):
+            await r.aread()
+        assert (await read_all(await send_post(c, url + "/x", b"{}", {}))) == b"onetwo"
+    assert srv.connections == 1  # a fully read body gives its connection back
+    await srv.stop()
+
+
+async def test_send_post_without_a_fast_transport_goes_through_httpx():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, str(request.url), request.headers["x-request-id"], request.content))
+        return httpx.Response(201, content=b"made")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        r = await send_post(c, "http://engine:8000/v1/completions", b"{}", {"x-request-id": "q"})
+        assert r.status_code == 201 and await read_all(r) == b"made"
+    assert seen == [("POST", "http://engine:8000/v1/completions", "q", b"{}")]
+
+
+async def test_read_all_raises_httpx_errors_when_the_body_breaks_off():
+    cut = RawServer(lambda req: [(0, b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")], close_after=True)
+    url = await cut.start()
+    async with httpx.AsyncClient(transport=FastTransport(), timeout=5) as c:
+        r = await send_post(c, url + "/x", b"{}", {})
+        with pytest.raises(httpx.ReadError):
+            await read_all(r)
+        await r.aclose()
+    await cut.stop()
