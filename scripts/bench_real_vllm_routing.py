@@ -98,6 +98,19 @@ def gateway_config(policy: str, engines, model_dir: Path, port: int) -> dict:
             "gateway": {"host": "127.0.0.1", "port": port}, "scrape": {"interval_s": 0.5}}
 
 
+def vllm_router_argv(policy: str, engines, port: int, venv: Path) -> list[str]:
+    """The vllm-router anchor (installed only in the benchmark venv) in front of the same engines."""
+    argv = [str(venv / "bin/vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *[e.url for e in engines], "--policy", policy, "--log-level", "warning",
+            "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1"]
+    if policy == "kv_aware":
+        for e in engines:
+            argv += ["--kv-event-source", f"{e.url}={e.kv_events_endpoint}",
+                     "--kv-event-replay-source", f"{e.url}={e.kv_replay_endpoint}"]
+        argv += ["--kv-event-block-size", "32", "--kv-event-model", engines[0].model]
+    return argv
+
+
 def loadavg() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
@@ -115,7 +128,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2, help="runs per policy (alternating)")
-    ap.add_argument("--policies", default="round_robin,kv_aware")
+    ap.add_argument("--policies", default="round_robin,kv_aware",
+                    help="Dyad policies, and vllm-router-<policy> for the anchor")
+    ap.add_argument("--anchors-venv", default=str(Path.home() / ".cache/dyad/anchors/venv"))
+    ap.add_argument("--scale-out", action="store_true",
+                    help="start the engines with --enable-scale-out (its /render endpoints; vllm-router's kv_aware "
+                         "tokenizes through them)")
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args()
 
@@ -133,7 +151,8 @@ def main() -> int:
         pool = VllmPool(paths, Path(tmp))
         t0 = time.monotonic()
         try:
-            engines = pool.use("default")
+            engines = (pool.get(2, key="bench-scale-out", extra_args=["--enable-scale-out"]) if args.scale_out
+                       else pool.use("default"))
             print(f"2 vLLM engines ready in {time.monotonic() - t0:.0f} s (incl. waiting for the machine lock): "
                   f"{', '.join(e.url for e in engines)}", flush=True)
             # Prompt lengths and the ideal hit ratio, from the engine's own tokenizer.
@@ -157,15 +176,20 @@ def main() -> int:
                         for e in engines:
                             c.post(f"{e.url}/reset_prefix_cache").raise_for_status()
                     port = free_port()
-                    cfg = Path(tmp) / f"gw-{policy}-{rep}.json"
-                    cfg.write_text(json.dumps(gateway_config(policy, engines, paths.model_dir, port)))
                     log = Path(tmp) / f"gw-{policy}-{rep}.log"
-                    gw = subprocess.Popen([str(ROOT / ".venv/bin/python"), "-m", "orchestrator.cli", "serve",
-                                           "--config", str(cfg)], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                    if policy.startswith("vllm-router-"):
+                        argv, ready = vllm_router_argv(policy.removeprefix("vllm-router-"), engines, port,
+                                                       Path(args.anchors_venv).expanduser()), "/v1/models"
+                    else:
+                        cfg = Path(tmp) / f"gw-{policy}-{rep}.json"
+                        cfg.write_text(json.dumps(gateway_config(policy, engines, paths.model_dir, port)))
+                        argv, ready = [str(ROOT / ".venv/bin/python"), "-m", "orchestrator.cli", "serve",
+                                       "--config", str(cfg)], "/ready"
+                    gw = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
                     try:
                         url = f"http://127.0.0.1:{port}"
-                        wait_http(f"{url}/ready", gw, log)
+                        wait_http(f"{url}{ready}", gw, log)
                         time.sleep(2.0)  # KV event subscriptions connected before the first request
                         load0 = loadavg()
                         res = asyncio.run(run_bench(reqs, BenchOptions(
