@@ -10,7 +10,9 @@ In order, each step refusing early with an OpenAI-shaped error:
 4. **when** — the dispatch gate (``AdmissionGate``): with ``limits.max_inflight_per_worker`` set,
    at most that many requests per healthy worker are dispatched; the rest wait in one bounded
    queue served by priority class (high, normal, low; FIFO within a class). A full queue refuses
-   the newcomer, unless it outranks someone waiting, who is then shed instead.
+   the newcomer, unless it outranks someone waiting, who is then shed instead. A client that hangs
+   up while queued gives its place back at once; when a SIGTERM drain runs out of grace, whoever
+   is still queued gets 503 + ``Retry-After`` (``AdmissionGate.close``), never a cut connection.
 
 ``install(runtime)`` builds the per-gateway ``Intake`` at ``runtime.intake``; the OpenAI routes
 call ``intake.admit`` once per request and wrap the proxy response so the dispatch slot is given
@@ -25,6 +27,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,7 @@ from orchestrator.errors import ApiError
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway.auth import ClientIdentity, KeyRing
 from orchestrator.gateway.limits import RateLimiter
+from orchestrator.gateway.shutdown import ShuttingDown
 from orchestrator.telemetry.logging import request_context
 
 if TYPE_CHECKING:
@@ -45,6 +49,17 @@ log = logging.getLogger("dyad.gateway.admission")
 
 LEARN_ALPHA = 0.3  # weight of the newest throughput sample in the per-worker average
 MIN_SAMPLE_REQUESTS = 1.0
+
+
+class ClientGone(ApiError):
+    """The client hung up while its request waited for a dispatch slot (nobody reads this answer)."""
+
+    status = 499  # nginx's "client closed request"
+    type = "invalid_request_error"
+
+    def __init__(self) -> None:
+        super().__init__("The client closed the connection while the request was queued.",
+                         code="client_closed_request")
 
 
 class Overloaded(ApiError):
@@ -147,6 +162,7 @@ class AdmissionGate:
         self._queues: dict[str, list[_Waiter]] = {}
         self._queued = 0
         self._seq = itertools.count()
+        self._closed: Callable[[], ApiError] | None = None  # set by close(): the refusal for any waiter
 
     @property
     def queued(self) -> int:
@@ -157,14 +173,20 @@ class AdmissionGate:
         if self.metrics is not None:
             self.metrics.queue_depth.labels(PRIORITIES[rank]).inc(delta)
 
-    async def acquire(self, model: str, rank: int) -> None:
-        """Return once a slot for ``model`` is held (give it back with ``release``), or raise ``Overloaded``."""
+    async def acquire(self, model: str, rank: int, gone: Callable[[], Awaitable[Any]] | None = None) -> None:
+        """Return once a slot for ``model`` is held (give it back with ``release``), or raise ``Overloaded``.
+
+        ``gone``: awaitable that returns when the client disconnects (the ASGI ``receive`` once the
+        body is read); while queued, a disconnect raises ``ClientGone`` and frees the place.
+        """
         cap = self.capacity(model)
         active = self.active.get(model, 0)
         queue = self._queues.setdefault(model, [])
         if cap <= 0 or (active < cap and not queue):
             self.active[model] = active + 1
             return
+        if self._closed is not None:
+            raise self._closed()
         if self._queued >= self.queue_size and not self._shed_for(rank):
             raise Overloaded(f"The gateway's queue is full ({self.queue_size} requests waiting, "
                              "limits.queue_size). Retry later.", status=self.reject_status, code="queue_full",
@@ -174,7 +196,7 @@ class AdmissionGate:
         heapq.heappush(queue, waiter)
         self._depth(rank, +1)
         try:
-            await self._wait(waiter)
+            await self._wait(waiter, gone)
         except BaseException:
             if waiter in queue:
                 queue.remove(waiter)
@@ -186,23 +208,29 @@ class AdmissionGate:
         if self.metrics is not None:
             self.metrics.queue_wait.labels(PRIORITIES[rank]).observe(time.perf_counter() - waiter.since)
 
-    async def _wait(self, waiter: _Waiter) -> None:
+    async def _wait(self, waiter: _Waiter, gone: Callable[[], Awaitable[Any]] | None) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Overloaded(f"No dispatch slot freed within {self.timeout_s:g} s (limits.queue_timeout_s). "
-                                 "Retry later.", status=self.reject_status, code="queue_timeout",
-                                 retry_after=self.retry_after_s)
-            try:
+        watcher = asyncio.ensure_future(gone()) if gone is not None else None
+        waits: list[asyncio.Future[Any]] = [waiter.future] if watcher is None else [waiter.future, watcher]
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Overloaded(f"No dispatch slot freed within {self.timeout_s:g} s "
+                                     "(limits.queue_timeout_s). Retry later.", status=self.reject_status,
+                                     code="queue_timeout", retry_after=self.retry_after_s)
                 # Wake up now and then: capacity grows when workers come back, without any release.
-                await asyncio.wait_for(asyncio.shield(waiter.future), min(left, 0.25))
-                return
-            except TimeoutError:
-                self._dispatch(waiter.model)
+                await asyncio.wait(waits, timeout=min(left, 0.25), return_when=asyncio.FIRST_COMPLETED)
+                if not waiter.future.done():
+                    if watcher is not None and watcher.done():
+                        raise ClientGone()
+                    self._dispatch(waiter.model)
                 if waiter.future.done():
                     waiter.future.result()
                     return
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
     def _shed_for(self, rank: int) -> bool:
         """Make room for a request of ``rank`` by refusing the lowest-priority, newest waiter below it."""
@@ -221,6 +249,21 @@ class AdmissionGate:
             "Shed from the gateway's queue to make room for higher-priority work. Retry later.",
             status=self.reject_status, code="shed_for_priority", retry_after=self.retry_after_s))
         return True
+
+    def close(self, refusal: Callable[[], ApiError]) -> int:
+        """Refuse every waiter with ``refusal()`` and any later request that would have to queue
+        (the gateway is going away: a clean refusal beats a connection cut at exit). Returns how
+        many waiters were refused."""
+        self._closed = refusal
+        refused = 0
+        for queue in self._queues.values():
+            while queue:
+                w = heapq.heappop(queue)
+                self._depth(w.rank, -1)
+                if not w.future.done():
+                    w.future.set_exception(refusal())
+                    refused += 1
+        return refused
 
     def release(self, model: str) -> None:
         self.active[model] = max(0, self.active.get(model, 0) - 1)
@@ -245,13 +288,15 @@ def _nothing() -> None:
 # --- the pipeline --------------------------------------------------------------------------------
 
 class _Admitted:
-    """The proxy response, run with the request's log context, giving its dispatch slot back at the end."""
+    """The proxy response, run with the request's log context; at its end the dispatch slot is given
+    back and the shutdown tracker hears that the request is over."""
 
-    __slots__ = ("inner", "release", "rid", "model")
+    __slots__ = ("inner", "release", "finished", "rid", "model")
 
-    def __init__(self, inner: Any, release: Any, rid: str, model: str) -> None:
+    def __init__(self, inner: Any, release: Any, finished: Any, rid: str, model: str) -> None:
         self.inner = inner
         self.release = release
+        self.finished = finished
         self.rid = rid
         self.model = model
 
@@ -261,6 +306,7 @@ class _Admitted:
                 await self.inner(scope, receive, send)
         finally:
             self.release()
+            self.finished()
 
 
 class Intake:
@@ -288,9 +334,10 @@ class Intake:
         name = self.config.priority_header
         return identity.priority_from(headers.get(name), name)
 
-    async def admit(self, identity: ClientIdentity, req: RouteRequest, headers: Any) -> bool:
+    async def admit(self, identity: ClientIdentity, req: RouteRequest, headers: Any,
+                    gone: Callable[[], Awaitable[Any]] | None = None) -> bool:
         """Rate limits, admission control, then a dispatch slot. True when a slot is held (``wrap`` the
-        response so it is released)."""
+        response so it is released). ``gone`` returns when the client disconnects (``AdmissionGate.acquire``)."""
         rank = self.rank(identity, headers)
         req.priority = rank
         tokens = req.prompt_tokens + (req.max_tokens if isinstance(req.max_tokens, int) else 0)
@@ -299,7 +346,7 @@ class Intake:
             self.check_ttft(req)
         if self.gate is None:
             return False
-        await self.gate.acquire(req.model, rank)
+        await self.gate.acquire(req.model, rank, gone)
         return True
 
     def check_ttft(self, req: RouteRequest) -> None:
@@ -325,10 +372,11 @@ class Intake:
                              retry_after=math.ceil(best - slo))
 
     def wrap(self, response: Any, model: str, rid: str, slot: bool) -> _Admitted:
-        """``response`` run in the request's log context; gives the dispatch slot back (when ``slot``) at its end."""
+        """``response`` run in the request's log context; at its end gives the dispatch slot back (when
+        ``slot``) and ends the request's ``ShutdownState.started`` (the OpenAI routes start it)."""
         gate = self.gate
         release = (lambda: gate.release(model)) if slot and gate is not None else _nothing
-        return _Admitted(response, release, rid, model)
+        return _Admitted(response, release, self.runtime.shutdown.finished, rid, model)
 
     async def run(self) -> None:
         """Lives as a runtime task so that stopping the gateway closes the limiter's Redis connection."""
@@ -342,4 +390,8 @@ def install(runtime: GatewayRuntime) -> Intake:
     intake = Intake(runtime)
     runtime.intake = intake  # type: ignore[attr-defined]
     runtime.add_task(intake.run(), name="dyad-intake")
+    gate = intake.gate
+    if gate is not None:  # a drain out of grace: whoever still waits gets 503 + Retry-After (shutdown.py)
+        retry_after = runtime.config.gateway.retry_after_s
+        runtime.shutdown.on_give_up(lambda: gate.close(lambda: ShuttingDown(retry_after)))
     return intake

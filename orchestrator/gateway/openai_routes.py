@@ -41,6 +41,16 @@ async def _completion(request: Request, endpoint: str, label: str) -> Any:
     rid = request_id_of(request)
     bind_request_id(rid)  # every log line of this request carries it (orchestrator.telemetry.logging)
     rt.shutdown.check()  # draining after SIGTERM: 503 + Retry-After (orchestrator/gateway/shutdown.py)
+    rt.shutdown.started()  # from here a drain waits for this request, queued or not (ended by intake.wrap)
+    try:
+        return await _admitted(request, rt, rid, endpoint, label, started)
+    except BaseException:
+        rt.shutdown.finished()
+        raise
+
+
+async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: str, label: str,
+                    started: float) -> Any:
     gw = rt.config.gateway
     intake = rt.intake  # orchestrator.gateway.admission: auth, rate limits, admission control, queue
     client = intake.authenticate(request)
@@ -59,7 +69,8 @@ async def _completion(request: Request, endpoint: str, label: str) -> Any:
     route_req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
                              max_tokens=max_tokens, block_size=block_size,
                              session_key=request.headers.get(session_header))
-    slot = await intake.admit(client, route_req, request.headers)
+    # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
+    slot = await intake.admit(client, route_req, request.headers, request.receive)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
     rt.metrics.inflight.labels(model).inc()
     return intake.wrap(ProxyResponse(rt, call, route_req, label, started), model, rid, slot)

@@ -68,7 +68,6 @@ class ProxyResponse:
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.ensure_future(self._watch_disconnect(receive, task))
-        self.rt.shutdown.started()  # a SIGTERM drain waits for this request (shutdown.py)
         try:
             # A stream is bounded by its idle timeout (failover.py), and in total only if configured.
             timeout = self.rt.config.resilience.stream_timeout_s if self.call.stream \
@@ -94,7 +93,6 @@ class ProxyResponse:
             self._done = True
             watcher.cancel()
             self._finish()
-            self.rt.shutdown.finished()
 
     async def _watch_disconnect(self, receive: Any, task: asyncio.Task[Any]) -> None:
         # The body was read already, so the next message is http.disconnect: either the client

@@ -7,9 +7,12 @@ seconds: a load balancer still sending traffic gets connection errors, and a lon
 1. the first SIGTERM (or SIGINT) flips ``ShutdownState.draining``: ``/ready`` answers 503 (load
    balancers take the replica out) and every new ``/v1/*`` request is refused with 503 +
    ``Retry-After`` (clients retry on another replica), while the listener stays open;
-2. requests already in flight (streams included) run to completion, for at most
-   ``resilience.shutdown_grace_s``;
-3. then uvicorn's normal shutdown runs (close the listener and idle keep-alive connections, the
+2. requests already taken in run to completion, for at most ``resilience.shutdown_grace_s``:
+   streams, and requests still waiting in the admission queue (they are dispatched as slots free);
+   a request counts from the moment it passed the draining check until its last byte;
+3. if the grace period runs out, requests still queued are refused with 503 + ``Retry-After``
+   (``on_give_up`` hooks: ``admission.install`` closes the queue) rather than cut at exit;
+4. then uvicorn's normal shutdown runs (close the listener and idle keep-alive connections, the
    lifespan stops the runtime) and the process exits with status 0.
 
 A second signal skips the wait (and a third forces uvicorn out, as usual).
@@ -50,9 +53,10 @@ class ShutdownState:
         self.retry_after_s = retry_after_s
         self.draining = False
         self.draining_since: float | None = None
-        self.active = 0  # client requests between dispatch and their last byte
+        self.active = 0  # client requests between the draining check and their last byte
         self._idle = asyncio.Event()
         self._idle.set()
+        self._give_up_hooks: list[Callable[[], Any]] = []
 
     def begin(self) -> None:
         if not self.draining:
@@ -72,6 +76,18 @@ class ShutdownState:
         self.active = max(0, self.active - 1)
         if self.active == 0:
             self._idle.set()
+
+    def on_give_up(self, hook: Callable[[], Any]) -> None:
+        """``hook()`` runs when the drain's grace period is over with requests still in (see ``give_up``)."""
+        self._give_up_hooks.append(hook)
+
+    def give_up(self) -> None:
+        """The grace period is over: refuse what has not started yet (hooks), before the server exits."""
+        for hook in self._give_up_hooks:
+            try:
+                hook()
+            except Exception:  # one hook failing must not keep the others (or the exit) from running
+                log.exception("shutdown hook failed")
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when nothing is in flight within ``timeout_s``."""
@@ -122,5 +138,7 @@ class DrainingServer(uvicorn.Server):
                     reason, state.active, self.grace_s)
         idle = await state.wait_idle(self.grace_s)
         if not idle:
-            log.warning("grace period over with %d requests still in flight; exiting anyway", state.active)
+            log.warning("grace period over with %d requests still in; refusing queued ones, exiting",
+                        state.active)
+            state.give_up()  # their 503s are written during uvicorn's own graceful shutdown
         self.should_exit = True

@@ -1,8 +1,9 @@
-"""SIGTERM to a real `dyad serve` process under streaming load: intake stops, in-flight streams finish.
+"""SIGTERM to a real `dyad serve` process under streaming load: intake stops, in-flight streams finish,
+requests waiting in the admission queue are served or refused cleanly (503 + Retry-After), never cut.
 
 The gateway is a real process (``python -m orchestrator.cli serve``); its engine is Dyad's simulated
-engine (profile gpu-like, in this process) because the test needs streams that last a few seconds
-at a known pace — the drain logic does not depend on the engine kind.
+engine (in this process) because the tests need streams that last a few seconds at a known pace —
+the drain logic does not depend on the engine kind.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from orchestrator.sim.profiles import load_profile
 from orchestrator.sim.server import SimEngineThread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,4 +104,135 @@ def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(tmp_pa
             proc.kill()
             proc.wait()
         log.close()
+        engine.stop()
+
+
+# --- requests waiting in the admission queue at SIGTERM ------------------------------------------
+
+# 20 tokens/s on one sequence: a stream's length is set by max_tokens (one slot per worker, so the
+# second request waits in the gateway's queue).
+PACED = {"base": "zero", "name": "paced", "step_fixed_s": 0.05}
+
+
+def _serve(tmp_path: Path, engine_url: str, grace_s: float) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cfg = tmp_path / "dyad.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "models": [{"name": "m"}],
+        "workers": [{"id": "sim", "url": engine_url, "engine": "sim", "models": ["m"]}],
+        "gateway": {"retry_after_s": 3},
+        "limits": {"max_inflight_per_worker": 1, "queue_size": 4, "queue_timeout_s": 60},
+        "resilience": {"shutdown_grace_s": grace_s},
+    }))
+    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - the child keeps its own descriptor
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(cfg), "--port",
+                             str(port), "--log-level", "info"], cwd=ROOT, stdout=log, stderr=log)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
+        time.sleep(0.1)
+
+
+def _queue_depth(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dyad_admission_queue_depth{"))
+
+
+def _stream(url: str, max_tokens: int, out: dict, started: threading.Event | None = None) -> None:
+    """One streamed completion; ``out`` gets the status, the data events, any transport error, headers."""
+    body = {"model": "m", "prompt": "queued at sigterm", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            out["status"], out["headers"] = r.status_code, dict(r.headers)
+            if r.status_code != 200:
+                out["body"] = r.read().decode()
+                return
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if started is not None:
+                        started.set()
+    except httpx.HTTPError as e:
+        out["error"] = repr(e)  # a cut connection
+    out["events"] = events
+
+
+def _complete_stream(out: dict, tokens: int) -> None:
+    assert "error" not in out and out["status"] == 200, out
+    assert out["events"][-1] == "[DONE]", out["events"][-3:]
+    assert json.loads(out["events"][-2])["usage"]["completion_tokens"] == tokens
+
+
+def test_sigterm_serves_a_request_queued_behind_in_flight_work(tmp_path):
+    """Grace to spare: the queued request is dispatched when the slot frees and runs to its end — longer
+    than uvicorn's own 5 s shutdown timeout, which would cut it if the drain did not wait for it."""
+    engine = SimEngineThread(model="m", profile=load_profile(PACED), kv_events=False).start()
+    proc, url = _serve(tmp_path, engine.url, grace_s=60)
+    try:
+        first, queued = {}, {}
+        running = threading.Event()
+        threads = [threading.Thread(target=_stream, args=(url, 30, first, running)),
+                   threading.Thread(target=_stream, args=(url, 130, queued))]  # ≈ 1.5 s, then ≈ 6.5 s
+        threads[0].start()
+        assert running.wait(20)
+        threads[1].start()
+        deadline = time.monotonic() + 10
+        while _queue_depth(url) < 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "late", "max_tokens": 2},
+                          timeout=10).status_code == 503
+        for t in threads:
+            t.join(60)
+        _complete_stream(first, 30)
+        _complete_stream(queued, 130)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        engine.stop()
+
+
+def test_sigterm_out_of_grace_refuses_queued_requests_with_503_not_a_cut(tmp_path):
+    """Grace shorter than the in-flight stream: the request still queued when it runs out gets 503 +
+    Retry-After (it can go to another replica); the in-flight one finishes in uvicorn's own window."""
+    engine = SimEngineThread(model="m", profile=load_profile(PACED), kv_events=False).start()
+    proc, url = _serve(tmp_path, engine.url, grace_s=1)
+    try:
+        first, queued = {}, {}
+        running = threading.Event()
+        threads = [threading.Thread(target=_stream, args=(url, 50, first, running)),  # ≈ 2.5 s
+                   threading.Thread(target=_stream, args=(url, 130, queued))]
+        threads[0].start()
+        assert running.wait(20)
+        threads[1].start()
+        deadline = time.monotonic() + 10
+        while _queue_depth(url) < 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        _complete_stream(first, 50)
+        assert "error" not in queued and queued["status"] == 503, queued
+        assert queued["headers"]["retry-after"] == "3"
+        assert json.loads(queued["body"])["error"]["code"] == "shutting_down"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         engine.stop()

@@ -8,7 +8,8 @@ import pytest
 
 from adapters.base import Histogram, LoadSnapshot
 from orchestrator.fleet.worker import Worker
-from orchestrator.gateway.admission import AdmissionGate, Overloaded, TtftPredictor
+from orchestrator.gateway.admission import AdmissionGate, ClientGone, Overloaded, TtftPredictor
+from orchestrator.gateway.shutdown import ShuttingDown
 from orchestrator.telemetry.metrics import DyadMetrics
 
 
@@ -122,3 +123,42 @@ async def test_no_capacity_means_no_queueing():
     gate = _gate(cap=0, queue=0)  # no healthy worker: the router answers, not the queue
     await gate.acquire("m", 2)
     await gate.acquire("m", 2)
+
+
+async def test_a_waiter_whose_client_hangs_up_leaves_the_queue_at_once():
+    gate = _gate(cap=1, queue=1, timeout=30)
+    await gate.acquire("m", 1)
+    hung_up = asyncio.Event()
+    t = asyncio.create_task(gate.acquire("m", 1, gone=hung_up.wait))
+    await asyncio.sleep(0.01)
+    assert gate.queued == 1
+    hung_up.set()
+    with pytest.raises(ClientGone) as e:
+        await asyncio.wait_for(t, 0.2)  # well before the 0.25 s poll: the disconnect itself wakes it
+    assert e.value.status == 499 and gate.queued == 0
+    assert gate.active["m"] == 1  # the slot holder is untouched
+    # the freed place is usable: the queue (size 1) takes a newcomer instead of refusing it
+    t2 = asyncio.create_task(gate.acquire("m", 1, gone=asyncio.Event().wait))
+    await asyncio.sleep(0.01)
+    assert gate.queued == 1
+    gate.release("m")
+    await asyncio.wait_for(t2, 1.0)
+    assert gate.active["m"] == 1 and gate.queued == 0
+
+
+async def test_close_refuses_every_waiter_and_later_queueing_but_not_free_slots():
+    gate = _gate(cap=1, queue=5, timeout=30)
+    await gate.acquire("m", 1)
+    waiting = [asyncio.create_task(gate.acquire("m", r)) for r in (0, 2)]
+    await asyncio.sleep(0.01)
+    assert gate.close(lambda: ShuttingDown(4)) == 2
+    for t in waiting:
+        with pytest.raises(ShuttingDown) as e:
+            await t
+        assert e.value.status == 503 and e.value.headers["Retry-After"] == "4"
+    assert gate.queued == 0
+    with pytest.raises(ShuttingDown):
+        await gate.acquire("m", 0)  # would have to queue: refused at once
+    gate.release("m")
+    await gate.acquire("m", 1)  # a free slot is still handed out (it will finish within the grace)
+    assert gate.active["m"] == 1

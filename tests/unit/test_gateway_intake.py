@@ -11,6 +11,7 @@ import concurrent.futures
 import io
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -103,6 +104,37 @@ def test_bounded_queue_refuses_with_retry_after_when_full(engine):
     finally:
         httpx.post(engine.url + "/sim/faults", json={"prefill_delay_s": 0})
         gw.stop()
+
+
+def test_a_client_that_hangs_up_while_queued_gives_its_place_back(engine):
+    gw = _gateway(engine, limits={"max_inflight_per_worker": 1, "queue_size": 1, "queue_timeout_s": 30})
+    httpx.post(engine.url + "/sim/faults", json={"prefill_delay_s": 3.0}).raise_for_status()
+    gate = gw.runtime.intake.gate
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            holder = pool.submit(_complete, gw.url)  # holds the only slot for ~3 s
+            _until(lambda: gate.active.get(MODEL) == 1)
+            with httpx.Client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+                c.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            # the queued request's client is gone: its place is free now, not when the slot frees
+            _until(lambda: gate.queued == 0, timeout_s=1.5)
+            assert not holder.done()
+            late = pool.submit(_complete, gw.url)  # the queue (size 1) takes it instead of answering queue_full
+            assert holder.result().status_code == 200
+            r = late.result()
+            assert r.status_code == 200, r.text
+        assert _metric(gw, 'dyad_rejected_requests_total{reason="client_closed_request"}') == 1
+        assert gate.active[MODEL] == 0 and gate.queued == 0
+    finally:
+        httpx.post(engine.url + "/sim/faults", json={"prefill_delay_s": 0})
+        gw.stop()
+
+
+def _until(check, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
 
 
 def test_admission_control_refuses_what_would_miss_the_ttft_slo_and_logs_it(engine):
