@@ -14,7 +14,9 @@ closed; a request task waiting for the body sees a disconnect. A connection that
 all is closed the same way. Timers are plain ``loop.call_later`` handles: no per-byte cost.
 
 httptools itself puts no bound on the size of a header block, so the protocol also refuses one
-larger than ``MAX_HEADER_BYTES`` (uvicorn answers 400 and closes): memory per connection stays bounded.
+larger than ``MAX_HEADER_BYTES`` with ``431 Request Header Fields Too Large`` and closes: memory per
+connection stays bounded. That answer, and uvicorn's for a request httptools cannot parse (400),
+are written here in the OpenAI error shape like every other refusal (uvicorn's own is plain text).
 """
 
 from __future__ import annotations
@@ -28,11 +30,17 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 MAX_HEADER_BYTES = 64 * 1024  # request line + headers
 
 
-def _timeout_response(what: str, seconds: float) -> bytes:
-    body = orjson.dumps({"error": {"message": f"The request {what} did not arrive within {seconds:g} s.",
-                                   "type": "invalid_request_error", "param": None, "code": "request_timeout"}})
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
+def _error_response(status: bytes, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 error answer (OpenAI shape) that closes the connection; ``status``: b"408 Request Timeout"."""
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": code}})
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+
+def _timeout_response(what: str, seconds: float) -> bytes:
+    return _error_response(b"408 Request Timeout", f"The request {what} did not arrive within {seconds:g} s.",
+                           "request_timeout")
 
 
 class _GuardedProtocol(HttpToolsProtocol):
@@ -43,6 +51,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._guard: asyncio.TimerHandle | None = None
         self._header_bytes = 0
+        self._headers_too_large = False
 
     def _arm(self, seconds: float, what: str) -> None:
         self._disarm()
@@ -86,8 +95,21 @@ class _GuardedProtocol(HttpToolsProtocol):
     def _count(self, n: int) -> None:
         self._header_bytes += n
         if self._header_bytes > MAX_HEADER_BYTES:
-            # httptools turns this into HttpParserCallbackError: uvicorn answers 400 and closes.
+            # httptools turns this into HttpParserCallbackError, and uvicorn calls send_400_response.
+            self._headers_too_large = True
             raise ValueError(f"request headers larger than {MAX_HEADER_BYTES} bytes")
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request the parser refused: 431 for our header cap, else 400; JSON either way."""
+        self._disarm()
+        if self._headers_too_large:
+            response = _error_response(b"431 Request Header Fields Too Large",
+                                       f"The request line and headers exceed {MAX_HEADER_BYTES} bytes.",
+                                       "headers_too_large")
+        else:
+            response = _error_response(b"400 Bad Request", "The request is not valid HTTP/1.1.", "invalid_http")
+        self.transport.write(response)
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._disarm()

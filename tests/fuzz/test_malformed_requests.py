@@ -7,6 +7,7 @@ comes, an idle connection) are bounded by ``resilience.header_timeout_s`` / ``bo
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -81,7 +82,8 @@ CASES = [
     ("declared huge body", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000000\r\n\r\n{", {413}),
     ("bad content-length", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n{}", {400}),
     ("garbage request line", b"HELLO WORLD\r\n\r\n", {400}),
-    ("huge header", b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 200_000 + b"\r\n\r\n", {400}),
+    ("huge header", b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 200_000 + b"\r\n\r\n", {431}),
+    ("many headers", b"GET /health HTTP/1.1\r\nhost: x\r\n" + b"x-h: 0123456789abcdef\r\n" * 4000 + b"\r\n", {431}),
     ("unknown path", b"GET /nope HTTP/1.1\r\nhost: x\r\n\r\n", {404}),
     ("wrong method", b"GET /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n", {405}),
     ("admin without token", b"GET /admin/workers HTTP/1.1\r\nhost: x\r\n\r\n", {401}),
@@ -95,6 +97,19 @@ CASES = [
 def test_malformed_request(fuzz_gateway, name, data, expected):
     status, raw = exchange(fuzz_gateway.port, data)
     assert status in expected, (name, raw[:300])
+
+
+@pytest.mark.parametrize(("data", "status", "code"), [
+    (b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n", 431, "headers_too_large"),
+    (b"HELLO WORLD\r\n\r\n", 400, "invalid_http"),
+], ids=["header block over the cap", "unparseable request"])
+def test_http_level_refusals_are_openai_shaped_json(fuzz_gateway, data, status, code):
+    got, raw = exchange(fuzz_gateway.port, data)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert got == status, raw[:300]
+    assert b"content-type: application/json" in head.lower() and b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error" and error["message"]
 
 
 def test_chunked_body_over_the_limit_is_413_without_reading_it_all(fuzz_gateway):
