@@ -73,7 +73,7 @@ async def add_worker(request: Request) -> Response:
         raise InvalidRequest("Invalid worker: " + "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '(body)'}: {err['msg']}" for err in e.errors()),
             param=param, code="invalid_worker") from None
-    if wc.id is None:
+    if not wc.id:  # none or "" (the registry would fall back to the url, which may be taken)
         n = len(rt.fleet)
         while rt.fleet.get(f"w{n}") is not None:
             n += 1

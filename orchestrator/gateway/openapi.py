@@ -1,7 +1,8 @@
 """The gateway's OpenAPI document, served at ``/openapi.json``.
 
-The hot-path handlers are plain Starlette endpoints that validate by hand (``request.py``), so
-FastAPI cannot derive their schemas. The request models below exist only to describe the API: they
+The handlers are plain Starlette endpoints that validate by hand (``request.py``), here and in the
+routers other packages mount (disagg's role/pools, the planner's status, the fleet UI), so FastAPI
+cannot derive their schemas: every route is described here. The request models below exist only to describe the API: they
 mirror what ``request.py`` checks (and say that other OpenAI/vLLM fields pass through to the
 engine); they are never run on a request. The document is built once per app, on first use.
 Clients, docs and the schema-driven fuzz tests (tests/fuzz) read it.
@@ -78,8 +79,16 @@ class WorkerRequest(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
+class RoleChangeRequest(BaseModel):
+    """Move a worker between the prefill and decode pools (``orchestrator/disagg/admin_routes.py``)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["prefill", "decode", "both"]
+    wait: bool = Field(False, description="Answer once the role is applied (200) instead of at once (202)")
+
+
 _MODELS = (ChatCompletionRequest, CompletionRequest, ChatMessage, StreamOptions, ErrorDetail, ErrorResponse,
-           WorkerRequest)
+           WorkerRequest, RoleChangeRequest)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -91,6 +100,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
             for s, desc in ((400, "Invalid request (the error's param names the field)"),
                             (401, "Missing or wrong key"), (403, "Model not allowed for this key"),
                             (404, "Unknown model, worker or route"), (408, "Request headers or body too slow"),
+                            (409, "Conflicts with the fleet's state (a pending role change, the last decoder)"),
                             (413, "Body larger than gateway.max_body_bytes"),
                             (429, "Rate limited (Retry-After)"),
                             (503, "No worker can serve it now, or the gateway is draining (Retry-After)"))
@@ -151,6 +161,25 @@ def build_openapi(title: str = "Dyad gateway", version: str = "0") -> dict[str, 
         "/admin/workers/{worker_id}/undrain": {"post": {
             "operationId": "undrainWorker", "security": admin, "parameters": worker_id,
             "responses": {**_json_ok("Back in rotation (when healthy)"), **_errors(401, 404)}}},
+        # orchestrator/disagg/admin_routes.py
+        "/admin/workers/{worker_id}/role": {"post": {
+            "operationId": "setWorkerRole", "security": admin, "parameters": worker_id,
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _ref("RoleChangeRequest")}}},
+            "responses": {**_json_ok("Role applied (wait: true, or nothing to drain)"),
+                          "202": {"description": "Pending: the worker drains its current work first",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}},
+                          **_errors(400, 401, 404, 409, 413)}}},
+        "/admin/pools": {"get": {"operationId": "listPools", "security": admin, "responses": {
+            **_json_ok("Worker ids per role, and those moving between roles"), **_errors(400, 401)}}},
+        # orchestrator/planner/routes.py
+        "/admin/planner": {"get": {"operationId": "plannerStatus", "security": admin, "responses": {
+            **_json_ok("The planner's targets, limits and recent decisions"), **_errors(401, 404)}}},
+        # orchestrator/ui/routes.py
+        "/ui": {"get": {"operationId": "fleetPage", "responses": {"200": {
+            "description": "The live fleet page", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+        "/ui/api/state": {"get": {"operationId": "fleetState",
+                                  "responses": _json_ok("Workers, routing and the planner, as the page shows them")}},
     }
     return {
         "openapi": "3.1.0",

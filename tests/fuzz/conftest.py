@@ -20,10 +20,14 @@ def fuzz_gateway() -> Iterator[GatewayThread]:
     engine = SimEngineThread(model="m", profile="zero", kv_events=False).start()
     config = load_config({
         "models": [{"name": "m", "aliases": ["m-alias"]}],
-        "workers": [{"id": "sim", "url": engine.url, "engine": "sim", "models": ["m"]}],
+        # "spare" never answers (stays unhealthy, never routed to): the fuzzer's drains and role changes act
+        # on a real worker without taking the only serving one away
+        "workers": [{"id": "sim", "url": engine.url, "engine": "sim", "models": ["m"]},
+                    {"id": "spare", "url": "http://127.0.0.1:9", "engine": "sim", "models": ["m"]}],
         "gateway": {"admin_token": ADMIN, "max_body_bytes": MAX_BODY, "request_timeout_s": 20},
         "resilience": {"header_timeout_s": 1.0, "body_timeout_s": 1.0, "stream_timeout_s": 20},
         "health": {"interval_s": 30},
+        "planner": {"enabled": True, "interval_s": 3600},  # /admin/planner answers (recommend-only, idle)
     }, environ={})
     with GatewayThread(config) as gw:
         yield gw

@@ -112,6 +112,20 @@ def test_http_level_refusals_are_openai_shaped_json(fuzz_gateway, data, status, 
     assert error["code"] == code and error["type"] == "invalid_request_error" and error["message"]
 
 
+def test_workers_added_with_an_empty_id_get_fresh_ids(fuzz_gateway):
+    """(Found by the schema fuzzer: an empty id fell back to the url, and the second such worker was a 500.)"""
+    ids = []
+    for _ in range(2):
+        status, raw = exchange(fuzz_gateway.port, post("/admin/workers", b'{"id": "", "url": "http://127.0.0.1:9"}',
+                                                       "authorization: Bearer fuzz-admin\r\n"))
+        assert status == 201, raw[:300]
+        ids.append(json.loads(raw.partition(b"\r\n\r\n")[2])["id"])
+    assert len(set(ids)) == 2 and "" not in ids
+    for wid in ids:
+        r = httpx.delete(f"{fuzz_gateway.url}/admin/workers/{wid}", headers={"authorization": "Bearer fuzz-admin"})
+        assert r.status_code == 200
+
+
 def test_chunked_body_over_the_limit_is_413_without_reading_it_all(fuzz_gateway):
     chunk = b"a" * 16384
     pieces = [b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"]
