@@ -39,6 +39,8 @@ class WorkerView:
     state: str = "healthy"  # starting | healthy | unhealthy | draining
     inflight: int = 0
     waiting: int = 0  # engine-reported queue (used by the queue-length baseline)
+    stoppable: bool = True  # False: the actuator cannot stop it (e.g. a configured worker under the
+    # local actuator); never drained to be stopped, only switched to the other role
 
 
 @dataclass
@@ -314,13 +316,18 @@ class Planner:
             other = Role.DECODE if r is Role.PREFILL else Role.PREFILL
             victims = sorted((w for w in fleet if w.role is r and w.id not in self._pending
                               and w.state in ("healthy", "unhealthy", "starting")),
-                             key=lambda w: (w.state == "healthy", w.inflight, w.id))[: shrink[r]]
+                             key=lambda w: (w.state == "healthy", w.inflight, w.id))
             for w in victims:
+                if shrink[r] == 0:
+                    break
                 if prefer_switch and grow[other] > 0:
                     grow[other] -= 1
                     then = other.value
-                else:
+                elif w.stoppable:
                     then = "stop"
+                else:
+                    continue  # left serving: draining it would take it out of service for good
+                shrink[r] -= 1
                 if w.inflight == 0 or w.state == "starting":
                     actions.append(Action("stop", r, w.id) if then == "stop" else Action("set_role", other, w.id))
                 else:

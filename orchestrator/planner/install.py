@@ -133,12 +133,26 @@ class _DrainingLocal:
         return done + await self.local.apply(decision)
 
 
+def stoppable_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
+    """Which workers ``actuator`` can stop (None: any). A local actuator stops only the engines it
+    started; role changes alone stop nothing. The planner never drains the others to stop them: a
+    drained worker that is then not stopped would stay out of service for good."""
+    local = actuator.local if isinstance(actuator, _DrainingLocal) else getattr(actuator, "fallback", None)
+    if isinstance(local, LocalProcessActuator):
+        return lambda w: w.id in local.processes
+    if isinstance(actuator, RoleChangeActuator):
+        return lambda w: False
+    return None
+
+
 def build_service(runtime: Any, read_metrics: Callable[[], bytes | str]) -> PlannerService:
     cfg: PlannerConfig = runtime.config.planner
     planner = Planner(perf_model_from_config(cfg), settings_from_config(cfg))
     runtime.metrics.planner_max_workers.set(cfg.max_workers)
-    return PlannerService(planner, source_from_config(cfg, read_metrics), actuator_from_config(cfg, runtime),
-                          fleet=lambda: views_from_workers(runtime.fleet.workers()), clock=runtime.clock,
+    actuator = actuator_from_config(cfg, runtime)
+    stoppable = stoppable_by(actuator)
+    return PlannerService(planner, source_from_config(cfg, read_metrics), actuator,
+                          fleet=lambda: views_from_workers(runtime.fleet.workers(), stoppable), clock=runtime.clock,
                           metrics=runtime.metrics)
 
 

@@ -27,13 +27,16 @@ class Source(Protocol):
     async def observe(self, now: float) -> Observation: ...
 
 
-def views_from_workers(workers: Iterable[Worker]) -> list[WorkerView]:
-    """Registry workers → what the planner sees (a pending role change counts as the new role)."""
+def views_from_workers(workers: Iterable[Worker],
+                       stoppable: Callable[[Worker], bool] | None = None) -> list[WorkerView]:
+    """Registry workers → what the planner sees (a pending role change counts as the new role).
+    ``stoppable`` says which workers the actuator can stop (default: all)."""
     out = []
     for w in workers:
         state = {WorkerState.HEALTHY: "healthy", WorkerState.DRAINING: "draining"}.get(w.state, "unhealthy")
         role = w.target_role or w.role
-        out.append(WorkerView(w.id, role, state, w.inflight, int(w.load.waiting)))
+        out.append(WorkerView(w.id, role, state, w.inflight, int(w.load.waiting),
+                              stoppable=True if stoppable is None else stoppable(w)))
     return out
 
 
