@@ -7,7 +7,6 @@ path); the heavy lifting is in ``ProxyResponse``.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import orjson
@@ -17,6 +16,7 @@ from starlette.responses import Response
 from orchestrator.errors import ModelNotFound
 from orchestrator.gateway import request as rq
 from orchestrator.gateway.executor import UpstreamCall
+from orchestrator.gateway.fastpath import child, new_request_id
 from orchestrator.gateway.proxy import ProxyResponse
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.router.estimate import estimate_prompt_tokens
@@ -30,7 +30,7 @@ def request_id_of(request: Request) -> str:
     """The client's X-Request-Id when it is usable, else a fresh one; kept on request.state for errors."""
     rid = request.headers.get("x-request-id")
     if not rid or len(rid) > MAX_REQUEST_ID or not rid.isprintable():
-        rid = uuid.uuid4().hex
+        rid = new_request_id()
     request.state.request_id = rid
     return rid
 
@@ -72,7 +72,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
     slot = await intake.admit(client, route_req, request.headers, request.receive)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
-    rt.metrics.inflight.labels(model).inc()
+    child(rt.metrics.inflight, model).inc()
     return intake.wrap(ProxyResponse(rt, call, route_req, label, started), model, rid, slot)
 
 

@@ -25,8 +25,10 @@ import orjson
 from orchestrator.errors import ApiError, GatewayTimeout, NoHealthyWorker, UpstreamError
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall
 from orchestrator.gateway.failover import StreamRelay
+from orchestrator.gateway.fastpath import child, usage_of
 from orchestrator.gateway.responses import engine_error_body, send_bytes, send_error
 from orchestrator.gateway.stream_timing import TokenTimer
+from orchestrator.gateway.transport import read_all
 from orchestrator.router.types import RouteDecision, RouteRequest
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ RETRY_STATUSES = frozenset({500, 502, 503, 504})  # answered before any byte: an
 UNAVAILABLE_STATUSES = frozenset({502, 503})  # the engine says it cannot serve: counts against its health
 _PASS_HEADERS = (b"content-type", b"content-encoding")
 _JITTER = random.Random()
+WATCH_AFTER_S = 0.02  # the client watcher starts this late: a disconnect is seen within 20 ms more
 
 
 class _Attempt:
@@ -61,13 +64,15 @@ class ProxyResponse:
         self._first_token_at: float | None = None
         self._tried: set[str] = set()  # workers that failed this request (never tried again for it)
         self.upstream: httpx.Response | None = None  # the engine response being relayed
+        self._watcher: asyncio.Future[None] | None = None
 
     # --- ASGI entry ------------------------------------------------------------------------------
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.ensure_future(self._watch_disconnect(receive, task))
+        # The client watcher is a task of its own; most answers are done before it would start.
+        start_watching = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start_watcher, receive, task)
         try:
             # A stream is bounded by its idle timeout (failover.py), and in total only if configured.
             timeout = self.rt.config.resilience.stream_timeout_s if self.call.stream \
@@ -91,8 +96,14 @@ class ProxyResponse:
                     self._headers())
         finally:
             self._done = True
-            watcher.cancel()
+            start_watching.cancel()
+            if self._watcher is not None:
+                self._watcher.cancel()
             self._finish()
+
+    def _start_watcher(self, receive: Any, task: asyncio.Task[Any]) -> None:
+        if not self._done:  # (a client that left meanwhile is seen at once: receive() says so)
+            self._watcher = asyncio.ensure_future(self._watch_disconnect(receive, task))
 
     async def _watch_disconnect(self, receive: Any, task: asyncio.Task[Any]) -> None:
         # The body was read already, so the next message is http.disconnect: either the client
@@ -152,8 +163,7 @@ class ProxyResponse:
         attempts = 1
         while True:
             try:
-                chunks = [chunk async for chunk in attempt.response.aiter_raw()]
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                return await read_all(attempt.response)
             except httpx.HTTPError as e:
                 await attempt.response.aclose()
                 self._attempt_failed(attempt.decision, AttemptFailed(
@@ -258,7 +268,7 @@ class ProxyResponse:
         # Too late to change the status from here on: a broken upstream is continued on another
         # worker, or the stream ends with an SSE error event (failover.py).
         relay = StreamRelay(self)
-        await relay.run(TokenTimer(self.rt.metrics.itl.labels(self.call.model)).wrap(send), response)  # ITL
+        await relay.run(TokenTimer(child(self.rt.metrics.itl, self.call.model)).wrap(send), response)  # ITL
         self._observe_usage_sse(relay.tail)
 
     async def _whole(self, send: Any, response: httpx.Response, body: bytes) -> None:
@@ -268,11 +278,8 @@ class ProxyResponse:
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": self._response_headers(response, str(len(body)).encode())})
         await send({"type": "http.response.body", "body": body, "more_body": False})
-        if b'"usage"' in body and not response.headers.get("content-encoding"):
-            try:
-                self._observe_usage(orjson.loads(body).get("usage"))
-            except (orjson.JSONDecodeError, AttributeError):
-                pass
+        if not response.headers.get("content-encoding"):
+            self._observe_usage(usage_of(body))  # only the usage object is parsed
 
     # --- accounting ----------------------------------------------------------------------------
 
@@ -281,7 +288,7 @@ class ProxyResponse:
         if self._attempt is not None:
             self.rt.router.first_token(self._attempt.decision, self.req)
         if self.call.stream:
-            self.rt.metrics.ttft.labels(self.call.model).observe(self._first_token_at - self.started)
+            child(self.rt.metrics.ttft, self.call.model).observe(self._first_token_at - self.started)
 
     def _observe_usage_sse(self, tail: bytes) -> None:
         idx = tail.rfind(b'"usage"')
@@ -302,15 +309,16 @@ class ProxyResponse:
         m = self.rt.metrics
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if isinstance(prompt, int):
-            m.prompt_tokens.labels(self.call.model).observe(prompt)
+            child(m.prompt_tokens, self.call.model).observe(prompt)
         if isinstance(completion, int):
-            m.generation_tokens.labels(self.call.model).observe(completion)
+            child(m.generation_tokens, self.call.model).observe(completion)
 
     def _finish(self) -> None:
         rt = self.rt
         if self._attempt is not None:
             rt.router.finish(self._attempt.decision, self.req, ok=200 <= self.status < 400)
         model = self.call.model
-        rt.metrics.inflight.labels(model).dec()
-        rt.metrics.requests.labels(model, self.endpoint_label, str(self.status or 500)).inc()
-        rt.metrics.e2e.labels(model, self.endpoint_label).observe(time.perf_counter() - self.started)
+        m = rt.metrics  # (children cached per label values: fastpath.child)
+        child(m.inflight, model).dec()
+        child(m.requests, model, self.endpoint_label, str(self.status or 500)).inc()
+        child(m.e2e, model, self.endpoint_label).observe(time.perf_counter() - self.started)
