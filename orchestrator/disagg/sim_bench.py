@@ -9,7 +9,8 @@ H100-class GPU) serve the same trace three ways:
 - ``2P+6D``: every request is prefilled on one of two prefill engines, its KV moved to one of six
   decode engines (``profile.transfer_seconds``), decoded there. Pairs from Dyad's pair selection
   (``orchestrator.router.pd_selection.select_pair``).
-- ``4P+4D`` (extra): the same split with a prefill-heavier ratio, to show that the ratio decides.
+- ``4P+4D`` and ``6P+2D``: the same split with prefill-heavier ratios (the Azure code trace is
+  prefill-heavy), to show that the ratio decides.
 - ``2P+6D conditional``: the same fleet, but a request whose uncached prompt is shorter than the
   profile-derived threshold, or that arrives while the prefill pool is backed up, is prefilled on
   its decode engine (Dyad's conditional disaggregation).
@@ -129,8 +130,9 @@ def run_fleet(kind: str, profile: EngineProfile, requests: Sequence[SimRequest])
         fleet: VirtualFleet = VirtualFleet(profile, FleetSpec(aggregated=8), policy="least_load")
     elif kind == "disaggregated":
         fleet = PdVirtualFleet(profile, FleetSpec(prefill=2, decode=6), PdSelectionSettings(min_prefill_tokens=0))
-    elif kind == "disaggregated-4p4d":
-        fleet = PdVirtualFleet(profile, FleetSpec(prefill=4, decode=4), PdSelectionSettings(min_prefill_tokens=0))
+    elif kind in ("disaggregated-4p4d", "disaggregated-6p2d"):
+        p = int(kind[-4])
+        fleet = PdVirtualFleet(profile, FleetSpec(prefill=p, decode=8 - p), PdSelectionSettings(min_prefill_tokens=0))
     elif kind == "conditional":
         settings = PdSelectionSettings(min_prefill_tokens=threshold_from_profile(profile),
                                        max_prefill_queue_tokens=2 * profile.max_num_batched_tokens)
@@ -150,21 +152,56 @@ def pct(xs: Sequence[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))] if s else None
 
 
+FLEETS = ("aggregated", "disaggregated", "conditional", "disaggregated-4p4d", "disaggregated-6p2d")
+
+# ITL targets (seconds) at which SLO attainment is also reported, TTFT target unchanged: where an
+# aggregated fleet's decode stalls start to cost it goodput, i.e. where a split fleet could win.
+ITL_SWEEP_S = (0.008, 0.010, 0.0125, 0.015, 0.020, 0.025, 0.035, 0.050, 0.100)
+
+
+def attainment(requests: Sequence[SimRequest], slo: Slo) -> float:
+    """Share of all requests (unfinished ones count as misses) with TTFT and mean ITL within the SLO."""
+    good = sum(1 for r in requests if r.finish is not None and r.ttft is not None and r.ttft <= slo.ttft_s
+               and (r.itl is None or r.itl <= slo.itl_s))
+    return good / len(requests) if requests else 0.0
+
+
 def summarize(run: dict[str, Any], slo: Slo) -> dict[str, Any]:
     res = run["result"]
     done = [r for r in res.requests if r.finish is not None]
     ttft = [r.ttft for r in done if r.ttft is not None]
     itl = [r.itl for r in done if r.itl is not None]
-    good = [r for r in done if r.ttft is not None and r.ttft <= slo.ttft_s and (r.itl is None or r.itl <= slo.itl_s)]
+    att = attainment(res.requests, slo)
     return {
         "fleet": run["fleet"], "requests": len(res.requests), "finished": len(done),
         "ttft_p50_ms": _ms(pct(ttft, 0.5)), "ttft_p99_ms": _ms(pct(ttft, 0.99)),
         "itl_p50_ms": _ms(pct(itl, 0.5)), "itl_p99_ms": _ms(pct(itl, 0.99)),
-        "slo_attainment": round(len(good) / len(res.requests), 4) if res.requests else None,
-        "goodput_rps": round(len(good) / res.duration_s, 3) if res.duration_s else None,
+        "slo_attainment": round(att, 4) if res.requests else None,
+        "goodput_rps": round(att * len(res.requests) / res.duration_s, 3) if res.duration_s else None,
+        "attainment_by_itl_ms": {f"{t * 1000:g}": round(attainment(res.requests, Slo(slo.ttft_s, t)), 4)
+                                 for t in ITL_SWEEP_S},
         "local_prefills": run.get("local_prefills"), "split": run.get("split"),
         "wall_s": round(res.wall_s, 2),
     }
+
+
+def crossover(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Per workload: the swept ITL targets at which some split fleet meets the SLO for more requests
+    than the aggregated fleet (goodput is attainment x requests / duration, and the durations are
+    nearly equal), with the best split fleet at each; or a note that there is none."""
+    out: dict[str, str] = {}
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        agg = next(r for r in rows if r["workload"] == wl and r["fleet"] == "aggregated")
+        wins = []
+        for key, agg_att in agg["attainment_by_itl_ms"].items():
+            best = max((r for r in rows if r["workload"] == wl and r["fleet"] != "aggregated"),
+                       key=lambda r: r["attainment_by_itl_ms"][key])
+            if best["attainment_by_itl_ms"][key] > agg_att:
+                wins.append(f"{key} ms: {best['fleet']} {100 * best['attainment_by_itl_ms'][key]:.1f}% "
+                            f"vs {100 * agg_att:.1f}%")
+        out[wl] = ("a split fleet beats aggregated at ITL " + "; ".join(wins)) if wins \
+            else "no split fleet beats aggregated at any swept ITL target"
+    return out
 
 
 def _ms(v: float | None) -> float | None:
@@ -196,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             reqs = make(args.limit, scale)
             span = max(r.arrival for r in reqs) or 1.0
             label = f"{name} {len(reqs) / span:.1f} rps"
-            for kind in ("aggregated", "disaggregated", "conditional", "disaggregated-4p4d"):
+            for kind in FLEETS:
                 row = summarize(run_fleet(kind, profile, reqs), slo)
                 row["workload"] = label
                 rows.append(row)
@@ -205,6 +242,15 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"conditional threshold {threshold_from_profile(profile)} uncached tokens, prefill queue cap "
           f"{2 * profile.max_num_batched_tokens} tokens")
     print(table(rows))
+    keys = [f"{t * 1000:g}" for t in ITL_SWEEP_S]
+    print(f"\nSLO attainment by ITL target (TTFT <= {slo.ttft_s:g} s):")
+    print("| workload | fleet | " + " | ".join(f"ITL {k} ms" for k in keys) + " |")
+    print("|" + "---|" * (len(keys) + 2))
+    for r in rows:
+        print(f"| {r['workload']} | {r['fleet']} | "
+              + " | ".join(f"{100 * r['attainment_by_itl_ms'][k]:.1f}%" for k in keys) + " |")
+    for wl, note in crossover(rows).items():
+        print(f"{wl}: {note}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
