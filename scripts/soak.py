@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import statistics
@@ -122,7 +123,8 @@ async def drive(url: str, gateway_pid: int, engines: list[SimEngineThread], args
                 next_fault += args.fault_every
             if now >= next_sample:
                 w, win[0] = win[0], Window()
-                row = {"t_s": round(now - started), "rss_mb": round(rss_mb(gateway_pid), 1), "ok": w.ok,
+                row = {"t_s": round(now - started), "load_1m": round(os.getloadavg()[0], 1),
+                       "rss_mb": round(rss_mb(gateway_pid), 1), "ok": w.ok,
                        "failed": w.failed, "rps": round((w.ok + w.failed) / args.sample_s, 1),
                        "e2e_p50_ms": round(pct(w.e2e, 0.5) * 1000, 1), "e2e_p99_ms": round(pct(w.e2e, 0.99) * 1000, 1),
                        "ttft_p50_ms": round(pct(w.ttft, 0.5) * 1000, 1),
@@ -137,7 +139,8 @@ async def drive(url: str, gateway_pid: int, engines: list[SimEngineThread], args
         if tasks:
             await asyncio.wait(tasks, timeout=60)
     w = win[0]
-    rows.append({"t_s": round(time.monotonic() - started), "rss_mb": round(rss_mb(gateway_pid), 1), "ok": w.ok,
+    rows.append({"t_s": round(time.monotonic() - started), "load_1m": round(os.getloadavg()[0], 1),
+                 "rss_mb": round(rss_mb(gateway_pid), 1), "ok": w.ok,
                  "failed": w.failed, "rps": None, "e2e_p50_ms": round(pct(w.e2e, 0.5) * 1000, 1),
                  "e2e_p99_ms": round(pct(w.e2e, 0.99) * 1000, 1), "ttft_p50_ms": round(pct(w.ttft, 0.5) * 1000, 1),
                  "ttft_p99_ms": round(pct(w.ttft, 0.99) * 1000, 1), "errors": w.errors})
@@ -145,10 +148,11 @@ async def drive(url: str, gateway_pid: int, engines: list[SimEngineThread], args
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| t (s) | gateway RSS (MB) | ok | failed | req/s | e2e p50 (ms) | e2e p99 (ms) | TTFT p50 (ms) | TTFT p99 (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| t (s) | load 1m | gateway RSS (MB) | ok | failed | req/s | e2e p50 (ms) | e2e p99 (ms) "
+             "| TTFT p50 (ms) | TTFT p99 (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['t_s']} | {r['rss_mb']} | {r['ok']} | {r['failed']} | {r['rps'] if r['rps'] is not None else '-'} "
+        lines.append(f"| {r['t_s']} | {r.get('load_1m', '-')} | {r['rss_mb']} | {r['ok']} | {r['failed']} "
+                     f"| {r['rps'] if r['rps'] is not None else '-'} "
                      f"| {r['e2e_p50_ms']} | {r['e2e_p99_ms']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} |")
     return "\n".join(lines)
 
@@ -189,6 +193,8 @@ def main() -> int:
     ap.add_argument("--max-rss-growth", type=float, default=0.25, help="allowed relative RSS growth")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.png")
+    ap.add_argument("--gateway-log", default=None,
+                    help="keep the gateway's log (info level) here, to explain any failure afterwards")
     args = ap.parse_args()
 
     engines = [SimEngineThread(model=MODEL, profile="gpu-like", seed=i, kv_events=False).start()
@@ -201,9 +207,10 @@ def main() -> int:
                "health": {"interval_s": 2.0}}
         cfg_path = Path(tmp) / "soak.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
+        log_path = Path(args.gateway_log) if args.gateway_log else Path(tmp) / "gateway.log"
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(cfg_path),
-                                 "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=open(Path(tmp) / "gateway.log", "wb"))  # noqa: SIM115
+                                 "--port", str(port), "--log-level", "info" if args.gateway_log else "warning"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))  # noqa: SIM115
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 30
@@ -214,7 +221,7 @@ def main() -> int:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    print((Path(tmp) / "gateway.log").read_text()[-2000:], file=sys.stderr)
+                    print(log_path.read_text()[-2000:], file=sys.stderr)
                     return 2
                 time.sleep(0.2)
             print(f"soak: gateway pid {proc.pid} on {url}, {args.engines} simulated engines (gpu-like), "
