@@ -10,6 +10,7 @@ Two sources, same output:
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -88,8 +89,18 @@ def prometheus_queries(window: str, model: str | None = None) -> dict[str, str]:
     }
 
 
+class NoPrometheusData(RuntimeError):
+    """Prometheus answered but has no recent request series from the gateway: nothing to plan on."""
+
+
 class PrometheusSource:
-    """Instant queries against ``{url}/api/v1/query``; one query per field, missing series → None."""
+    """Instant queries against ``{url}/api/v1/query``; one query per field, missing series → None.
+
+    ``observe`` raises when Prometheus cannot be asked (down, timing out, erroring) and also when it
+    has no request rate over the window (``NoPrometheusData``: just restarted, lost its data, or not
+    scraping the gateway): an empty answer there means "not measured", and planning on it as zero
+    load would scale the fleet in. The planner loop then keeps its last decision until data is back.
+    """
 
     def __init__(self, url: str, window_s: float = 60.0, model: str | None = None,
                  client: httpx.AsyncClient | None = None, timeout_s: float = 5.0) -> None:
@@ -114,12 +125,22 @@ class PrometheusSource:
         client = self._client or httpx.AsyncClient()
         try:
             window = f"{max(1, int(round(self.window_s)))}s"
-            values = {k: await self._query(client, e) for k, e in prometheus_queries(window, self.model).items()}
+            queries = prometheus_queries(window, self.model)
+            # concurrently: a hung Prometheus costs one timeout per interval, not one per field
+            answers = await asyncio.gather(*(self._query(client, e) for e in queries.values()),
+                                           return_exceptions=True)
         finally:
             if self._client is None:
                 await client.aclose()
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        values = dict(zip(queries, answers, strict=True))
         rate = values.pop("request_rate")
-        return Observation(at=now, window_s=self.window_s, request_rate=rate or 0.0, **values)
+        if rate is None:
+            raise NoPrometheusData(f"Prometheus at {self.url} has no dyad_request_e2e_seconds_count samples over "
+                                   f"the last {window} (just restarted, or not scraping the gateway); holding")
+        return Observation(at=now, window_s=self.window_s, request_rate=rate, **values)
 
 
 # ---------------------------------------------------------------- direct scrape of the gateway
