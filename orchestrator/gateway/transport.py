@@ -23,6 +23,14 @@ import httptools
 import httpx
 
 _READ_HIGH_WATER = 1 << 20  # pause reading from the engine when this much body is unconsumed
+_HEADERS_TIMEOUT = "timed out waiting for the engine's response headers"
+_BODY_TIMEOUT = "timed out waiting for the engine's response body"
+
+
+def _expire(waiter: asyncio.Future[None], message: str) -> None:
+    """Timer callback: a read waited too long (a plain timer costs less than ``asyncio.wait_for``)."""
+    if not waiter.done():
+        waiter.set_exception(httpx.ReadTimeout(message))
 
 
 class _Conn(asyncio.Protocol):
@@ -131,14 +139,18 @@ class _Conn(asyncio.Protocol):
                 return None
             if self.error is not None:
                 raise self.error
-            self.wakeup = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = self.wakeup = loop.create_future()
+            timer = None if timeout is None else loop.call_later(timeout, _expire, waiter, _BODY_TIMEOUT)
             try:
-                await asyncio.wait_for(self.wakeup, timeout)
-            except TimeoutError:
+                await waiter
+            except httpx.ReadTimeout:
                 self.close()
-                raise httpx.ReadTimeout("timed out waiting for the engine's response body") from None
+                raise
             finally:
                 self.wakeup = None
+                if timer is not None:
+                    timer.cancel()
 
 
 class _Body(httpx.AsyncByteStream):
@@ -249,12 +261,16 @@ class FastTransport(httpx.AsyncBaseTransport):
             conn.transport.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 conn.transport.write(body)
+            headers_done = conn.headers_done
+            timer = None if read_timeout is None else \
+                asyncio.get_running_loop().call_later(read_timeout, _expire, headers_done, _HEADERS_TIMEOUT)
             try:
-                await asyncio.wait_for(asyncio.shield(conn.headers_done), read_timeout)
-            except TimeoutError:
+                await headers_done  # (cancelled with us: the connection is closed then, nobody else waits on it)
+            except httpx.ReadTimeout as e:
                 conn.close()
-                raise httpx.ReadTimeout("timed out waiting for the engine's response headers",
-                                        request=request) from None
+                if request is not None:
+                    e.request = request
+                raise
             except httpx.RemoteProtocolError as e:
                 if reused and attempt == 0 and not conn.got_bytes:
                     continue  # a stale keep-alive connection: try once more on a fresh one
@@ -264,6 +280,9 @@ class FastTransport(httpx.AsyncBaseTransport):
             except asyncio.CancelledError:
                 conn.close()
                 raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
             return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, read_timeout),
                                   extensions=_HTTP11, request=request)
         raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
