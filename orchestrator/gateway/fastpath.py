@@ -1,4 +1,8 @@
-"""The two hot endpoints, dispatched ahead of FastAPI's middleware stack and router.
+"""What keeps the gateway's request path cheap (measured in docs/benchmarks.md, "Gateway overhead").
+
+- ``GatewayApp``: the two hot endpoints, dispatched ahead of FastAPI's middleware stack and router;
+- ``CoalescingTransport`` / ``coalescing_protocol``: one ``send`` per event-loop step towards a client;
+- ``new_request_id``, ``child`` (cached metric children), ``usage_of`` (usage without parsing it all).
 
 Every request to ``POST /v1/chat/completions`` or ``POST /v1/completions`` would otherwise pass
 through about ten ASGI layers (FastAPI telemetry, server-error and exception middleware, the body
