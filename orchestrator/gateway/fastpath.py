@@ -173,7 +173,8 @@ def usage_of(body: bytes) -> Any:
     """The ``usage`` object of an OpenAI JSON answer, without parsing the whole answer.
 
     The last ``"usage"`` key is located from the end (an escaped quote inside generated text can
-    never match) and only its object is parsed; anything unexpected falls back to parsing it all.
+    never match; OpenAI, vLLM and SGLang answers have that key once, at the top level) and only its
+    object is parsed; anything unexpected falls back to parsing the whole answer.
     Returns None when there is no usage object.
     """
     idx = body.rfind(_USAGE)
