@@ -12,7 +12,7 @@ whose match ends (each worker drops out at most once).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from orchestrator.kv.index import Tier, best_tier_weight
 
@@ -83,3 +83,48 @@ def walk(masks: Iterable[int | None], candidates: int, credit: TierCredit) -> di
         for s in slots_of(active):
             depth[s] = walked
     return {s: (n, n * wd - deficit.get(s, 0.0)) for s, n in depth.items()}
+
+
+class WalkInputs:
+    """Memoized inputs of ``walk`` for one slot table: candidate masks and tier credits.
+
+    Both backends route the same few candidate sets and tier weights over and over, so the
+    "worker ids → slot mask" and "weights → ``TierCredit``" conversions are cached here (bounded;
+    a full cache is simply dropped). Call ``slots_changed`` whenever the slot table changes.
+    """
+
+    MAX_CANDIDATE_MASKS = 256  # cached "candidate set → slot mask" entries
+    MAX_CREDITS = 64  # cached "tier weights → TierCredit" entries
+
+    def __init__(self) -> None:
+        self._candidate_masks: dict[tuple[str, ...], int] = {}
+        self._credits: dict[tuple[tuple[str, float], ...], TierCredit] = {}
+
+    def slots_changed(self) -> None:
+        self._candidate_masks.clear()
+
+    def candidates(self, workers: Sequence[str] | None, slot_of: Mapping[str, int]) -> int:
+        """``slot_bit`` of every candidate's slot (every slot in ``slot_of`` when ``workers`` is None)."""
+        if workers is None:
+            return sum(slot_bit(s) for s in slot_of.values())
+        key = tuple(workers)
+        mask = self._candidate_masks.get(key)
+        if mask is None:
+            mask = 0
+            for w in workers:
+                s = slot_of.get(w)
+                if s is not None:
+                    mask |= slot_bit(s)
+            if len(self._candidate_masks) >= self.MAX_CANDIDATE_MASKS:
+                self._candidate_masks.clear()
+            self._candidate_masks[key] = mask
+        return mask
+
+    def credit(self, weights: Mapping[str, float]) -> TierCredit:
+        key = tuple(sorted(weights.items()))
+        credit = self._credits.get(key)
+        if credit is None:
+            if len(self._credits) > self.MAX_CREDITS:
+                self._credits.clear()
+            credit = self._credits[key] = TierCredit(weights)
+        return credit

@@ -15,13 +15,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier
-from orchestrator.kv.masks import SLOT_BITS, TierCredit, slot_bit, tier_of, walk
+from orchestrator.kv.masks import SLOT_BITS, WalkInputs, tier_of, walk
 from orchestrator.router.types import Overlap
 
 if TYPE_CHECKING:
     from orchestrator.telemetry.metrics import DyadMetrics
 
-MAX_CANDIDATE_MASKS = 256  # cached "candidate set → slot mask" entries
 
 
 class MemoryPrefixIndex(PrefixIndex):
@@ -40,8 +39,7 @@ class MemoryPrefixIndex(PrefixIndex):
         self._blocks: dict[int, int] = {}  # block hash → holder mask
         self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # (slot, block), oldest first
         self._by_slot: dict[int, set[int]] = {}
-        self._candidate_masks: dict[tuple[str, ...], int] = {}
-        self._credits: dict[tuple[tuple[str, float], ...], TierCredit] = {}
+        self._walk_inputs = WalkInputs()
         self.evictions = 0
 
     # --- slots
@@ -57,34 +55,8 @@ class MemoryPrefixIndex(PrefixIndex):
                 slot = len(self._ids)
                 self._ids.append(worker_id)
             self._slots[worker_id] = slot
-            self._candidate_masks.clear()
+            self._walk_inputs.slots_changed()
         return slot
-
-    def _candidates(self, workers: Sequence[str] | None) -> int:
-        if workers is None:
-            return sum(slot_bit(s) for s in self._slots.values())
-        key = tuple(workers)
-        mask = self._candidate_masks.get(key)
-        if mask is None:
-            slots = self._slots
-            mask = 0
-            for w in workers:
-                s = slots.get(w)
-                if s is not None:
-                    mask |= slot_bit(s)
-            if len(self._candidate_masks) >= MAX_CANDIDATE_MASKS:
-                self._candidate_masks.clear()
-            self._candidate_masks[key] = mask
-        return mask
-
-    def _credit(self, weights: Mapping[str, float]) -> TierCredit:
-        key = tuple(sorted(weights.items()))
-        credit = self._credits.get(key)
-        if credit is None:
-            if len(self._credits) > 64:
-                self._credits.clear()
-            credit = self._credits[key] = TierCredit(weights)
-        return credit
 
     # --- writes
     async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
@@ -143,7 +115,7 @@ class MemoryPrefixIndex(PrefixIndex):
         self._by_slot.pop(slot, None)
         del self._slots[worker_id]
         heapq.heappush(self._free_slots, slot)
-        self._candidate_masks.clear()
+        self._walk_inputs.slots_changed()
         self._gauge()
 
     def _drop(self, slot: int, h: int, remaining: int) -> None:
@@ -200,11 +172,11 @@ class MemoryPrefixIndex(PrefixIndex):
         """Walk the request's blocks AND-ing holder masks (``masks.walk``)."""
         if not block_hashes:
             return {}
-        candidates = self._candidates(workers)
+        candidates = self._walk_inputs.candidates(workers, self._slots)
         if not candidates:
             return {}
         get = self._blocks.get
-        found = walk(map(get, block_hashes), candidates, self._credit(tier_weights))
+        found = walk(map(get, block_hashes), candidates, self._walk_inputs.credit(tier_weights))
         ids = self._ids
         return {ids[s]: Overlap(blocks=n, weighted_blocks=wb) for s, (n, wb) in found.items()}
 

@@ -48,7 +48,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier
-from orchestrator.kv.masks import TierCredit, slot_bit, walk
+from orchestrator.kv.masks import WalkInputs, walk
 from orchestrator.kv.memory_index import MemoryPrefixIndex
 from orchestrator.router.types import Overlap
 
@@ -278,8 +278,7 @@ class RedisPrefixIndex(PrefixIndex):
         self._slot_view: tuple[bytes, bytes] = (b"", b"")
         self._slot_of: dict[str, int] = {}
         self._id_of: dict[int, str] = {}
-        self._candidate_masks: dict[tuple[str, ...], int] = {}
-        self._credits: dict[tuple[tuple[str, float], ...], TierCredit] = {}
+        self._walk_inputs = WalkInputs()
         self.available = True
         self._down_since: float | None = None
         self._next_try = 0.0
@@ -415,33 +414,8 @@ class RedisPrefixIndex(PrefixIndex):
         self._slot_view = (epoch or b"", gen or b"")
         self._slot_of = {k.decode(): int(v) for k, v in table.items()}
         self._id_of = {s: w for w, s in self._slot_of.items()}
-        self._candidate_masks.clear()
+        self._walk_inputs.slots_changed()
         self.slot_reloads += 1
-
-    def _candidates(self, workers: Sequence[str] | None) -> int:
-        if workers is None:
-            return sum(slot_bit(s) for s in self._id_of)
-        key = tuple(workers)
-        mask = self._candidate_masks.get(key)
-        if mask is None:
-            mask = 0
-            for w in workers:
-                s = self._slot_of.get(w)
-                if s is not None:
-                    mask |= slot_bit(s)
-            if len(self._candidate_masks) >= 256:
-                self._candidate_masks.clear()
-            self._candidate_masks[key] = mask
-        return mask
-
-    def _credit(self, weights: Mapping[str, float]) -> TierCredit:
-        key = tuple(sorted(weights.items()))
-        credit = self._credits.get(key)
-        if credit is None:
-            if len(self._credits) > 64:
-                self._credits.clear()
-            credit = self._credits[key] = TierCredit(weights)
-        return credit
 
     async def overlaps(
         self,
@@ -464,10 +438,10 @@ class RedisPrefixIndex(PrefixIndex):
             self.fallback_lookups += 1
             return self.mirror.overlaps_now(block_hashes, tier_weights, workers)
         self._mark_up()
-        candidates = self._candidates(workers)
+        candidates = self._walk_inputs.candidates(workers, self._slot_of)
         if not candidates:
             return {}
-        found = walk(unpack_masks(blob), candidates, self._credit(tier_weights))
+        found = walk(unpack_masks(blob), candidates, self._walk_inputs.credit(tier_weights))
         id_of = self._id_of
         return {id_of[s]: Overlap(blocks=n, weighted_blocks=wb) for s, (n, wb) in found.items() if s in id_of}
 
