@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from adapters.base import AdapterError
+from adapters.tokenize_cache import TokenizeCache
 
 
 def error_message(response: httpx.Response) -> str:
@@ -53,3 +54,30 @@ async def post_json(client: httpx.AsyncClient, url: str, body: dict[str, Any], t
         return r.json()
     except ValueError as e:
         raise AdapterError(f"{url}: answer is not JSON: {r.text[:200]!r}", status=r.status_code) from e
+
+
+async def fetch_tokens(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    timeout: float,
+    cache: TokenizeCache,
+    key: bytes,
+    *,
+    batch_answer: bool = False,
+) -> list[int]:
+    """Token ids from an engine's ``/tokenize`` answer (``{"tokens": [...]}``), memoized under ``key``.
+
+    ``batch_answer`` accepts a one-prompt batch answer (``{"tokens": [[...]]}``, SGLang).
+    """
+    cached = cache.get(key)
+    if cached is not None:
+        return cached
+    answer = await post_json(client, url, body, timeout)
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if batch_answer and isinstance(tokens, list) and tokens and isinstance(tokens[0], list):
+        tokens = tokens[0]
+    if not isinstance(tokens, list):
+        raise AdapterError(f"{url}: no 'tokens' list in answer")
+    cache.put(key, tokens)
+    return list(tokens)

@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 
-from adapters.base import AdapterError, EngineAdapter, EngineKind, LoadSnapshot, UnsupportedByEngine
-from adapters.engine_http import post_json, probe_ok
+from adapters.base import EngineAdapter, EngineKind, LoadSnapshot, UnsupportedByEngine
+from adapters.engine_http import fetch_tokens, probe_ok
 from adapters.prometheus_text import MetricSet, Sample, parse_samples
 from adapters.tokenize_cache import TokenizeCache, content_key
 from adapters.vllm import select_model
@@ -135,19 +135,9 @@ class SglangAdapter(EngineAdapter):
             )
         if isinstance(prompt, list):
             return list(prompt)
-        key = content_key(model, "prompt", prompt)
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached
         body = {"model": model, "prompt": prompt, "add_special_tokens": True}
-        answer = await post_json(client, f"{base_url}/tokenize", body, timeout)
-        tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        if isinstance(tokens, list) and tokens and isinstance(tokens[0], list):
-            tokens = tokens[0]  # a batch answer for a one-prompt batch
-        if not isinstance(tokens, list):
-            raise AdapterError(f"{base_url}/tokenize: no 'tokens' list in answer")
-        self.cache.put(key, tokens)
-        return list(tokens)
+        return await fetch_tokens(client, f"{base_url}/tokenize", body, timeout, self.cache,
+                                  content_key(model, "prompt", prompt), batch_answer=True)
 
     def shape_request(self, endpoint: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """SGLang reads the request id from the body field ``rid`` (not from X-Request-Id).

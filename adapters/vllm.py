@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from adapters.base import AdapterError, EngineAdapter, EngineKind, LoadSnapshot
-from adapters.engine_http import post_json, probe_ok
+from adapters.base import EngineAdapter, EngineKind, LoadSnapshot
+from adapters.engine_http import fetch_tokens, probe_ok
 from adapters.prometheus_text import MetricSet
 from adapters.tokenize_cache import TokenizeCache, content_key
 
@@ -163,16 +163,8 @@ class VllmAdapter(EngineAdapter):
             body = {"add_generation_prompt": True, "add_special_tokens": False, **options,
                     "model": model, "messages": messages}
             content = [messages, options] if options else messages
-        key = content_key(model, kind, content)
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached
-        answer = await post_json(client, f"{base_url}/tokenize", body, timeout)
-        tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        if not isinstance(tokens, list):
-            raise AdapterError(f"{base_url}/tokenize: no 'tokens' list in answer")
-        self.cache.put(key, tokens)
-        return list(tokens)
+        return await fetch_tokens(client, f"{base_url}/tokenize", body, timeout, self.cache,
+                                  content_key(model, kind, content))
 
     def shape_request(self, endpoint: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """vLLM takes the OpenAI body as is; the request id travels in the X-Request-Id header."""
