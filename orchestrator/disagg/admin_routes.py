@@ -22,7 +22,7 @@ from starlette.responses import Response
 from orchestrator.disagg.roles import RoleManager
 from orchestrator.errors import InvalidRequest
 from orchestrator.gateway import request as rq
-from orchestrator.gateway.auth import check_admin
+from orchestrator.gateway.auth import admin_runtime
 
 ADMIN_BODY_LIMIT = 4096
 
@@ -34,9 +34,7 @@ def _json(data: Any, status: int = 200) -> Response:
 
 
 def _roles(request: Request) -> RoleManager:
-    rt = request.app.state.runtime
-    check_admin(request, rt.config.gateway.admin_token)
-    roles = getattr(rt, "roles", None)
+    roles = getattr(admin_runtime(request), "roles", None)
     if roles is None:
         raise InvalidRequest("Role changes are unavailable: disaggregation is not installed on this gateway.",
                              code="disagg_disabled")

@@ -18,7 +18,7 @@ from orchestrator.errors import ApiError, InvalidRequest, NotFound
 from orchestrator.fleet.registry import worker_from_config
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway import request as rq
-from orchestrator.gateway.auth import check_admin
+from orchestrator.gateway.auth import admin_runtime
 from orchestrator.gateway.runtime import GatewayRuntime
 
 ADMIN_BODY_LIMIT = 64 * 1024
@@ -41,12 +41,6 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-def _runtime(request: Request) -> GatewayRuntime:
-    rt: GatewayRuntime = request.app.state.runtime
-    check_admin(request, rt.config.gateway.admin_token)
-    return rt
-
-
 def _worker(rt: GatewayRuntime, request: Request) -> Worker:
     wid = request.path_params["worker_id"]
     w = rt.fleet.get(wid)
@@ -56,14 +50,14 @@ def _worker(rt: GatewayRuntime, request: Request) -> Worker:
 
 
 async def list_workers(request: Request) -> Response:
-    rt = _runtime(request)
+    rt = admin_runtime(request)
     return _json({"workers": [worker_view(w) for w in rt.fleet.workers()]})
 
 
 async def add_worker(request: Request) -> Response:
     """Body: a worker as in the config file (``url`` required; ``id``, ``engine``, ``role``,
     ``models``, ``labels``, ...). The worker is probed at once and joins when healthy."""
-    rt = _runtime(request)
+    rt = admin_runtime(request)
     body = rq.parse_json_object(await rq.read_body(request, ADMIN_BODY_LIMIT))
     try:
         wc = WorkerConfig.model_validate(body)
@@ -87,17 +81,17 @@ async def add_worker(request: Request) -> Response:
 
 
 async def remove_worker(request: Request) -> Response:
-    rt = _runtime(request)
+    rt = admin_runtime(request)
     worker = _worker(rt, request)
     rt.fleet.remove(worker.id)
     return _json({"removed": worker.id, "inflight": worker.inflight})
 
 
 async def drain_worker(request: Request) -> Response:
-    rt = _runtime(request)
+    rt = admin_runtime(request)
     return _json(worker_view(rt.fleet.drain(_worker(rt, request).id)))
 
 
 async def undrain_worker(request: Request) -> Response:
-    rt = _runtime(request)
+    rt = admin_runtime(request)
     return _json(worker_view(rt.fleet.undrain(_worker(rt, request).id)))

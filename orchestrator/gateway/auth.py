@@ -14,11 +14,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
 from orchestrator.config import PRIORITIES, AuthConfig, LimitsConfig
 from orchestrator.errors import ApiError, Forbidden, InvalidRequest, Unauthorized
+
+if TYPE_CHECKING:
+    from orchestrator.gateway.runtime import GatewayRuntime
 
 
 def bearer(request: Request) -> str | None:
@@ -140,3 +144,10 @@ def check_admin(request: Request, admin_token: str | None) -> None:
                            code="missing_admin_token")
     if not _matches(token, [admin_token]):
         raise Forbidden("Invalid admin token.", code="invalid_admin_token")
+
+
+def admin_runtime(request: Request) -> GatewayRuntime:
+    """The gateway runtime behind an admin route, once the caller has shown the admin token."""
+    rt: GatewayRuntime = request.app.state.runtime
+    check_admin(request, rt.config.gateway.admin_token)
+    return rt

@@ -12,13 +12,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from orchestrator.errors import NotFound
-from orchestrator.gateway.auth import check_admin
+from orchestrator.gateway.auth import admin_runtime
 
 
 async def planner_status(request: Request) -> Response:
-    rt = request.app.state.runtime
-    check_admin(request, rt.config.gateway.admin_token)
-    service = getattr(rt, "planner", None)
+    service = getattr(admin_runtime(request), "planner", None)
     if service is None:
         raise NotFound("The planner is not enabled on this gateway (set planner.enabled: true).",
                        code="planner_disabled")
