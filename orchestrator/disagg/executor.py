@@ -135,24 +135,31 @@ class PdExecutor:
         out = adapter.shape_request(call.endpoint, vllm_flow.decode_body(call.body, params), call.request_id)
         return await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
 
-    async def _prefill_step(self, call: UpstreamCall, prefill: Worker,
-                            body: dict[str, Any]) -> dict[str, Any] | httpx.Response:
-        """POST the prefill step and return its JSON answer (or the engine's 4xx response as is).
-        Bounded by ``disagg.prefill_timeout_s``; closing the connection on timeout or cancellation
-        makes the engine abort the step."""
-        headers = engine_headers(call, prefill)
+    async def _post_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> httpx.Response:
+        """POST a prefill body (both engines' flows), counted in the worker's inflight and bounded by
+        ``disagg.prefill_timeout_s``; no answer raises ``_PrefillFailed`` (``reachable=False`` when
+        the worker cannot be reached at all)."""
         prefill.inflight += 1
         try:
             async with asyncio.timeout(self.config.prefill_timeout_s):
-                r = await self.http.post(prefill.url + call.endpoint, content=orjson.dumps(body), headers=headers)
+                return await self.http.post(prefill.url + call.endpoint, content=orjson.dumps(body),
+                                            headers=engine_headers(call, prefill))
         except TimeoutError:
-            raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s") from None
+            raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s") \
+                from None
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
             raise _PrefillFailed(f"cannot reach {prefill.url}: {type(e).__name__}", reachable=False) from e
         except httpx.HTTPError as e:
             raise _PrefillFailed(f"{type(e).__name__}: {e}") from e
         finally:
             prefill.inflight = max(0, prefill.inflight - 1)
+
+    async def _prefill_step(self, call: UpstreamCall, prefill: Worker,
+                            body: dict[str, Any]) -> dict[str, Any] | httpx.Response:
+        """POST the prefill step and return its JSON answer (or the engine's 4xx response as is).
+        Bounded by ``disagg.prefill_timeout_s``; closing the connection on timeout or cancellation
+        makes the engine abort the step."""
+        r = await self._post_prefill(call, prefill, body)
         if r.status_code in _CLIENT_ERRORS:
             return httpx.Response(r.status_code, content=r.content,
                                   headers={"content-type": r.headers.get("content-type", "application/json")})
@@ -229,20 +236,7 @@ class PdExecutor:
         return httpx.Response(response.status_code, headers=response.headers, stream=_Chained(head, rest, close))
 
     async def _sglang_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> None:
-        prefill.inflight += 1
-        try:
-            async with asyncio.timeout(self.config.prefill_timeout_s):
-                r = await self.http.post(prefill.url + call.endpoint, content=orjson.dumps(body),
-                                         headers=engine_headers(call, prefill))
-        except TimeoutError:
-            raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s") \
-                from None
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
-            raise _PrefillFailed(f"cannot reach {prefill.url}: {type(e).__name__}", reachable=False) from e
-        except httpx.HTTPError as e:
-            raise _PrefillFailed(f"{type(e).__name__}: {e}") from e
-        finally:
-            prefill.inflight = max(0, prefill.inflight - 1)
+        r = await self._post_prefill(call, prefill, body)
         if r.status_code >= 300:
             raise _PrefillFailed(f"answered HTTP {r.status_code}: {r.text[:200]}")
 
