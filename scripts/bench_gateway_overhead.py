@@ -27,7 +27,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,15 +42,10 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.bench.loadgen import RawConnection, encode_request  # noqa: E402
 from orchestrator.bench.runner import percentile  # noqa: E402
+from orchestrator.ports import free_port  # noqa: E402
 
 MODEL = "bench"
 DEFAULT_ANCHORS = Path.home() / ".cache/dyad/anchors/venv"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

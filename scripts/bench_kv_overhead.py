@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,15 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from orchestrator.bench.loadgen import RawConnection, encode_request  # noqa: E402
+from orchestrator.ports import free_port  # noqa: E402
 
 MODEL = "bench"
 BLOCK = 16  # the zero profile's block size
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-import socket
 import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -29,6 +28,7 @@ import httpx
 
 from adapters.base import Role
 from orchestrator.planner.core import PlanDecision
+from orchestrator.ports import free_port
 from orchestrator.telemetry.metrics import DyadMetrics
 
 
@@ -64,12 +64,6 @@ class RecommendOnly:
         if self.metrics is not None:
             export_metrics(decision, self.metrics)
         return [f"recommend {a.kind} {a.role.value} {a.worker_id or ''}".strip() for a in decision.actions]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

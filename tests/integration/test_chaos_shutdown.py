@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,16 +20,11 @@ import httpx
 import pytest
 import yaml
 
+from orchestrator.ports import free_port
 from orchestrator.sim.profiles import load_profile
 from orchestrator.sim.server import SimEngineThread
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(tmp_path):

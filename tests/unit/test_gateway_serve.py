@@ -10,14 +10,7 @@ import time
 
 import httpx
 
-from orchestrator.gateway.serve import bind_socket
-
-
-def free_port() -> int:
-    s = bind_socket("127.0.0.1", 0)
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from orchestrator.ports import free_port
 
 
 def test_dyad_serve_process_answers_and_stops(tmp_path):
