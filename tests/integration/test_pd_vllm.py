@@ -50,6 +50,12 @@ def pd_mode_count(gateway_url: str, mode: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def gateway_disconnects(gateway_url: str) -> float:
+    text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dyad_client_disconnects_total{"))
+
+
 @pytest.fixture(scope="module")
 def pd(vllm_pd_engines: PdEngines):
     try:
@@ -146,7 +152,11 @@ def test_client_disconnect_stops_the_decode_engine(pd):
             assert time.monotonic() < deadline, "the decode engine never reported the request running"
     deadline = time.monotonic() + 15
     while engine_counter(decode.url, "vllm:num_requests_running") > 0:
-        assert time.monotonic() < deadline, "the decode engine kept generating after the client left"
+        # (the gateway's own view, to tell whether it saw the client leave and let go of the engine)
+        assert time.monotonic() < deadline, (
+            "the decode engine kept generating after the client left; gateway: "
+            f"{pd_mode_count(gw.url, 'disaggregated')=}, {gateway_disconnects(gw.url)=}, "
+            f"{gw.runtime.fleet.get('decode').inflight=}")
         time.sleep(0.25)
     assert gw.runtime.fleet.get("decode").inflight == 0
 
