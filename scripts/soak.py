@@ -39,6 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from orchestrator.ports import wait_ready  # noqa: E402
 from orchestrator.sim.server import SimEngineThread  # noqa: E402
 
 MODEL = "soak"
@@ -213,17 +214,9 @@ def main() -> int:
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))  # noqa: SIM115
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    print(log_path.read_text()[-2000:], file=sys.stderr)
-                    return 2
-                time.sleep(0.2)
+            if not wait_ready(f"{url}/ready", proc, timeout_s=30, interval_s=0.2):
+                print(log_path.read_text()[-2000:], file=sys.stderr)
+                return 2
             print(f"soak: gateway pid {proc.pid} on {url}, {args.engines} simulated engines (gpu-like), "
                   f"{args.rate:g} req/s for {args.minutes:g} min", flush=True)
             rows = asyncio.run(drive(url, proc.pid, engines, args))

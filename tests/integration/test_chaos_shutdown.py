@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from orchestrator.ports import free_port
+from orchestrator.ports import free_port, wait_ready
 from orchestrator.sim.profiles import load_profile
 from orchestrator.sim.server import SimEngineThread
 
@@ -42,15 +42,7 @@ def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(tmp_pa
                              str(port), "--log-level", "info"], cwd=ROOT, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
-            time.sleep(0.1)
+        assert wait_ready(f"{url}/ready", proc), (tmp_path / "gateway.log").read_text()
 
         results: list[tuple[int, list[str]]] = []
         first_chunk = threading.Barrier(5)
@@ -123,21 +115,22 @@ def _serve(tmp_path: Path, engine_url: str, grace_s: float) -> tuple[subprocess.
                              str(port), "--log-level", "info"], cwd=ROOT, stdout=log, stderr=log)
     log.close()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
-        time.sleep(0.1)
+    assert wait_ready(f"{url}/ready", proc), (tmp_path / "gateway.log").read_text()
+    return proc, url
 
 
 def _queue_depth(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("dyad_admission_queue_depth{"))
+
+
+def _wait_queued(url: str) -> None:
+    """Until the gateway's admission queue holds a request (the second one)."""
+    deadline = time.monotonic() + 10
+    while _queue_depth(url) < 1:
+        assert time.monotonic() < deadline, "the second request never queued"
+        time.sleep(0.05)
 
 
 def _stream(url: str, max_tokens: int, out: dict, started: threading.Event | None = None) -> None:
@@ -180,10 +173,7 @@ def test_sigterm_serves_a_request_queued_behind_in_flight_work(tmp_path):
         threads[0].start()
         assert running.wait(20)
         threads[1].start()
-        deadline = time.monotonic() + 10
-        while _queue_depth(url) < 1:
-            assert time.monotonic() < deadline, "the second request never queued"
-            time.sleep(0.05)
+        _wait_queued(url)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "late", "max_tokens": 2},
@@ -213,10 +203,7 @@ def test_sigterm_out_of_grace_refuses_queued_requests_with_503_not_a_cut(tmp_pat
         threads[0].start()
         assert running.wait(20)
         threads[1].start()
-        deadline = time.monotonic() + 10
-        while _queue_depth(url) < 1:
-            assert time.monotonic() < deadline, "the second request never queued"
-            time.sleep(0.05)
+        _wait_queued(url)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)
