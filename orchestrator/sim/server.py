@@ -1139,11 +1139,15 @@ class SimEngineThread:
             with contextlib.suppress(Exception):
                 loop.close()
 
+    def uvicorn_config(self) -> uvicorn.Config:
+        """How uvicorn serves ``self.app`` (a subclass adds TLS options, say)."""
+        return _uvicorn_config(self.app, self.config.host)
+
     async def _serve(self) -> None:
         self.app = SimServer(self.config)
         sock = _bind(self.config.host, self._port)
         self.app.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(_uvicorn_config(self.app, self.config.host))
+        self.server = uvicorn.Server(self.uvicorn_config())
         self.app.on_die = lambda: setattr(self.server, "should_exit", True)
         task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started and not task.done():

@@ -10,7 +10,6 @@ to keep the suite within budget.
 
 from __future__ import annotations
 
-import asyncio
 import ssl
 import subprocess
 import sys
@@ -22,7 +21,6 @@ import uvicorn
 
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
-from orchestrator.sim import server as sim_server
 from orchestrator.sim.server import SimEngineThread
 
 MODEL = "tls-model"
@@ -58,20 +56,10 @@ class TlsSimEngine(SimEngineThread):
     def url(self) -> str:
         return f"https://{self.config.host}:{self.port}"
 
-    async def _serve(self) -> None:
-        self.app = sim_server.SimServer(self.config)
-        sock = sim_server._bind(self.config.host, self._port)
-        self.app.port = sock.getsockname()[1]
-        cfg = uvicorn.Config(self.app, lifespan="on", log_level="warning", access_log=False,
-                             ssl_certfile=str(self.pki / "server.pem"), ssl_keyfile=str(self.pki / "server.key"),
-                             ssl_ca_certs=str(self.pki / "ca.pem"), ssl_cert_reqs=ssl.CERT_REQUIRED)
-        self.server = uvicorn.Server(cfg)
-        task = asyncio.create_task(self.server.serve(sockets=[sock]))
-        while not self.server.started and not task.done():
-            await asyncio.sleep(0.005)
-        self._ready.set()
-        await task
-        sock.close()
+    def uvicorn_config(self) -> uvicorn.Config:
+        return uvicorn.Config(self.app, lifespan="on", log_level="warning", access_log=False,
+                              ssl_certfile=str(self.pki / "server.pem"), ssl_keyfile=str(self.pki / "server.key"),
+                              ssl_ca_certs=str(self.pki / "ca.pem"), ssl_cert_reqs=ssl.CERT_REQUIRED)
 
 
 @pytest.fixture(scope="module")
