@@ -118,6 +118,7 @@ def test_no_pile_on_when_every_prompt_shares_a_system_prompt():
     system = list(range(2048))
     prefill_rate = 3000  # tokens a worker prefills per tick
     picks: Counter[str] = Counter()
+    queues: dict[str, list[int]] = {w.id: [] for w in ws}  # per worker, each queued request's prefill left
     cached = total = 0
     rid = 0
     for _tick in range(60):
@@ -133,9 +134,19 @@ def test_no_pile_on_when_every_prompt_shares_a_system_prompt():
             cached += d.predicted_cached_tokens
             total += len(tokens)
             w.inflight_prefill_tokens += len(tokens) - d.predicted_cached_tokens
+            queues[w.id].append(len(tokens) - d.predicted_cached_tokens)
+            w.inflight = len(queues[w.id])  # what the gateway counts: dispatched, first token not yet out
             index.store_now(w.id, hashes)
-        for w in ws:  # each worker prefills for one tick
-            w.inflight_prefill_tokens = max(0, w.inflight_prefill_tokens - prefill_rate)
+        for w in ws:  # each worker prefills for one tick, oldest request first
+            budget, q = prefill_rate, queues[w.id]
+            while q and budget > 0:
+                done = min(q[0], budget)
+                q[0] -= done
+                budget -= done
+                if q[0] == 0:
+                    q.pop(0)
+            w.inflight_prefill_tokens = sum(q)
+            w.inflight = len(q)
     mean = sum(picks.values()) / len(ws)
     assert len(picks) == 4
     assert max(picks.values()) / mean <= 1.3, picks
