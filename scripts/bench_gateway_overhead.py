@@ -22,82 +22,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from orchestrator.bench.loadgen import RawConnection, encode_request  # noqa: E402
+from orchestrator.bench.processes import Processes, wait_http  # noqa: E402
 from orchestrator.bench.runner import percentile  # noqa: E402
 from orchestrator.ports import free_port  # noqa: E402
 
 MODEL = "bench"
 DEFAULT_ANCHORS = Path.home() / ".cache/dyad/anchors/venv"
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-
-@dataclass
-class Processes:
-    """Processes this script started; stopped by their own process group ids on exit."""
-
-    logdir: Path
-    procs: list[Proc] = field(default_factory=list)
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        log = self.logdir / f"{name}.log"
-        f = log.open("wb")
-        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env={**os.environ, **(env or {})})
-        proc = Proc(name, p, log)
-        self.procs.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self.procs:
-            try:
-                proc.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGKILL)
-                proc.popen.wait(5)
-
-
-def wait_http(url: str, proc: Proc, timeout_s: float = 60.0, ok=(200,)) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}); log: {proc.log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=1.0, trust_env=False).status_code in ok:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{proc.name} not ready at {url} after {timeout_s:g} s; log: {proc.log.read_text()[-2000:]}")
 
 
 def start_targets(ps: Processes, args: argparse.Namespace) -> dict[str, str]:

@@ -37,24 +37,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from orchestrator.bench.fleet_virtual import run_virtual_routing  # noqa: E402
+from orchestrator.bench.processes import Proc, Processes, wait_http  # noqa: E402
 from orchestrator.bench.runner import BenchOptions, percentile, run_bench  # noqa: E402
 from orchestrator.bench.traces import (  # noqa: E402
     ideal_prefix_hit_ratio,
@@ -63,6 +58,7 @@ from orchestrator.bench.traces import (  # noqa: E402
     summarize,
     time_window,
 )
+from orchestrator.ports import free_port  # noqa: E402
 from orchestrator.sim.profiles import GPU_LIKE, EngineProfile  # noqa: E402
 
 MODEL = "fleet-model"
@@ -70,68 +66,6 @@ TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 DEFAULT_ANCHORS = Path.home() / ".cache/dyad/anchors/venv"
 ALL_ROUTERS = ("dyad-round_robin", "dyad-least_load", "dyad-kv_aware", "vllm-router-kv_aware",
                "vllm-router-cache_aware", "sglang-router-cache_aware")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-
-@dataclass
-class Processes:
-    """Processes this script started; stopped through their own process groups."""
-
-    logdir: Path
-    procs: list[Proc] = field(default_factory=list)
-
-    def start(self, name: str, argv: list[str]) -> Proc:
-        log = self.logdir / f"{name}.log"
-        p = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
-        proc = Proc(name, p, log)
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, procs: list[Proc]) -> None:
-        for proc in procs:
-            if proc.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in procs:
-            try:
-                proc.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGKILL)
-                proc.popen.wait(5)
-            if proc in self.procs:
-                self.procs.remove(proc)
-
-    def stop_all(self) -> None:
-        self.stop(list(reversed(self.procs)))
-
-
-def wait_http(url: str, proc: Proc, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}): {proc.log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=1.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{proc.name} not ready at {url} after {timeout_s:g} s: {proc.log.read_text()[-2000:]}")
 
 
 @dataclass
