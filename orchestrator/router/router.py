@@ -40,9 +40,6 @@ class PrefixTracker(Protocol):
     # optional: def on_first_token(self, req, decision, now: float) -> None (sync or async)
     # optional: def on_finished(self, req, decision, ok: bool, now: float) -> None (sync or async)
 
-# A policy may define the same optional hooks, synchronous: on_dispatch(req, decision, now),
-# on_first_token(req, decision, now), on_finished(req, decision, ok, now).
-
 
 class Router:
     def __init__(self, policy: RoutingPolicy, fleet: FleetRegistry, clock: Clock | None = None,
@@ -121,7 +118,6 @@ class Router:
         tokens = max(0, req.prompt_tokens - decision.predicted_cached_tokens)
         pw.inflight_prefill_tokens += tokens
         self._charged[(id(req), pw.id)] = tokens
-        self._tell_policy("on_dispatch", req, decision)  # e.g. kv_aware's prefixes in flight
 
     def first_token(self, decision: RouteDecision, req: RouteRequest) -> None:
         """Prefill is over: release the prompt tokens charged in ``begin`` (idempotent)."""
@@ -130,7 +126,6 @@ class Router:
         if tokens is None:
             return
         pw.inflight_prefill_tokens = max(0, pw.inflight_prefill_tokens - tokens)
-        self._tell_policy("on_first_token", req, decision)
         self._tell_tracker("on_first_token", req, decision)  # e.g. shrink a shared reservation
 
     def finish(self, decision: RouteDecision, req: RouteRequest, ok: bool) -> None:
@@ -139,14 +134,7 @@ class Router:
         decision.worker.inflight = max(0, decision.worker.inflight - 1)
         if ok:
             decision.worker.last_served_at = self.clock.now()
-        self._tell_policy("on_finished", req, decision, ok)
         self._tell_tracker("on_finished", req, decision, ok)
-
-    def _tell_policy(self, hook: str, *args: Any) -> None:
-        """Call the policy's optional, synchronous ``hook(*args, now)`` (pure bookkeeping, no I/O)."""
-        fn = getattr(self.policy, hook, None)
-        if fn is not None:
-            fn(*args, self.clock.now())
 
     def _tell_tracker(self, hook: str, *args: Any) -> None:
         """Call the tracker's optional ``hook(*args, now)``; an async one runs without holding the response."""

@@ -267,7 +267,6 @@ class VirtualFleet:
         self._seq = 0
         self._version: dict[str, int] = {}
         self._next_id = 0
-        self._routed: dict[tuple[int, Role], tuple[Any, RouteRequest, Any]] = {}  # (request, role) → decision
         self._pending: dict[Role, deque[SimRequest]] = {Role.PREFILL: deque(), Role.DECODE: deque(),
                                                          Role.BOTH: deque()}
         self.pd = spec.prefill > 0 or spec.decode > 0
@@ -336,27 +335,12 @@ class VirtualFleet:
         rr = RouteRequest(request_id=str(req.id), model="sim", prompt_tokens=req.isl, max_tokens=req.osl,
                           block_size=req.block_tokens)
         if self.kv_aware and role is not Role.DECODE and req.blocks:
-            rr.block_hashes = list(req.blocks)
             for w in cands:
                 m = self.workers[w.id].engine.cache.match(req.blocks, touch=False)
                 if m:
                     rr.overlaps[w.id] = Overlap(blocks=m, weighted_blocks=float(m))
         policy = self.decode_policy if role is Role.DECODE else self.prefill_policy
-        decision = policy.choose(rr, cands, now)
-        self._routed[(req.id, role)] = (policy, rr, decision)
-        return self.workers[decision.worker.id]
-
-    def _tell_policy(self, hook: str, req: SimRequest, role: Role, now: float, *extra: Any) -> None:
-        """The live Router's optional policy hooks, at the same moments (dispatch, first token, finish)."""
-        routed = self._routed.get((req.id, role)) if hook == "on_dispatch" else self._routed.pop((req.id, role), None)
-        if routed is None:
-            return
-        policy, rr, decision = routed
-        fn = getattr(policy, hook, None)
-        if fn is not None:
-            fn(rr, decision, *extra, now)
-        if hook == "on_first_token":
-            self._routed[(req.id, role)] = routed  # still in flight until finished
+        return self.workers[policy.choose(rr, cands, now).worker.id]
 
     def _dispatch(self, req: SimRequest, role: Role, now: float) -> None:
         sw = self._route(req, role, now)
@@ -371,7 +355,6 @@ class VirtualFleet:
             req.prefill_worker = sw.worker.id
             sw.engine.submit_prefill(req, now)
             sw.worker.inflight_prefill_tokens += req.prefill_left
-        self._tell_policy("on_dispatch", req, role, now)
         self._schedule_engine(sw)
 
     def _drain_pending(self, now: float) -> None:
@@ -424,7 +407,6 @@ class VirtualFleet:
                 self._accrue(now)
                 del self.workers[a.worker_id]
                 for r in sw.engine.abort_all(now):
-                    self._tell_policy("on_finished", r, sw.worker.role, now, False)
                     self._dispatch(r, sw.worker.role, now)  # a stopped busy worker: its work moves
             elif a.kind == "set_role" and sw is not None:
                 sw.state, sw.switch_to = "switching", a.role
@@ -468,14 +450,11 @@ class VirtualFleet:
                     if ev == "prefilled":
                         sw.worker.inflight -= 1
                         sw.worker.inflight_prefill_tokens -= r.isl - r.cached
-                        self._tell_policy("on_finished", r, Role.PREFILL, t, True)
                         self._push(et + self.profile.transfer_seconds(r.isl), "handoff", r)
                     elif ev == "first_token" and sw.worker.role is Role.BOTH:
                         sw.worker.inflight_prefill_tokens -= r.isl - r.cached
-                        self._tell_policy("on_first_token", r, Role.BOTH, t)
                     elif ev == "finished":
                         sw.worker.inflight -= 1
-                        self._tell_policy("on_finished", r, sw.worker.role, t, True)
                         self._finished_window.append(r)
                         remaining -= 1
                 self._schedule_engine(sw)

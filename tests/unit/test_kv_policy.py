@@ -7,14 +7,11 @@ import math
 from collections import Counter
 
 from adapters.base import LoadSnapshot
-from orchestrator.clock import VirtualClock
 from orchestrator.config import KvAwareConfig
-from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
 from orchestrator.kv.hashing import BlockHasher
 from orchestrator.kv.memory_index import MemoryPrefixIndex
-from orchestrator.router.policies.kv_aware import InflightPrefixes, KvAwarePolicy
-from orchestrator.router.router import Router
+from orchestrator.router.policies.kv_aware import KvAwarePolicy
 from orchestrator.router.types import Overlap, PeerLoad, RouteRequest
 
 BS = 32
@@ -121,7 +118,7 @@ def test_no_pile_on_when_every_prompt_shares_a_system_prompt():
     system = list(range(2048))
     prefill_rate = 3000  # tokens a worker prefills per tick
     picks: Counter[str] = Counter()
-    queues: dict[str, list[list]] = {w.id: [] for w in ws}  # per worker: [prefill left, request, decision]
+    queues: dict[str, list[int]] = {w.id: [] for w in ws}  # per worker, each queued request's prefill left
     cached = total = 0
     rid = 0
     for _tick in range(60):
@@ -137,20 +134,18 @@ def test_no_pile_on_when_every_prompt_shares_a_system_prompt():
             cached += d.predicted_cached_tokens
             total += len(tokens)
             w.inflight_prefill_tokens += len(tokens) - d.predicted_cached_tokens
-            queues[w.id].append([len(tokens) - d.predicted_cached_tokens, r, d])
+            queues[w.id].append(len(tokens) - d.predicted_cached_tokens)
             w.inflight = len(queues[w.id])  # what the gateway counts: dispatched, first token not yet out
-            policy.on_dispatch(r, d, float(_tick))  # the Router's hooks, as in the gateway
             index.store_now(w.id, hashes)
         for w in ws:  # each worker prefills for one tick, oldest request first
             budget, q = prefill_rate, queues[w.id]
             while q and budget > 0:
-                done = min(q[0][0], budget)
-                q[0][0] -= done
+                done = min(q[0], budget)
+                q[0] -= done
                 budget -= done
-                if q[0][0] == 0:
-                    _, r, d = q.pop(0)
-                    policy.on_first_token(r, d, float(_tick))
-            w.inflight_prefill_tokens = sum(e[0] for e in q)
+                if q[0] == 0:
+                    q.pop(0)
+            w.inflight_prefill_tokens = sum(q)
             w.inflight = len(q)
     mean = sum(picks.values()) / len(ws)
     assert len(picks) == 4
@@ -164,62 +159,3 @@ def test_cost_counts_blocks_of_the_request():
     ws = workers(1)
     c = KvAwarePolicy().cost_of(req(100), ws[0], None, None)
     assert c.prefill_blocks == math.ceil(100 / BS)
-
-
-def prefixed(rid: str, hasher: BlockHasher, tokens: list[int]) -> RouteRequest:
-    return RouteRequest(request_id=rid, model="m", prompt_tokens=len(tokens), block_size=BS,
-                        block_hashes=hasher.hash_blocks(tokens))
-
-
-async def test_a_prefix_still_prefilling_draws_requests_sharing_it_but_not_unrelated_ones():
-    """Engines re-check their cache when a request starts, so the second of two prompts sharing a
-    long prefix, sent while the first is still prefilling, should follow it; an unrelated prompt
-    must still see that worker's queue as a queue. The Router's hooks feed the policy."""
-    ws = workers(2)
-    ws[1].inflight_prefill_tokens, ws[1].inflight = 20 * BS, 1  # a little unrelated work elsewhere
-    policy = KvAwarePolicy(seed=3)
-    router = Router(policy, FleetRegistry(ws, configured_models=["m"]), VirtualClock(0.0))
-    hasher = BlockHasher("m", BS)
-    shared = list(range(100 * BS))
-    a = prefixed("a", hasher, shared + list(range(10**6, 10**6 + 2 * BS)))
-    da = await router.route(a, {}, "chat")
-    assert da.worker.id == "w0" and da.predicted_cached_tokens == 0
-    router.begin(da, a)  # a is prefilling on w0: 102 blocks queued there, nothing cached yet
-    b = prefixed("b", hasher, shared + list(range(2 * 10**6, 2 * 10**6 + 2 * BS)))
-    db = await router.route(b, {}, "chat")
-    assert db.worker.id == "w0", db.scores  # without the in-flight prefix w0 costs 204 blocks of prefill
-    router.begin(db, b)
-    c = prefixed("c", hasher, list(range(3 * 10**6, 3 * 10**6 + 102 * BS)))
-    dc = await router.route(c, {}, "chat")
-    assert dc.worker.id == "w1", dc.scores  # a's queue is real work for a prompt that shares nothing
-    router.finish(da, a, ok=True)
-    router.finish(db, b, ok=True)
-    assert policy.inflight.size() == 0  # first token / finish forget what was in flight
-    assert policy.inflight.covered("w0", b.block_hashes) == 0
-
-
-async def test_an_unrelated_queue_behind_an_in_flight_prefix_still_repels():
-    ws = workers(2)
-    policy = KvAwarePolicy(seed=3)
-    router = Router(policy, FleetRegistry(ws, configured_models=["m"]), VirtualClock(0.0))
-    hasher = BlockHasher("m", BS)
-    shared = list(range(100 * BS))
-    a = prefixed("a", hasher, shared + [7] * BS)
-    da = await router.route(a, {}, "chat")
-    router.begin(da, a)
-    da.worker.inflight_prefill_tokens += 300 * BS  # a long unrelated prompt queued there too
-    da.worker.inflight += 1
-    b = prefixed("b", hasher, shared + [8] * BS)
-    db = await router.route(b, {}, "chat")
-    assert db.worker is not da.worker, db.scores
-
-
-def test_in_flight_prefixes_are_bounded_per_worker():
-    track = InflightPrefixes(cap=3)
-    for key in range(10):
-        track.add("w0", key, [key * 10 + j for j in range(5)], cached_blocks=0)
-    assert track.size() == 3
-    assert track.covered("w0", [90, 91, 92]) == 3 and track.covered("w0", [0, 1]) == 0
-    for key in range(10):
-        track.remove("w0", key)
-    assert track.size() == 0 and track.shared_blocks("w0") == 0

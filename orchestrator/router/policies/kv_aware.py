@@ -2,12 +2,11 @@
 
 Per candidate the policy estimates the work the request would add and wait behind, in KV blocks:
 
-    prefill = max(queued_prefill_blocks - shared_in_flight + request_blocks - credit, 0)
+    prefill = max(queued_prefill_blocks + request_blocks - overlap_credit, 0)
     decode  = active_blocks + request_blocks
     cost    = prefill_load_weight * prefill + decode_load_weight * decode
 
-``credit`` is the larger of ``overlap_credit`` and the prefix an in-flight prefill there is
-computing (below). ``overlap_credit`` is the worker's consecutive cached prefix, each block credited by its tier
+``overlap_credit`` is the worker's consecutive cached prefix, each block credited by its tier
 (device 1.0, host 0.75, disk 0.25 by default). ``queued_prefill_blocks`` is the uncached prompt
 work already dispatched to the worker and not yet prefilled: this gateway's own
 (``Worker.inflight_prefill_tokens``) plus other replicas' (shared through Redis), or the engine's
@@ -19,14 +18,6 @@ Why this does not pile onto one worker when every prompt shares a system prompt:
 saves ``overlap_credit`` blocks, and each request sent to the holder adds its uncached blocks to the
 holder's queue, so once the queue exceeds the saving a cold worker is cheaper; it then caches the
 prefix too and the fleet shares the load (tests/unit/test_kv_policy.py checks the spread).
-
-Prefixes in flight: a worker that is still prefilling a request sharing this prompt's prefix will
-have that prefix cached by the time the engine starts this one (engines re-check their cache when a
-request starts), so those blocks count as cached there, and the part of the queue that is other
-in-flight requests' copies of a prefix already in flight before them (``Worker.inflight_prefill_tokens``
-charges each at its as-dispatched uncached size) is not charged again (``shared_in_flight``). The policy learns what is in
-flight from the Router's ``on_dispatch`` / ``on_first_token`` / ``on_finished`` hooks; only work that
-shares THIS request's prefix is discounted, so an unrelated queue still repels it.
 
 Ties go to a seeded random choice among equals (never "the first worker"). With
 ``temperature > 0`` the choice is a seeded softmax over ``-cost / max_cost / temperature``.
@@ -52,76 +43,6 @@ log = logging.getLogger("dyad.router.kv_aware")
 POLICY_NAME = "kv_aware"
 AFFINITY_SLACK = 1.5  # a session stays put while its worker costs ≤ this × the cheapest
 MAX_SESSIONS = 100_000
-MAX_INFLIGHT_PER_WORKER = 4096  # in-flight prefills remembered per worker (oldest dropped beyond)
-
-
-@dataclass
-class _InflightPrefill:
-    blocks: tuple[int, ...]  # the request's chained block hashes
-    shared_blocks: int  # blocks of its charged prefill already in flight on the worker when dispatched
-
-
-class InflightPrefixes:
-    """Per worker: block hashes of dispatched requests whose prefill has not finished.
-
-    Hashes are chained, so the run of a prompt's leading hashes found here is exactly the prefix
-    that some in-flight prefill computes. ``shared`` sums, per worker, the blocks that in-flight
-    requests were charged for although an earlier in-flight request was already computing them.
-    """
-
-    def __init__(self, cap: int = MAX_INFLIGHT_PER_WORKER) -> None:
-        self.cap = cap
-        self._entries: dict[str, dict[int, _InflightPrefill]] = {}
-        self._refs: dict[str, dict[int, int]] = {}  # worker → block hash → in-flight requests holding it
-        self._shared: dict[str, int] = {}
-
-    def covered(self, worker_id: str, blocks: Sequence[int]) -> int:
-        refs = self._refs.get(worker_id)
-        if not refs:
-            return 0
-        n = 0
-        for h in blocks:
-            if h not in refs:
-                break
-            n += 1
-        return n
-
-    def shared_blocks(self, worker_id: str) -> int:
-        return self._shared.get(worker_id, 0)
-
-    def add(self, worker_id: str, key: int, blocks: Sequence[int], cached_blocks: int) -> None:
-        if not blocks:
-            return
-        self.remove(worker_id, key)
-        shared = self.covered(worker_id, blocks) - cached_blocks
-        entry = _InflightPrefill(tuple(blocks), shared if shared > 0 else 0)
-        entries = self._entries.setdefault(worker_id, {})
-        refs = self._refs.setdefault(worker_id, {})
-        entries[key] = entry
-        for h in entry.blocks:
-            refs[h] = refs.get(h, 0) + 1
-        self._shared[worker_id] = self._shared.get(worker_id, 0) + entry.shared_blocks
-        if len(entries) > self.cap:  # a lost hook must not grow this forever
-            self.remove(worker_id, next(iter(entries)))
-
-    def remove(self, worker_id: str, key: int) -> None:
-        entries = self._entries.get(worker_id)
-        entry = entries.pop(key, None) if entries else None
-        if entry is None:
-            return
-        refs = self._refs[worker_id]
-        for h in entry.blocks:
-            left = refs[h] - 1
-            if left:
-                refs[h] = left
-            else:
-                del refs[h]
-        self._shared[worker_id] -= entry.shared_blocks
-        if not entries:
-            del self._entries[worker_id], self._refs[worker_id], self._shared[worker_id]
-
-    def size(self) -> int:
-        return sum(len(e) for e in self._entries.values())
 
 
 @dataclass
@@ -146,40 +67,18 @@ class KvAwarePolicy:
         self.config = config or KvAwareConfig()
         self._rng = random.Random(seed)
         self._sessions: dict[str, tuple[str, float]] = {}  # session → (worker id, expires at)
-        self.inflight = InflightPrefixes()
-
-    # --- what is in flight (the Router's hooks) ---------------------------------------------------
-    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
-        """The request was sent: its prompt's blocks are being prefilled on the prefill worker."""
-        bs = max(1, req.block_size)
-        cached_blocks = decision.predicted_cached_tokens // bs
-        worker = decision.prefill_worker or decision.worker
-        self.inflight.add(worker.id, id(req), req.block_hashes, cached_blocks)
-
-    def on_first_token(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
-        """Prefill is over: from now on the cache index (overlap) speaks for those blocks."""
-        worker = decision.prefill_worker or decision.worker
-        self.inflight.remove(worker.id, id(req))
-
-    def on_finished(self, req: RouteRequest, decision: RouteDecision, ok: bool, now: float) -> None:
-        self.on_first_token(req, decision, now)
 
     # --- the estimate ---------------------------------------------------------------------------
     def cost_of(self, req: RouteRequest, w: Worker, overlap: Overlap | None, peer: PeerLoad | None) -> WorkerCost:
         bs = max(1, req.block_size)
         request_blocks = math.ceil(max(req.prompt_tokens, 0) / bs)
-        return self._cost(request_blocks, bs, w, overlap, peer, req.block_hashes)
+        return self._cost(request_blocks, bs, w, overlap, peer)
 
     def _cost(self, request_blocks: int, bs: int, w: Worker, overlap: Overlap | None,
-              peer: PeerLoad | None, block_hashes: Sequence[int] = ()) -> WorkerCost:
+              peer: PeerLoad | None) -> WorkerCost:
         credit = 0.0
         if overlap is not None:
             credit = overlap.weighted_blocks if overlap.weighted_blocks < request_blocks else float(request_blocks)
-        # Blocks another in-flight prefill on w is computing will be cached when this one starts.
-        in_flight = self.inflight.covered(w.id, block_hashes) if block_hashes else 0
-        if in_flight > request_blocks:
-            in_flight = request_blocks
-        own_credit = credit if credit > in_flight else float(in_flight)
         load = w.load
         if peer is None:
             queued_blocks = w.inflight_prefill_tokens / bs
@@ -187,13 +86,9 @@ class KvAwarePolicy:
         else:
             queued_blocks = (w.inflight_prefill_tokens + peer.prefill_tokens) / bs
             inflight = w.inflight + peer.inflight
-        # Queued copies of a prefix already in flight before them are computed once, not per copy.
-        shared = self.inflight.shared_blocks(w.id)
-        if shared:
-            queued_blocks = queued_blocks - shared if queued_blocks > shared else 0.0
         # Requests on this worker look like this one there (same tenants, same prefixes): each
         # queued or running request is taken to need about this request's uncached blocks.
-        uncached = request_blocks - own_credit
+        uncached = request_blocks - credit
         per_request = uncached if uncached > 1.0 else 1.0
         # The engine's own queue also counts traffic from outside this gateway; take the larger view.
         engine_waiting_blocks = load.waiting * per_request
@@ -219,8 +114,7 @@ class KvAwarePolicy:
         bs = max(1, req.block_size)
         request_blocks = math.ceil(max(req.prompt_tokens, 0) / bs)
         cost = self._cost
-        hashes = req.block_hashes
-        costs = [cost(request_blocks, bs, w, overlaps.get(w.id), peers.get(w.id), hashes) for w in candidates]
+        costs = [cost(request_blocks, bs, w, overlaps.get(w.id), peers.get(w.id)) for w in candidates]
         best_cost = min(c.cost for c in costs)
         chosen: WorkerCost | None = None
         why = ""
