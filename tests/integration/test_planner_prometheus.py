@@ -40,6 +40,12 @@ def roles(gw: GatewayThread) -> Counter[str]:
     return Counter((w.target_role or w.role).value for w in gw.runtime.fleet.workers())
 
 
+def peak_seen(url: str) -> bool:
+    """The planner has an observation whose 5-s peak arrival rate (PromQL max_over_time subquery) is known."""
+    status = httpx.get(f"{url}/admin/planner", headers=ADMIN, timeout=5).json()
+    return any((h["observation"].get("peak_rate") or 0) > 0 for h in status["history"])
+
+
 async def drive(url: str, make_body: Callable[[], dict], rate: float, until: Callable[[], bool],
                 max_s: float) -> tuple[int, list[str]]:
     """Open-loop traffic at ``rate`` req/s until ``until()`` (checked after min 2 s) or ``max_s``."""
@@ -108,8 +114,10 @@ def test_planner_on_prometheus_moves_workers_with_the_mix(prometheus_server, tmp
         assert roles(gw) == {"prefill": 1, "decode": 3}
 
         # Phase 1: long prompts, two output tokens → the planner grows the prefill pool.
-        sent1, fail1 = asyncio.run(drive(gw.url, prefill_heavy, rate=6, max_s=25,
-                                         until=lambda: roles(gw)["prefill"] >= 3))
+        # Keep the traffic up until the pool grew AND the planner has seen the burst subquery answer (it
+        # needs a few scrapes of history; stopping at the first role change raced it).
+        sent1, fail1 = asyncio.run(drive(gw.url, prefill_heavy, rate=6, max_s=30,
+                                         until=lambda: roles(gw)["prefill"] >= 3 and peak_seen(gw.url)))
         after1 = roles(gw)
         # Prometheus really was the source: the planner's last observation carries its rates
         status = httpx.get(f"{gw.url}/admin/planner", headers=ADMIN, timeout=5).json()
