@@ -525,10 +525,14 @@ class EngineModel:
         lru_hits = sum(1 for h in r.hashes[:hit] if self._cache[h] == 0)  # type: ignore[index]
         return need <= self._free_count() + len(self._lru) - lru_hits
 
-    def _store_computed_blocks(self, r: _Req, t: float) -> None:
-        """Prompt blocks now fully computed enter the prefix cache (BlockStored for new ones)."""
+    def _store_computed_blocks(self, r: _Req, t: float, upto_tokens: int | None = None) -> None:
+        """Prompt blocks up to ``upto_tokens`` (default: those computed) enter the prefix cache
+        (BlockStored for new ones). The scheduler calls it for the tokens a step is about to
+        compute, as vLLM does (``allocate_slots`` caches the step's full blocks when it schedules
+        them), so a request admitted in the same or a later step hits a prefix still being
+        prefilled instead of computing it a second time."""
         hashes = self._ensure_hashes(r)
-        upto = min(len(hashes), r.num_computed // self._bs)
+        upto = min(len(hashes), (r.num_computed if upto_tokens is None else upto_tokens) // self._bs)
         start = len(r.held)  # held = the leading cached blocks so far
         if upto <= start:
             return
@@ -637,6 +641,9 @@ class EngineModel:
                 continue
             decodes.append(r)
             used += 1
+        # the blocks this step computes are cached now, when scheduled (vLLM's allocate_slots)
+        for r, k in chunks:
+            self._store_computed_blocks(r, t, r.num_computed + k)
         # 2. admit waiting requests FCFS
         waiting = self._waiting
         while waiting and used < budget and len(self._running) < p.max_num_seqs:
@@ -648,6 +655,7 @@ class EngineModel:
                 continue
             k = min(r.prefill_target - r.num_computed, budget - used)
             chunks.append((r, k))
+            self._store_computed_blocks(r, t, r.num_computed + k)
             used += k
         used = sum(k for _, k in chunks) + len(decodes)
         if not decodes and not chunks:

@@ -325,6 +325,7 @@ class VirtualFleet:
             w.load.running = float(e.num_running)
             w.load.waiting = float(e.waiting)
             w.load.kv_usage = e.kv_usage
+            w.load.num_blocks = e.p.num_gpu_blocks  # what a live scrape reads from cache_config_info
             out.append(w)
         return out
 

@@ -150,6 +150,23 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps():
     assert t["x"][0] == pytest.approx(expect)
 
 
+def test_request_arriving_mid_prefill_hits_the_blocks_already_scheduled():
+    """As vLLM's allocate_slots: a step's full prompt blocks are cached when scheduled, so a copy
+    of the prompt admitted behind it (the last chunk's leftover budget) hits all of them — it does
+    not recompute the prefix still being prefilled. BlockStored is emitted at scheduling time."""
+    prof = replace(CPU_TINY, max_num_batched_tokens=256)
+    m = EngineModel(prof, seed=0)
+    prompt = list(range(1000))  # 31 full blocks of 32; 4 chunks: 256, 256, 256, 232
+    times, _ = drive(m, [(SimRequest("a", prompt, 2), 0.0), (SimRequest("b", prompt, 2), 0.01)])
+    assert m.stats.prefix_cache_queries == 2000
+    # b is admitted in a's last step with 24 tokens of budget left; all 31 full blocks are cached
+    # by then (the last one by that very step), capped at prompt - 1 like the engine.
+    assert m.stats.prefix_cache_hits == 31 * 32
+    assert times["b"][0] < times["a"][0] + 0.2  # b's remaining 8 tokens, not a second 1,000
+    stored_at = [t for t, evs in m.drain_kv_events() for ev in evs if ev["type"] == "BlockStored"]
+    assert stored_at[0] < times["a"][0]  # the first chunk's blocks were announced before a finished
+
+
 def test_decode_interleaves_with_a_new_prefill():
     m = EngineModel(CPU_TINY, seed=0)
     t, _ = drive(m, [(SimRequest("long", [1] * 10, 50), 0.0), (SimRequest("big", list(range(2000)), 1), 0.2)])
