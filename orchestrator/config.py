@@ -74,7 +74,11 @@ class KvAwareConfig(_Section):
     """Parameters of the ``kv_aware`` policy (prefix overlap vs load)."""
 
     prefill_load_weight: float = Field(1.0, ge=0, description="Weight of uncached + queued prefill blocks in the cost")
-    decode_load_weight: float = Field(1.0, ge=0, description="Weight of active decode blocks in the cost")
+    decode_load_weight: float = Field(0.1, ge=0, description="Weight of active decode blocks in the cost (a "
+                                      "decode step reads a block far faster than a prefill computes one)")
+    recompute_weight: float = Field(2.0, ge=0, description="Weight of this request's own uncached blocks relative "
+                                    "to queued ones (> 1: recomputing a prefix another worker holds also costs "
+                                    "the fleet, not only this request's wait)")
     temperature: float = Field(0.0, ge=0, description="0 = pick the cheapest worker; > 0 = softmax over normalized costs")
     tier_weights: dict[str, float] = Field(default_factory=lambda: {"device": 1.0, "host": 0.75, "disk": 0.25},
                                            description="Credit per cached block by tier")

@@ -34,7 +34,6 @@ from typing import Any
 from adapters.base import Role
 from orchestrator.bench.traces import load_azure, rescale_time
 from orchestrator.router.pd_selection import PdSelectionSettings, select_pair, threshold_from_profile
-from orchestrator.router.types import Overlap, RouteRequest
 from orchestrator.sim.profiles import GPU_LIKE, EngineProfile
 from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
 
@@ -72,13 +71,7 @@ class PdVirtualFleet(VirtualFleet):
 
     def _place(self, req: SimRequest, now: float) -> None:
         cands = self._candidates(Role.PREFILL) + self._candidates(Role.DECODE)
-        rr = RouteRequest(request_id=str(req.id), model="sim", prompt_tokens=req.isl, max_tokens=req.osl,
-                          block_size=req.block_tokens)
-        if req.blocks:
-            for w in cands:
-                m = self.workers[w.id].engine.cache.match(req.blocks, touch=False)
-                if m:
-                    rr.overlaps[w.id] = Overlap(blocks=m, weighted_blocks=float(m))
+        rr = self._route_request(req, cands, with_overlaps=True)
         decision = select_pair(rr, cands, now, self.settings)
         if decision is None:  # no decode worker right now: wait for one
             self._pending[Role.PREFILL].append(req)
@@ -97,7 +90,7 @@ class PdVirtualFleet(VirtualFleet):
         sw.worker.inflight += 1
         req.prefill_worker = sw.worker.id
         sw.engine.submit_prefill(req, now)
-        sw.worker.inflight_prefill_tokens += req.prefill_left
+        self._charge_prefill(req, Role.PREFILL, sw, decision.predicted_cached_tokens)
         self._schedule_engine(sw)
 
 

@@ -23,6 +23,7 @@ from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.errors import NoHealthyWorker
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
+from orchestrator.router.inflight import InflightLedger
 from orchestrator.router.types import RouteDecision, RouteRequest, RoutingPolicy
 from orchestrator.telemetry.metrics import DyadMetrics
 
@@ -52,8 +53,8 @@ class Router:
         self.prefix_tracker = prefix_tracker
         self.retry_after_s = retry_after_s
         self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
-        # Per-request prefill tokens charged to a worker, so first_token/finish release exactly that.
-        self._charged: dict[tuple[int, str], int] = {}
+        # Prefill dispatched and not yet done, per worker: tokens (released exactly) and prefixes in flight.
+        self.inflight = InflightLedger()
         self._background: set[asyncio.Future[Any]] = set()
 
     def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[Worker]:
@@ -82,6 +83,8 @@ class Router:
                 annotate_for = candidates + [w for w in self.fleet.candidates(req.model, Role.PREFILL)
                                              if w.role is Role.PREFILL]
             await tracker.annotate(req, body, endpoint, annotate_for)
+            if req.block_hashes:
+                req.inflight_overlaps = self.inflight.covered_by_worker(annotate_for, req.block_hashes)
         now = self.clock.now()
         decision = self.policy.choose(req, candidates, now)
         if tracker is not None:
@@ -115,17 +118,14 @@ class Router:
         """The request was dispatched: count it in flight, charge its uncached prompt tokens."""
         decision.worker.inflight += 1
         pw = self._prefill_worker(decision)
-        tokens = max(0, req.prompt_tokens - decision.predicted_cached_tokens)
-        pw.inflight_prefill_tokens += tokens
-        self._charged[(id(req), pw.id)] = tokens
+        tokens = req.prompt_tokens - decision.predicted_cached_tokens
+        self.inflight.charge((id(req), pw.id), pw, tokens, req.block_hashes)
 
     def first_token(self, decision: RouteDecision, req: RouteRequest) -> None:
         """Prefill is over: release the prompt tokens charged in ``begin`` (idempotent)."""
         pw = self._prefill_worker(decision)
-        tokens = self._charged.pop((id(req), pw.id), None)
-        if tokens is None:
+        if self.inflight.release((id(req), pw.id)) is None:
             return
-        pw.inflight_prefill_tokens = max(0, pw.inflight_prefill_tokens - tokens)
         self._tell_tracker("on_first_token", req, decision)  # e.g. shrink a shared reservation
 
     def finish(self, decision: RouteDecision, req: RouteRequest, ok: bool) -> None:

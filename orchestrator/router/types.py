@@ -41,6 +41,8 @@ class RouteRequest:
     block_hashes: list[int] = field(default_factory=list)  # our chained block hashes
     block_size: int = 32
     overlaps: dict[str, Overlap] = field(default_factory=dict)  # worker id → overlap (from the index)
+    # worker id → leading blocks a prefill this gateway sent there is still computing (router.inflight)
+    inflight_overlaps: dict[str, int] = field(default_factory=dict)
     peer_load: dict[str, PeerLoad] = field(default_factory=dict)  # worker id → other replicas' load
     session_key: str | None = None
     priority: int = 0

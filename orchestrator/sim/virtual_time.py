@@ -36,8 +36,9 @@ from orchestrator.config import RouterConfig
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.planner.core import Action, PlanDecision, WorkerView
 from orchestrator.planner.metrics_source import PEAK_WINDOW_S, Observation
+from orchestrator.router.inflight import InflightLedger
 from orchestrator.router.policies import make_policy
-from orchestrator.router.types import Overlap, RouteRequest
+from orchestrator.router.types import Overlap, RouteDecision, RouteRequest
 from orchestrator.sim.engine_model import EngineModel
 from orchestrator.sim.engine_model import SimRequest as ModelRequest
 from orchestrator.sim.profiles import EngineProfile
@@ -267,6 +268,7 @@ class VirtualFleet:
         self._seq = 0
         self._version: dict[str, int] = {}
         self._next_id = 0
+        self.inflight = InflightLedger()  # the live Router's books of dispatched prefill
         self._pending: dict[Role, deque[SimRequest]] = {Role.PREFILL: deque(), Role.DECODE: deque(),
                                                          Role.BOTH: deque()}
         self.pd = spec.prefill > 0 or spec.decode > 0
@@ -329,25 +331,42 @@ class VirtualFleet:
             out.append(w)
         return out
 
-    def _route(self, req: SimRequest, role: Role, now: float) -> SimWorker | None:
-        cands = self._candidates(role)
-        if not cands:
-            return None
+    def _route_request(self, req: SimRequest, cands: list[Worker], with_overlaps: bool) -> RouteRequest:
+        """The request as the live Router hands it to a policy: block hashes, each candidate's
+        cached prefix (read from the engines, what the KV-event index holds live) and the prefixes
+        this fleet's own dispatched prefills are still computing."""
         rr = RouteRequest(request_id=str(req.id), model="sim", prompt_tokens=req.isl, max_tokens=req.osl,
                           block_size=req.block_tokens)
-        if self.kv_aware and role is not Role.DECODE and req.blocks:
+        if with_overlaps and req.blocks:
+            rr.block_hashes = list(req.blocks)
             for w in cands:
                 m = self.workers[w.id].engine.cache.match(req.blocks, touch=False)
                 if m:
                     rr.overlaps[w.id] = Overlap(blocks=m, weighted_blocks=float(m))
+            rr.inflight_overlaps = self.inflight.covered_by_worker(cands, rr.block_hashes)
+        return rr
+
+    def _route(self, req: SimRequest, role: Role, now: float) -> tuple[SimWorker, RouteDecision] | None:
+        cands = self._candidates(role)
+        if not cands:
+            return None
+        rr = self._route_request(req, cands, self.kv_aware and role is not Role.DECODE)
         policy = self.decode_policy if role is Role.DECODE else self.prefill_policy
-        return self.workers[policy.choose(rr, cands, now).worker.id]
+        decision = policy.choose(rr, cands, now)
+        return self.workers[decision.worker.id], decision
+
+    def _charge_prefill(self, req: SimRequest, role: Role, sw: SimWorker, predicted_cached_tokens: int) -> None:
+        """As the live Router's ``begin``: the uncached prompt tokens the router predicted, and the
+        prompt's blocks, are in flight on ``sw`` until its first token (or hand-off)."""
+        self.inflight.charge((req.id, role), sw.worker, req.isl - predicted_cached_tokens,
+                             req.blocks if self.kv_aware else ())
 
     def _dispatch(self, req: SimRequest, role: Role, now: float) -> None:
-        sw = self._route(req, role, now)
-        if sw is None:
+        routed = self._route(req, role, now)
+        if routed is None:
             self._pending[role].append(req)
             return
+        sw, decision = routed
         sw.worker.inflight += 1
         if role is Role.DECODE:
             req.decode_worker = sw.worker.id
@@ -355,7 +374,7 @@ class VirtualFleet:
         else:
             req.prefill_worker = sw.worker.id
             sw.engine.submit_prefill(req, now)
-            sw.worker.inflight_prefill_tokens += req.prefill_left
+            self._charge_prefill(req, role, sw, decision.predicted_cached_tokens)
         self._schedule_engine(sw)
 
     def _drain_pending(self, now: float) -> None:
@@ -408,6 +427,7 @@ class VirtualFleet:
                 self._accrue(now)
                 del self.workers[a.worker_id]
                 for r in sw.engine.abort_all(now):
+                    self.inflight.release((r.id, sw.worker.role))
                     self._dispatch(r, sw.worker.role, now)  # a stopped busy worker: its work moves
             elif a.kind == "set_role" and sw is not None:
                 sw.state, sw.switch_to = "switching", a.role
@@ -450,10 +470,10 @@ class VirtualFleet:
                 for ev, r, et in sw.engine.advance(t):
                     if ev == "prefilled":
                         sw.worker.inflight -= 1
-                        sw.worker.inflight_prefill_tokens -= r.isl - r.cached
+                        self.inflight.release((r.id, Role.PREFILL))
                         self._push(et + self.profile.transfer_seconds(r.isl), "handoff", r)
                     elif ev == "first_token" and sw.worker.role is Role.BOTH:
-                        sw.worker.inflight_prefill_tokens -= r.isl - r.cached
+                        self.inflight.release((r.id, Role.BOTH))
                     elif ev == "finished":
                         sw.worker.inflight -= 1
                         self._finished_window.append(r)

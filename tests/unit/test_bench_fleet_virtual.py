@@ -33,3 +33,26 @@ def test_prefill_load_is_the_engines_uncached_prompt_tokens() -> None:
     assert len(loads) == 2
     assert sum(loads) == pytest.approx(8 * 2048 * (1 - s["hit_ratio"]))
     assert s["prefill_load"]["max_over_mean"] == pytest.approx(max(loads) / (sum(loads) / 2))
+
+
+def test_virtual_workers_report_what_a_live_scrape_reports() -> None:
+    """kv_aware reads ``kv_usage × num_blocks`` live (num_blocks from vllm:cache_config_info); the
+    virtual fleet must fill the same fields, or virtual time routes on a different cost than live."""
+    from orchestrator.sim.virtual_time import FleetSpec, VirtualFleet, requests_from_trace
+
+    fleet = VirtualFleet(GPU_LIKE, FleetSpec(aggregated=2), policy="kv_aware")
+    reqs = requests_from_trace(_trace()[:3])
+    for i, r in enumerate(reqs):
+        r.arrival = 0.05 * i  # a burst: later ones arrive while the first still holds its KV
+    seen = []
+    choose = fleet.prefill_policy.choose
+
+    def spy(rr, cands, now):
+        seen.extend((w.load.num_blocks, w.load.kv_usage) for w in cands)
+        return choose(rr, cands, now)
+
+    fleet.prefill_policy.choose = spy
+    fleet.run(reqs)
+    blocks = GPU_LIKE.cache_tokens // 512
+    assert seen and all(nb == blocks for nb, _ in seen)
+    assert any(usage > 0 for _, usage in seen)

@@ -122,3 +122,46 @@ async def test_recent_decisions_are_bounded():
     last = router.recent_decisions[-1]
     assert last["request_id"] == "r249" and last["worker"] == "a" and last["policy"] == "round_robin"
     assert set(last) >= {"time", "model", "reason", "predicted_cached_tokens"}
+
+
+class HashingTracker:
+    """Gives each prompt word one block hash (chained by position, as the real hasher); no index."""
+
+    async def annotate(self, r, body, endpoint, candidates):
+        words = body["prompt"].split()
+        r.block_hashes = [hash(tuple(words[: i + 1])) for i in range(len(words))]
+        r.prompt_tokens = len(words) * r.block_size
+
+    async def on_routed(self, r, decision, now):
+        pass
+
+
+async def test_prefixes_in_flight_are_credited_and_charged_once():
+    """A copy of a prompt sent while the first is still prefilling on a worker finds those blocks
+    cached when it starts (engines admit in order): kv_aware credits them, the copy is charged only
+    for its own tail, and once the first token is out the ledger forgets the prefix."""
+    from orchestrator.router.policies.kv_aware import KvAwarePolicy
+
+    a, b = Worker("a", "http://a", models=["m"]), Worker("b", "http://b", models=["m"])
+    router = Router(KvAwarePolicy(seed=0), FleetRegistry([a, b], configured_models=["m"]), VirtualClock(0.0),
+                    None, HashingTracker())
+    shared = " ".join(f"s{i}" for i in range(40))
+    r1 = RouteRequest("r1", "m", 1, block_size=32)
+    d1 = await router.route(r1, {"prompt": shared + " x1 x2"}, "/v1/completions")
+    router.begin(d1, r1)
+    holder, other = d1.worker, (b if d1.worker is a else a)
+    assert holder.inflight_prefill_tokens == 42 * 32
+    r2 = RouteRequest("r2", "m", 1, block_size=32)
+    d2 = await router.route(r2, {"prompt": shared + " y1 y2"}, "/v1/completions")
+    assert r2.inflight_overlaps == {holder.id: 40}
+    assert d2.worker is holder and d2.predicted_cached_tokens == 40 * 32
+    router.begin(d2, r2)
+    assert holder.inflight_prefill_tokens == 42 * 32 + 2 * 32  # the copy pays for its tail only
+    assert other.inflight_prefill_tokens == 0
+    router.first_token(d1, r1)
+    router.first_token(d2, r2)
+    r3 = RouteRequest("r3", "m", 1, block_size=32)
+    await router.route(r3, {"prompt": shared + " z"}, "/v1/completions")
+    assert r3.inflight_overlaps == {}  # from now on the KV-event index speaks for those blocks
+    assert (a.inflight_prefill_tokens, b.inflight_prefill_tokens) == (0, 0)
+    assert len(router.inflight) == 0

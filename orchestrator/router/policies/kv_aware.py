@@ -1,23 +1,34 @@
 """kv_aware: send a request where its prompt is cached, unless that worker is the bottleneck.
 
-Per candidate the policy estimates the work the request would add and wait behind, in KV blocks:
+Per candidate the policy estimates, in KV blocks, the work the request would wait behind and add:
 
-    prefill = max(queued_prefill_blocks + request_blocks - overlap_credit, 0)
-    decode  = active_blocks + request_blocks
-    cost    = prefill_load_weight * prefill + decode_load_weight * decode
+    uncached = request_blocks - credit
+    cost     = prefill_load_weight * (queued_prefill_blocks + recompute_weight * uncached)
+             + decode_load_weight * (active_blocks + request_blocks)
 
-``overlap_credit`` is the worker's consecutive cached prefix, each block credited by its tier
-(device 1.0, host 0.75, disk 0.25 by default). ``queued_prefill_blocks`` is the uncached prompt
-work already dispatched to the worker and not yet prefilled: this gateway's own
-(``Worker.inflight_prefill_tokens``) plus other replicas' (shared through Redis), or the engine's
-waiting requests × this request's uncached size there when that is larger. ``active_blocks`` is the KV the worker is already using
-(``kv_usage × num_blocks`` from its scrape) or, when larger, the requests in flight × this
-request's uncached size (fresher than a scrape during a burst).
+``credit`` is the worker's consecutive cached prefix, each block credited by its tier (device 1.0,
+host 0.75, disk 0.25 by default), or, when longer, the prefix a prefill this gateway already sent
+there is still computing (``RouteRequest.inflight_overlaps``, from ``router.inflight``): the engine
+admits in order and finds those blocks cached when it starts this one, so the request is charged
+only for the rest. ``queued_prefill_blocks`` is the uncached prompt work already dispatched to the
+worker and not yet prefilled: this gateway's own (``Worker.inflight_prefill_tokens``) plus other
+replicas' (shared through Redis), or the engine's waiting requests × this request's uncached size
+there when that is larger. ``active_blocks`` is the KV the worker's running requests read every
+decode step: ``kv_usage × num_blocks`` from its scrape or, when larger, requests in flight × this
+request's size (fresher than a scrape during a burst).
+
+Why the weights (measured in docs/benchmarks.md): waiting behind a queue costs only this request,
+but computing a prefix again that another worker holds costs the fleet prefill time every later
+request waits for, so own uncached blocks weigh ``recompute_weight`` = 2 times a queued block. A
+decode step reads a block of KV far faster than a prefill computes one (on an H100-class GPU,
+~40 ns vs ~83 µs per token per step), so running work weighs ``decode_load_weight`` = 0.1: enough
+to spread long decodes, not enough to push a request off its prefix.
 
 Why this does not pile onto one worker when every prompt shares a system prompt: the prefix only
-saves ``overlap_credit`` blocks, and each request sent to the holder adds its uncached blocks to the
-holder's queue, so once the queue exceeds the saving a cold worker is cheaper; it then caches the
-prefix too and the fleet shares the load (tests/unit/test_kv_policy.py checks the spread).
+saves ``credit`` blocks, and each request sent to the holder adds its uncached blocks to the
+holder's queue and its whole context to the holder's decode load, so once those exceed the saving a
+cold worker is cheaper; it then caches the prefix too and the fleet shares the load
+(tests/unit/test_kv_policy.py replays it).
 
 Ties go to a seeded random choice among equals (never "the first worker"). With
 ``temperature > 0`` the choice is a seeded softmax over ``-cost / max_cost / temperature``.
@@ -72,13 +83,21 @@ class KvAwarePolicy:
     def cost_of(self, req: RouteRequest, w: Worker, overlap: Overlap | None, peer: PeerLoad | None) -> WorkerCost:
         bs = max(1, req.block_size)
         request_blocks = math.ceil(max(req.prompt_tokens, 0) / bs)
-        return self._cost(request_blocks, bs, w, overlap, peer)
+        return self._cost(request_blocks, bs, w, overlap, peer, req.inflight_overlaps.get(w.id, 0))
 
     def _cost(self, request_blocks: int, bs: int, w: Worker, overlap: Overlap | None,
-              peer: PeerLoad | None) -> WorkerCost:
+              peer: PeerLoad | None, inflight_blocks: int = 0) -> WorkerCost:
         credit = 0.0
+        matched = 0
         if overlap is not None:
-            credit = overlap.weighted_blocks if overlap.weighted_blocks < request_blocks else float(request_blocks)
+            credit = overlap.weighted_blocks
+            matched = overlap.blocks
+        if inflight_blocks > credit:  # a prefill in flight there computes these blocks before this one starts
+            credit = float(inflight_blocks)
+        if inflight_blocks > matched:
+            matched = inflight_blocks
+        if credit > request_blocks:
+            credit = float(request_blocks)
         load = w.load
         if peer is None:
             queued_blocks = w.inflight_prefill_tokens / bs
@@ -86,26 +105,27 @@ class KvAwarePolicy:
         else:
             queued_blocks = (w.inflight_prefill_tokens + peer.prefill_tokens) / bs
             inflight = w.inflight + peer.inflight
-        # Requests on this worker look like this one there (same tenants, same prefixes): each
-        # queued or running request is taken to need about this request's uncached blocks.
+        # Requests waiting on this worker look like this one there (same tenants, same prefixes):
+        # each is taken to need about this request's uncached blocks.
         uncached = request_blocks - credit
         per_request = uncached if uncached > 1.0 else 1.0
         # The engine's own queue also counts traffic from outside this gateway; take the larger view.
         engine_waiting_blocks = load.waiting * per_request
         if engine_waiting_blocks > queued_blocks:
             queued_blocks = engine_waiting_blocks
+        if uncached < 0.0:
+            uncached = 0.0
         prefill = queued_blocks + uncached
-        if prefill < 0.0:
-            prefill = 0.0
         running = inflight if inflight > load.running else load.running
         kv_blocks = load.kv_usage * load.num_blocks if load.num_blocks else 0.0
-        # Fresher than a scrape: each running request holds about this request's uncached size.
-        active = running * per_request
+        # Fresher than a scrape: each running request reads about this request's context per step.
+        active = running * request_blocks
         if kv_blocks > active:
             active = kv_blocks
         cfg = self.config
-        cost = cfg.prefill_load_weight * prefill + cfg.decode_load_weight * (active + request_blocks)
-        return WorkerCost(w, cost, overlap.blocks if overlap is not None else 0, credit, prefill, active)
+        cost = (cfg.prefill_load_weight * (queued_blocks + cfg.recompute_weight * uncached)
+                + cfg.decode_load_weight * (active + request_blocks))
+        return WorkerCost(w, cost, matched, credit, prefill, active)
 
     # --- the choice -----------------------------------------------------------------------------
     def choose(self, req: RouteRequest, candidates: Sequence[Worker], now: float) -> RouteDecision:
@@ -114,7 +134,9 @@ class KvAwarePolicy:
         bs = max(1, req.block_size)
         request_blocks = math.ceil(max(req.prompt_tokens, 0) / bs)
         cost = self._cost
-        costs = [cost(request_blocks, bs, w, overlaps.get(w.id), peers.get(w.id)) for w in candidates]
+        inflight = req.inflight_overlaps
+        costs = [cost(request_blocks, bs, w, overlaps.get(w.id), peers.get(w.id), inflight.get(w.id, 0))
+                 for w in candidates]
         best_cost = min(c.cost for c in costs)
         chosen: WorkerCost | None = None
         why = ""

@@ -1,0 +1,110 @@
+"""Prefill work this gateway has dispatched and not yet seen finish: the router's fresh view of load.
+
+A scrape is up to a second old and the prefix index only learns a block once the engine stores it,
+so for the work it sent itself the router keeps its own books, per worker:
+
+- **uncached prompt tokens** still to prefill (``Worker.inflight_prefill_tokens``), charged when a
+  request is dispatched and released at its first token (or when it ends without one);
+- **prefixes in flight**: the chained block hashes of those prompts. An engine admits requests in
+  order and re-checks its prefix cache when it starts one (vLLM caches a step's blocks as it
+  schedules them), so a request sent behind an in-flight prompt that shares its first N blocks will
+  find those N blocks cached when it starts. ``covered`` says how many, per worker; the policy
+  credits them like cached blocks, and the request is charged only for the rest, so copies of one
+  prefix queued on a worker are counted once, not once per copy.
+
+The live ``Router`` and the virtual-time fleet use this same ledger, so both see the same load.
+No I/O, no clock: plain bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from orchestrator.fleet.worker import Worker
+
+MAX_PER_WORKER = 4096  # in-flight prompts remembered per worker (oldest forgotten beyond: a lost release must not grow this)
+
+
+@dataclass
+class _Charge:
+    worker: Worker
+    tokens: int
+    blocks: tuple[int, ...]
+
+
+class InflightLedger:
+    def __init__(self, max_per_worker: int = MAX_PER_WORKER) -> None:
+        self.max_per_worker = max_per_worker
+        self._charges: dict[Hashable, _Charge] = {}
+        self._per_worker: dict[str, dict[Hashable, None]] = {}  # worker id → keys, oldest first
+        self._refs: dict[str, dict[int, int]] = {}  # worker id → block hash → in-flight prompts holding it
+
+    def covered(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """Leading blocks of ``block_hashes`` that some in-flight prompt on the worker is computing.
+
+        Hashes are chained (each covers its whole prefix), so the first miss ends the run."""
+        refs = self._refs.get(worker_id)
+        if not refs:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in refs:
+                break
+            n += 1
+        return n
+
+    def covered_by_worker(self, workers: Sequence[Worker], block_hashes: Sequence[int]) -> dict[str, int]:
+        """``covered`` for each worker that has any (workers with nothing in flight are skipped)."""
+        if not block_hashes or not self._refs:
+            return {}
+        out = {}
+        for w in workers:
+            n = self.covered(w.id, block_hashes)
+            if n:
+                out[w.id] = n
+        return out
+
+    def charge(self, key: Hashable, worker: Worker, tokens: int, block_hashes: Sequence[int] = ()) -> None:
+        """Dispatched: ``tokens`` uncached prompt tokens and the prompt's blocks are now in flight on ``worker``."""
+        self.release(key)
+        tokens = max(0, tokens)
+        c = _Charge(worker, tokens, tuple(block_hashes))
+        self._charges[key] = c
+        worker.inflight_prefill_tokens += tokens
+        keys = self._per_worker.setdefault(worker.id, {})
+        keys[key] = None
+        if c.blocks:
+            refs = self._refs.setdefault(worker.id, {})
+            for h in c.blocks:
+                refs[h] = refs.get(h, 0) + 1
+        if len(keys) > self.max_per_worker:
+            self.release(next(iter(keys)))
+
+    def release(self, key: Hashable) -> int | None:
+        """Prefilled (or ended without a first token): undo ``charge``; the tokens released, or None
+        when nothing was charged under ``key`` (idempotent)."""
+        c = self._charges.pop(key, None)
+        if c is None:
+            return None
+        w = c.worker
+        w.inflight_prefill_tokens = max(0, w.inflight_prefill_tokens - c.tokens)
+        keys = self._per_worker.get(w.id)
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self._per_worker[w.id]
+        if c.blocks:
+            refs = self._refs[w.id]
+            for h in c.blocks:
+                left = refs[h] - 1
+                if left:
+                    refs[h] = left
+                else:
+                    del refs[h]
+            if not refs:
+                del self._refs[w.id]
+        return c.tokens
+
+    def __len__(self) -> int:
+        return len(self._charges)
