@@ -1,8 +1,9 @@
 """Routing decision cost for prefix-aware routing: an 8k-token prompt over 64 workers.
 
 One decision = hash the prompt's blocks + look up every candidate's cached prefix in the index +
-the kv_aware policy's choice (the work PrefixTracker.annotate and KvAwarePolicy.choose do once the
-token ids are known). Measured with the in-memory index and with Redis (a real redis-server this
+the prefixes this gateway has in flight on each worker (``router.inflight``: two prompts sharing
+the system prompt in flight on every worker) + the kv_aware policy's choice (the work
+PrefixTracker.annotate, Router.route and KvAwarePolicy.choose do once the token ids are known). Measured with the in-memory index and with Redis (a real redis-server this
 script starts on a free loopback port). Tokenization is measured separately (local tokenizer files,
 simulator tokenizer) since it depends on the model.
 
@@ -37,6 +38,7 @@ from orchestrator.kv.index import PrefixIndex
 from orchestrator.kv.memory_index import MemoryPrefixIndex
 from orchestrator.kv.redis_index import RedisPrefixIndex
 from orchestrator.kv.shared_load import SharedLoad
+from orchestrator.router.inflight import InflightLedger
 from orchestrator.router.policies.kv_aware import KvAwarePolicy
 from orchestrator.router.types import RouteRequest
 
@@ -50,7 +52,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def fill(index: PrefixIndex, workers: int, prompts_per_worker: int, tokens: int, rng: random.Random,
-               hasher: BlockHasher) -> list[int]:
+               hasher: BlockHasher) -> tuple[list[int], list[int]]:
+    """Fill the index; the measured request's token ids and the shared system prompt."""
     system = [rng.randrange(50_000) for _ in range(2048)]
     target: list[int] = []
     for w in range(workers):
@@ -61,11 +64,22 @@ async def fill(index: PrefixIndex, workers: int, prompts_per_worker: int, tokens
             await index.store(f"w{w}", hasher.hash_blocks(prompt))
     # The request: the system prompt + the first half of worker 7's prompt + a fresh tail.
     half = len(system) + (tokens - len(system)) // 2
-    return target[:half] + [rng.randrange(50_000) for _ in range(tokens - half)]
+    return target[:half] + [rng.randrange(50_000) for _ in range(tokens - half)], system
+
+
+def inflight_ledger(workers: list[Worker], system: list[int], tokens: int, hasher: BlockHasher) -> InflightLedger:
+    """Two prompts sharing the system prompt in flight on every worker (each lookup walks that far)."""
+    rng = random.Random(2)
+    ledger = InflightLedger()
+    for w in workers:
+        for k in range(2):
+            prompt = system + [rng.randrange(50_000) for _ in range(tokens - len(system))]
+            ledger.charge((w.id, k), w, tokens - len(system), hasher.hash_blocks(prompt))
+    return ledger
 
 
 async def measure(index: PrefixIndex, request_ids: list[int], workers: list[Worker], iterations: int,
-                  hasher: BlockHasher, shared: SharedLoad | None = None) -> dict[str, float]:
+                  hasher: BlockHasher, ledger: InflightLedger, shared: SharedLoad | None = None) -> dict[str, float]:
     """``shared``: also read other replicas' in-flight load, concurrently, as PrefixTracker does."""
     policy = KvAwarePolicy(KvAwareConfig(), seed=0)
     totals, lookups, hashes_t, cpu = [], [], [], []
@@ -82,7 +96,8 @@ async def measure(index: PrefixIndex, request_ids: list[int], workers: list[Work
             overlaps, _peers = await asyncio.gather(index.overlaps(hashes, workers=ids), shared.peer_loads(ids))
         t2 = time.perf_counter()
         req = RouteRequest(request_id=str(i), model="m", prompt_tokens=len(request_ids), block_size=BS,
-                           token_ids=request_ids, block_hashes=hashes, overlaps=overlaps)
+                           token_ids=request_ids, block_hashes=hashes, overlaps=overlaps,
+                           inflight_overlaps=ledger.covered_by_worker(workers, hashes))
         d = policy.choose(req, workers, 0.0)
         t3 = time.perf_counter()
         c3 = time.thread_time()
@@ -164,24 +179,25 @@ async def main() -> None:
     print(f"# {args.workers} workers, {args.tokens}-token prompt ({args.tokens // BS} blocks), "
           f"{args.iterations} decisions per backend")
     mem = MemoryPrefixIndex()
-    ids = await fill(mem, args.workers, args.prompts_per_worker, args.tokens, random.Random(0), hasher)
-    print(f"memory: {await mem.size()} index entries")
-    for k, v in (await measure(mem, ids, workers, args.iterations, hasher)).items():
+    ids, system = await fill(mem, args.workers, args.prompts_per_worker, args.tokens, random.Random(0), hasher)
+    ledger = inflight_ledger(workers, system, args.tokens, hasher)
+    print(f"memory: {await mem.size()} index entries, {len(ledger)} prompts in flight")
+    for k, v in (await measure(mem, ids, workers, args.iterations, hasher, ledger)).items():
         print(f"  memory {k}: {v:.3f}")
     if not args.skip_redis:
         proc, port, workdir = start_redis()
         try:
             red = RedisPrefixIndex(f"redis://127.0.0.1:{port}/0", key_prefix="bench")
-            ids = await fill(red, args.workers, args.prompts_per_worker, args.tokens, random.Random(0), hasher)
+            ids, _ = await fill(red, args.workers, args.prompts_per_worker, args.tokens, random.Random(0), hasher)
             await asyncio.sleep(2.0)  # Redis rehashes its keyspace incrementally after the bulk load
             print(f"redis: {await red.size()} index entries")
-            for k, v in (await measure(red, ids, workers, args.iterations, hasher)).items():
+            for k, v in (await measure(red, ids, workers, args.iterations, hasher, ledger)).items():
                 print(f"  redis {k}: {v:.3f}")
             shared = SharedLoad(red.client, "bench")
             for i in range(0, args.workers, 4):  # another replica has requests in flight on some workers
                 await shared.reserve(f"r{i}", f"w{i}", 1000)
             shared.replica_id = "this-replica"
-            for k, v in (await measure(red, ids, workers, args.iterations, hasher, shared)).items():
+            for k, v in (await measure(red, ids, workers, args.iterations, hasher, ledger, shared)).items():
                 if k.startswith(("decision", "lookup")):
                     print(f"  redis+peer_load {k}: {v:.3f}")
             await red.close()

@@ -43,16 +43,20 @@ class InflightLedger:
     def covered(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         """Leading blocks of ``block_hashes`` that some in-flight prompt on the worker is computing.
 
-        Hashes are chained (each covers its whole prefix), so the first miss ends the run."""
+        Hashes are chained (each names its whole prefix) and the books hold whole prompts from
+        their first block, so "block i is in flight" implies it for every block before i: a binary
+        search finds the run's end in O(log n) lookups, whatever the prompt's length."""
         refs = self._refs.get(worker_id)
-        if not refs:
+        if not refs or not block_hashes or block_hashes[0] not in refs:
             return 0
-        n = 0
-        for h in block_hashes:
-            if h not in refs:
-                break
-            n += 1
-        return n
+        lo, hi = 1, len(block_hashes)  # hashes[:lo] are in flight; the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if block_hashes[mid - 1] in refs:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def covered_by_worker(self, workers: Sequence[Worker], block_hashes: Sequence[int]) -> dict[str, int]:
         """``covered`` for each worker that has any (workers with nothing in flight are skipped)."""

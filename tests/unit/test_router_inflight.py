@@ -36,3 +36,31 @@ def test_recharging_a_key_replaces_it_and_the_per_worker_cap_forgets_the_oldest(
     assert len(led) == 3  # a lost release must not grow the books forever
     assert a.inflight_prefill_tokens == 30
     assert led.covered("a", [104]) == 1 and led.covered("a", [2]) == 0
+
+
+def test_binary_search_matches_a_linear_walk_on_chained_prompts():
+    import random
+
+    from orchestrator.kv.hashing import BlockHasher
+
+    rng = random.Random(3)
+    hasher = BlockHasher("m", 4)
+    workers = [Worker(f"w{i}", f"http://w{i}") for i in range(3)]
+    led = InflightLedger()
+    base = [rng.randrange(20) for _ in range(40)]
+    prompts = []
+    for k in range(30):  # prompts sharing prefixes of random lengths with a common base
+        cut = rng.randrange(len(base) + 1)
+        p = base[:cut] + [rng.randrange(20) for _ in range(rng.randrange(0, 30))]
+        prompts.append(hasher.hash_blocks(p))
+        if k % 2 == 0:
+            led.charge(k, rng.choice(workers), 1, prompts[-1])
+    for hashes in prompts:
+        for w in workers:
+            refs = led._refs.get(w.id, {})
+            linear = 0
+            for h in hashes:
+                if h not in refs:
+                    break
+                linear += 1
+            assert led.covered(w.id, hashes) == linear
