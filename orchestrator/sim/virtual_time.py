@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from adapters.base import EngineKind, Role
 from orchestrator.clock import VirtualClock
-from orchestrator.config import RouterConfig
+from orchestrator.config import KvAwareConfig, RouterConfig
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.planner.core import Action, PlanDecision, WorkerView
 from orchestrator.planner.metrics_source import PEAK_WINDOW_S, Observation
@@ -250,11 +250,12 @@ class VirtualFleet:
     def __init__(self, profile: EngineProfile, spec: FleetSpec, *, policy: str = "least_load",
                  scaler: Scaler | None = None, interval_s: float = 30.0, start_s: float = 60.0,
                  role_change_s: float = 5.0, block_tokens: int = 512, seed: int = 0,
-                 on_decision: Callable[[PlanDecision], None] | None = None) -> None:
+                 on_decision: Callable[[PlanDecision], None] | None = None,
+                 kv_aware: KvAwareConfig | None = None) -> None:
         self.profile = profile
         self.clock = VirtualClock()
         self.block_tokens = block_tokens
-        self.router_config = RouterConfig(policy=policy, seed=seed)
+        self.router_config = RouterConfig(policy=policy, seed=seed, kv_aware=kv_aware or KvAwareConfig())
         self.prefill_policy = make_policy(self.router_config)
         self.decode_policy = make_policy(self.router_config)
         self.kv_aware = policy == "kv_aware"

@@ -56,3 +56,19 @@ def test_virtual_workers_report_what_a_live_scrape_reports() -> None:
     blocks = GPU_LIKE.cache_tokens // 512
     assert seen and all(nb == blocks for nb, _ in seen)
     assert any(usage > 0 for _, usage in seen)
+
+
+def test_chat_turns_share_their_history_as_prefix_blocks() -> None:
+    from orchestrator.bench.fleet_virtual import chat_requests
+
+    hist = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]
+    turn2 = hist + [{"role": "assistant", "content": " ".join(f"a{i}" for i in range(20))},
+                    {"role": "user", "content": "more please"}]
+    other = [{"role": "user", "content": " ".join(f"x{i}" for i in range(40))}]
+    reqs = chat_requests([TraceRequest(index=i, arrival_s=float(i), input_len=0, output_len=8, messages=tuple(m))
+                          for i, m in enumerate((hist, turn2, other))], block_tokens=16)
+    first, second, third = reqs
+    assert (first.isl, len(first.blocks)) == (40, 2) and (second.isl, len(second.blocks)) == (62, 3)
+    assert second.blocks[:2] == first.blocks and not set(third.blocks) & set(first.blocks)
+    kv = run_virtual_routing(reqs, GPU_LIKE, workers=2, policy="kv_aware")
+    assert kv["finished"] == 3 and kv["itl_s"]["mean"] is not None
