@@ -86,11 +86,15 @@ def pd_pools(candidates: Sequence[Worker]) -> tuple[list[Worker], list[Worker]]:
 
 
 def cached_tokens(req: RouteRequest, worker: Worker) -> int:
-    """Prompt tokens ``worker`` is credited with holding (tier-weighted), never more than the prompt."""
+    """Prompt tokens ``worker`` is credited with holding (tier-weighted, or the prefix a prefill sent
+    there is still computing when that is longer: ``router.inflight``), never more than the prompt."""
     ov = req.overlaps.get(worker.id)
-    if ov is None:
-        return 0
-    credit = ov.weighted_blocks if ov.weighted_blocks else float(ov.blocks)
+    credit = 0.0
+    if ov is not None:
+        credit = ov.weighted_blocks if ov.weighted_blocks else float(ov.blocks)
+    inflight = req.inflight_overlaps.get(worker.id, 0)
+    if inflight > credit:
+        credit = float(inflight)
     return min(req.prompt_tokens, int(credit * req.block_size))
 
 
