@@ -82,7 +82,7 @@ def main() -> int:
             cfg = KvAwareConfig(decode_load_weight=dw, recompute_weight=rw)
             runs = [run_virtual_routing(reqs, GPU_LIKE, policy="kv_aware", seed=s, kv_aware=cfg) for s in seeds]
             default = " (default)" if (dw, rw) == (KvAwareConfig().decode_load_weight, KvAwareConfig().recompute_weight) else ""
-            print(f"  kv_aware decode {dw:g} recompute {rw:g}{default:<10}{summarize(runs, ideal)}", flush=True)
+            print(f"  kv_aware decode {dw:g} recompute {rw:g}{default:<11}{summarize(runs, ideal)}", flush=True)
     return 0
 
 

@@ -90,7 +90,7 @@ class PdVirtualFleet(VirtualFleet):
         sw.worker.inflight += 1
         req.prefill_worker = sw.worker.id
         sw.engine.submit_prefill(req, now)
-        self._charge_prefill(req, Role.PREFILL, sw, decision.predicted_cached_tokens)
+        self._charge_prefill(req, Role.PREFILL, sw, decision.predicted_cached_tokens, now)
         self._schedule_engine(sw)
 
 

@@ -35,6 +35,9 @@ class Worker:
     # The gateway's own accounting (fresher than any scrape):
     inflight: int = 0  # requests dispatched and not finished
     inflight_prefill_tokens: int = 0  # uncached prompt tokens dispatched whose first token has not come back
+    # ...of which the worker has probably not computed yet (router.inflight drains it at a learned
+    # rate; None until the ledger has seen the worker: then it is all of inflight_prefill_tokens)
+    prefill_backlog_tokens: float | None = None
     # Health bookkeeping:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -48,6 +51,12 @@ class Worker:
     bootstrap_port: int | None = None
     configured_models: bool = False  # models came from config (else discovered from the engine)
     kv_events: KvEventsConfig | None = None  # where the engine publishes KV events, if it does
+
+    @property
+    def queued_prefill_tokens(self) -> float:
+        """Uncached prompt tokens this gateway sent that the worker has probably still to prefill."""
+        b = self.prefill_backlog_tokens
+        return float(self.inflight_prefill_tokens) if b is None else b
 
     def serves(self, model: str) -> bool:
         return model in self.models

@@ -12,8 +12,16 @@ so for the work it sent itself the router keeps its own books, per worker:
   credits them like cached blocks, and the request is charged only for the rest, so copies of one
   prefix queued on a worker are counted once, not once per copy.
 
+- **the backlog still to compute** (``Worker.prefill_backlog_tokens``, read as ``queued_prefill_tokens``): a charge is released only
+  at the first token, so a worker halfway through a 60k-token prompt would look as busy as one that
+  has not started. Each worker is modelled as a first-come-first-served prefill server: the ledger
+  learns its rate from the releases it sees (tokens of a request / the time from when it could
+  start — its dispatch or the previous first token, whichever is later — to its own first token),
+  and between events drains the backlog at that rate; never below zero, never above what is still
+  charged. Until a worker has a rate the backlog is the charge.
+
 The live ``Router`` and the virtual-time fleet use this same ledger, so both see the same load.
-No I/O, no clock: plain bookkeeping.
+No I/O and no clock of its own: the caller passes ``now``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 from orchestrator.fleet.worker import Worker
 
 MAX_PER_WORKER = 4096  # in-flight prompts remembered per worker (oldest forgotten beyond: a lost release must not grow this)
+RATE_MEMORY = 0.9  # weight of the past in the learned prefill rate, per observed release
 
 
 @dataclass
@@ -31,6 +40,30 @@ class _Charge:
     worker: Worker
     tokens: int
     blocks: tuple[int, ...]
+    at: float | None  # when it was dispatched
+
+
+@dataclass
+class _Server:
+    """One worker as a FIFO prefill server: learned rate and the backlog estimate."""
+
+    tokens_seen: float = 0.0  # decayed sums behind the rate (tokens / busy seconds)
+    seconds_seen: float = 0.0
+    backlog: float = 0.0
+    since: float | None = None  # when ``backlog`` was last brought up to date
+    last_release: float | None = None
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens_seen / self.seconds_seen if self.seconds_seen > 0 and self.tokens_seen > 0 else None
+
+    def drain(self, now: float | None) -> None:
+        if now is None:
+            return
+        rate = self.rate
+        if rate is not None and self.since is not None and now > self.since and self.backlog > 0:
+            self.backlog = max(0.0, self.backlog - rate * (now - self.since))
+        self.since = now if self.since is None or now > self.since else self.since
 
 
 class InflightLedger:
@@ -39,6 +72,27 @@ class InflightLedger:
         self._charges: dict[Hashable, _Charge] = {}
         self._per_worker: dict[str, dict[Hashable, None]] = {}  # worker id → keys, oldest first
         self._refs: dict[str, dict[int, int]] = {}  # worker id → block hash → in-flight prompts holding it
+        self._servers: dict[str, _Server] = {}
+
+    def rate(self, worker_id: str) -> float | None:
+        """The worker's learned prefill rate in tokens per second (None before its first release)."""
+        s = self._servers.get(worker_id)
+        return s.rate if s is not None else None
+
+    def refresh(self, workers: Sequence[Worker], now: float) -> None:
+        """Bring each worker's ``prefill_backlog_tokens`` up to ``now`` (call before a decision)."""
+        for w in workers:
+            s = self._servers.get(w.id)
+            if s is None:
+                continue  # never charged here: queued_prefill_tokens is the charge
+            s.drain(now)
+            self._publish(w, s)
+
+    @staticmethod
+    def _publish(w: Worker, s: _Server) -> None:
+        if s.backlog > w.inflight_prefill_tokens:
+            s.backlog = float(w.inflight_prefill_tokens)
+        w.prefill_backlog_tokens = s.backlog
 
     def covered(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         """Leading blocks of ``block_hashes`` that some in-flight prompt on the worker is computing.
@@ -69,13 +123,19 @@ class InflightLedger:
                 out[w.id] = n
         return out
 
-    def charge(self, key: Hashable, worker: Worker, tokens: int, block_hashes: Sequence[int] = ()) -> None:
-        """Dispatched: ``tokens`` uncached prompt tokens and the prompt's blocks are now in flight on ``worker``."""
+    def charge(self, key: Hashable, worker: Worker, tokens: int, block_hashes: Sequence[int] = (),
+               now: float | None = None) -> None:
+        """Dispatched at ``now``: ``tokens`` uncached prompt tokens and the prompt's blocks are now
+        in flight on ``worker``."""
         self.release(key)
         tokens = max(0, tokens)
-        c = _Charge(worker, tokens, tuple(block_hashes))
+        c = _Charge(worker, tokens, tuple(block_hashes), now)
         self._charges[key] = c
         worker.inflight_prefill_tokens += tokens
+        s = self._servers.setdefault(worker.id, _Server())
+        s.drain(now)
+        s.backlog += tokens
+        self._publish(worker, s)
         keys = self._per_worker.setdefault(worker.id, {})
         keys[key] = None
         if c.blocks:
@@ -85,14 +145,25 @@ class InflightLedger:
         if len(keys) > self.max_per_worker:
             self.release(next(iter(keys)))
 
-    def release(self, key: Hashable) -> int | None:
-        """Prefilled (or ended without a first token): undo ``charge``; the tokens released, or None
-        when nothing was charged under ``key`` (idempotent)."""
+    def release(self, key: Hashable, now: float | None = None, prefilled: bool = True) -> int | None:
+        """Prefilled at ``now`` (or ended without a first token: ``prefilled=False``, nothing is
+        learned from it): undo ``charge``; the tokens released, or None when nothing was charged
+        under ``key`` (idempotent)."""
         c = self._charges.pop(key, None)
         if c is None:
             return None
         w = c.worker
         w.inflight_prefill_tokens = max(0, w.inflight_prefill_tokens - c.tokens)
+        s = self._servers.get(w.id)
+        if s is not None:
+            if prefilled and now is not None and c.at is not None:
+                start = c.at if s.last_release is None or s.last_release < c.at else s.last_release
+                if now > start:
+                    s.tokens_seen = RATE_MEMORY * s.tokens_seen + c.tokens
+                    s.seconds_seen = RATE_MEMORY * s.seconds_seen + (now - start)
+                s.last_release = now
+            s.drain(now)
+            self._publish(w, s)
         keys = self._per_worker.get(w.id)
         if keys is not None:
             keys.pop(key, None)

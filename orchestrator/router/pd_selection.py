@@ -107,7 +107,7 @@ def can_prefill_locally(worker: Worker) -> bool:
 def prefill_cost(req: RouteRequest, worker: Worker) -> float:
     """Tokens this worker would have to prefill before this request's first token is ready."""
     uncached = req.prompt_tokens - cached_tokens(req, worker)
-    return float(worker.inflight_prefill_tokens + max(uncached, 0))
+    return float(worker.queued_prefill_tokens + max(uncached, 0))
 
 
 def decode_cost(worker: Worker, settings: PdSelectionSettings, prefill: Worker | None = None) -> float:

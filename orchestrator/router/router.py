@@ -76,16 +76,16 @@ class Router:
             reason = "every worker serving it is unhealthy, draining or already failed this request" \
                 if served else "no worker serves it"
             raise NoHealthyWorker(req.model, retry_after=self.retry_after_s, reason=reason)
+        scope = candidates  # the workers the decision may involve
+        if any(w.role is Role.DECODE for w in candidates):  # P/D: prefill workers' load and overlaps steer the pair
+            scope = candidates + [w for w in self.fleet.candidates(req.model, Role.PREFILL) if w.role is Role.PREFILL]
         tracker = self.prefix_tracker
         if tracker is not None:
-            annotate_for = candidates
-            if any(w.role is Role.DECODE for w in candidates):  # P/D: prefill workers' overlaps steer the pair
-                annotate_for = candidates + [w for w in self.fleet.candidates(req.model, Role.PREFILL)
-                                             if w.role is Role.PREFILL]
-            await tracker.annotate(req, body, endpoint, annotate_for)
+            await tracker.annotate(req, body, endpoint, scope)
             if req.block_hashes:
-                req.inflight_overlaps = self.inflight.covered_by_worker(annotate_for, req.block_hashes)
+                req.inflight_overlaps = self.inflight.covered_by_worker(scope, req.block_hashes)
         now = self.clock.now()
+        self.inflight.refresh(scope, now)
         decision = self.policy.choose(req, candidates, now)
         if tracker is not None:
             await tracker.on_routed(req, decision, now)
@@ -119,18 +119,19 @@ class Router:
         decision.worker.inflight += 1
         pw = self._prefill_worker(decision)
         tokens = req.prompt_tokens - decision.predicted_cached_tokens
-        self.inflight.charge((id(req), pw.id), pw, tokens, req.block_hashes)
+        self.inflight.charge((id(req), pw.id), pw, tokens, req.block_hashes, self.clock.now())
 
-    def first_token(self, decision: RouteDecision, req: RouteRequest) -> None:
-        """Prefill is over: release the prompt tokens charged in ``begin`` (idempotent)."""
+    def first_token(self, decision: RouteDecision, req: RouteRequest, prefilled: bool = True) -> None:
+        """Prefill is over: release the prompt tokens charged in ``begin`` (idempotent).
+        ``prefilled=False``: the request ended without a first token (nothing to learn from)."""
         pw = self._prefill_worker(decision)
-        if self.inflight.release((id(req), pw.id)) is None:
+        if self.inflight.release((id(req), pw.id), self.clock.now(), prefilled) is None:
             return
         self._tell_tracker("on_first_token", req, decision)  # e.g. shrink a shared reservation
 
     def finish(self, decision: RouteDecision, req: RouteRequest, ok: bool) -> None:
         """The request left the worker (success, error or cancellation)."""
-        self.first_token(decision, req)
+        self.first_token(decision, req, prefilled=ok)
         decision.worker.inflight = max(0, decision.worker.inflight - 1)
         if ok:
             decision.worker.last_served_at = self.clock.now()

@@ -352,15 +352,17 @@ class VirtualFleet:
         if not cands:
             return None
         rr = self._route_request(req, cands, self.kv_aware and role is not Role.DECODE)
+        self.inflight.refresh(cands, now)
         policy = self.decode_policy if role is Role.DECODE else self.prefill_policy
         decision = policy.choose(rr, cands, now)
         return self.workers[decision.worker.id], decision
 
-    def _charge_prefill(self, req: SimRequest, role: Role, sw: SimWorker, predicted_cached_tokens: int) -> None:
+    def _charge_prefill(self, req: SimRequest, role: Role, sw: SimWorker, predicted_cached_tokens: int,
+                        now: float) -> None:
         """As the live Router's ``begin``: the uncached prompt tokens the router predicted, and the
         prompt's blocks, are in flight on ``sw`` until its first token (or hand-off)."""
         self.inflight.charge((req.id, role), sw.worker, req.isl - predicted_cached_tokens,
-                             req.blocks if self.kv_aware else ())
+                             req.blocks if self.kv_aware else (), now)
 
     def _dispatch(self, req: SimRequest, role: Role, now: float) -> None:
         routed = self._route(req, role, now)
@@ -375,7 +377,7 @@ class VirtualFleet:
         else:
             req.prefill_worker = sw.worker.id
             sw.engine.submit_prefill(req, now)
-            self._charge_prefill(req, role, sw, decision.predicted_cached_tokens)
+            self._charge_prefill(req, role, sw, decision.predicted_cached_tokens, now)
         self._schedule_engine(sw)
 
     def _drain_pending(self, now: float) -> None:
@@ -428,7 +430,7 @@ class VirtualFleet:
                 self._accrue(now)
                 del self.workers[a.worker_id]
                 for r in sw.engine.abort_all(now):
-                    self.inflight.release((r.id, sw.worker.role))
+                    self.inflight.release((r.id, sw.worker.role), now, prefilled=False)
                     self._dispatch(r, sw.worker.role, now)  # a stopped busy worker: its work moves
             elif a.kind == "set_role" and sw is not None:
                 sw.state, sw.switch_to = "switching", a.role
@@ -471,10 +473,10 @@ class VirtualFleet:
                 for ev, r, et in sw.engine.advance(t):
                     if ev == "prefilled":
                         sw.worker.inflight -= 1
-                        self.inflight.release((r.id, Role.PREFILL))
+                        self.inflight.release((r.id, Role.PREFILL), et)
                         self._push(et + self.profile.transfer_seconds(r.isl), "handoff", r)
                     elif ev == "first_token" and sw.worker.role is Role.BOTH:
-                        self.inflight.release((r.id, Role.BOTH))
+                        self.inflight.release((r.id, Role.BOTH), et)
                     elif ev == "finished":
                         sw.worker.inflight -= 1
                         self._finished_window.append(r)

@@ -64,3 +64,41 @@ def test_binary_search_matches_a_linear_walk_on_chained_prompts():
                     break
                 linear += 1
             assert led.covered(w.id, hashes) == linear
+
+
+def test_backlog_drains_at_the_rate_learned_from_first_tokens():
+    w = Worker("a", "http://a")
+    led = InflightLedger()
+    led.charge("r1", w, 1200, now=0.0)
+    assert w.queued_prefill_tokens == 1200 and led.rate("a") is None
+    led.refresh([w], 0.9)
+    assert w.queued_prefill_tokens == 1200  # no rate yet: the whole charge
+    led.release("r1", now=1.0)
+    assert led.rate("a") == 1200.0 and w.queued_prefill_tokens == 0
+    led.charge("r2", w, 2400, now=2.0)
+    led.refresh([w], 3.0)
+    assert w.queued_prefill_tokens == 1200.0  # half done, by the learned rate
+    assert w.inflight_prefill_tokens == 2400  # the charge itself stays until the first token
+    led.refresh([w], 9.0)
+    assert w.queued_prefill_tokens == 0.0  # never below zero
+    led.release("r2", now=9.0)
+    # r2 could start at 2.0 (dispatch; the previous first token was at 1.0): 2400 tokens in 7 s
+    assert led.rate("a") == (0.9 * 1200 + 2400) / (0.9 * 1.0 + 7.0)
+
+
+def test_service_starts_at_the_previous_first_token_and_failures_teach_nothing():
+    w = Worker("a", "http://a")
+    led = InflightLedger()
+    led.charge("a", w, 1000, now=0.0)
+    led.charge("b", w, 1000, now=0.5)  # queued behind a
+    led.release("a", now=1.0)
+    led.release("b", now=2.0)  # served from 1.0 (a's first token), not from its dispatch
+    assert led.rate("a") == (0.9 * 1000 + 1000) / (0.9 * 1.0 + 1.0)
+    before = led.rate("a")
+    led.charge("c", w, 5000, now=3.0)
+    led.release("c", now=3.1, prefilled=False)  # an error or a cancellation: not a prefill
+    assert led.rate("a") == before
+    assert w.queued_prefill_tokens == 0 and w.inflight_prefill_tokens == 0
+    led.charge("d", w, 300, now=10.0)
+    led.refresh([w], 10.0)
+    assert w.queued_prefill_tokens == 300  # capped by what is still charged, whatever was drained before

@@ -11,7 +11,8 @@ host 0.75, disk 0.25 by default), or, when longer, the prefix a prefill this gat
 there is still computing (``RouteRequest.inflight_overlaps``, from ``router.inflight``): the engine
 admits in order and finds those blocks cached when it starts this one, so the request is charged
 only for the rest. ``queued_prefill_blocks`` is the uncached prompt work already dispatched to the
-worker and not yet prefilled: this gateway's own (``Worker.inflight_prefill_tokens``) plus other
+worker and not yet prefilled: this gateway's own (``Worker.queued_prefill_tokens``: what it
+charged, drained at the worker's learned prefill rate, ``router.inflight``) plus other
 replicas' (shared through Redis), or the engine's waiting requests × this request's uncached size
 there when that is larger. ``active_blocks`` is the KV the worker's running requests read every
 decode step: ``kv_usage × num_blocks`` from its scrape or, when larger, requests in flight × this
@@ -100,10 +101,10 @@ class KvAwarePolicy:
             credit = float(request_blocks)
         load = w.load
         if peer is None:
-            queued_blocks = w.inflight_prefill_tokens / bs
+            queued_blocks = w.queued_prefill_tokens / bs
             inflight = w.inflight
         else:
-            queued_blocks = (w.inflight_prefill_tokens + peer.prefill_tokens) / bs
+            queued_blocks = (w.queued_prefill_tokens + peer.prefill_tokens) / bs
             inflight = w.inflight + peer.inflight
         # Requests waiting on this worker look like this one there (same tenants, same prefixes):
         # each is taken to need about this request's uncached blocks.
