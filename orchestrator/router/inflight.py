@@ -26,13 +26,22 @@ No I/O and no clock of its own: the caller passes ``now``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import heapq
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from orchestrator.fleet.worker import Worker
 
 MAX_PER_WORKER = 4096  # in-flight prompts remembered per worker (oldest forgotten beyond: a lost release must not grow this)
 RATE_MEMORY = 0.9  # weight of the past in the learned prefill rate, per observed release
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The positions of the set bits of ``mask``."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 @dataclass
@@ -73,6 +82,12 @@ class InflightLedger:
         self._per_worker: dict[str, dict[Hashable, None]] = {}  # worker id → keys, oldest first
         self._refs: dict[str, dict[int, int]] = {}  # worker id → block hash → in-flight prompts holding it
         self._servers: dict[str, _Server] = {}
+        # One bit per worker slot per block (who has it in flight), so ``covered_by_worker`` walks the
+        # request's blocks once for the whole fleet instead of once per worker.
+        self._holders: dict[int, int] = {}
+        self._slots: dict[str, int] = {}
+        self._slot_ids: list[str] = []
+        self._free_slots: list[int] = []
 
     def rate(self, worker_id: str) -> float | None:
         """The worker's learned prefill rate in tokens per second (None before its first release)."""
@@ -113,15 +128,48 @@ class InflightLedger:
         return lo
 
     def covered_by_worker(self, workers: Sequence[Worker], block_hashes: Sequence[int]) -> dict[str, int]:
-        """``covered`` for each worker that has any (workers with nothing in flight are skipped)."""
-        if not block_hashes or not self._refs:
+        """``covered`` for each of ``workers`` that has any, in one walk over the request's blocks
+        AND-ing the blocks' holder bits (a worker drops out where its run ends)."""
+        if not block_hashes or not self._holders:
             return {}
-        out = {}
+        slots = self._slots
+        active = 0
         for w in workers:
-            n = self.covered(w.id, block_hashes)
-            if n:
-                out[w.id] = n
-        return out
+            slot = slots.get(w.id)
+            if slot is not None:
+                active |= 1 << slot
+        if not active:
+            return {}
+        get = self._holders.get
+        depth: dict[int, int] = {}
+        walked = 0
+        for h in block_hashes:
+            still = get(h, 0) & active
+            if still != active:
+                if walked:
+                    for slot in _bits(active & ~still):
+                        depth[slot] = walked
+                active = still
+                if not active:
+                    break
+            walked += 1
+        if active and walked:
+            for slot in _bits(active):
+                depth[slot] = walked
+        ids = self._slot_ids
+        return {ids[slot]: n for slot, n in depth.items()}
+
+    def _slot(self, worker_id: str) -> int:
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+                self._slot_ids[slot] = worker_id
+            else:
+                slot = len(self._slot_ids)
+                self._slot_ids.append(worker_id)
+            self._slots[worker_id] = slot
+        return slot
 
     def charge(self, key: Hashable, worker: Worker, tokens: int, block_hashes: Sequence[int] = (),
                now: float | None = None) -> None:
@@ -140,8 +188,13 @@ class InflightLedger:
         keys[key] = None
         if c.blocks:
             refs = self._refs.setdefault(worker.id, {})
+            bit = 1 << self._slot(worker.id)
+            holders = self._holders
             for h in c.blocks:
-                refs[h] = refs.get(h, 0) + 1
+                n = refs.get(h, 0)
+                refs[h] = n + 1
+                if not n:
+                    holders[h] = holders.get(h, 0) | bit
         if len(keys) > self.max_per_worker:
             self.release(next(iter(keys)))
 
@@ -171,14 +224,23 @@ class InflightLedger:
                 del self._per_worker[w.id]
         if c.blocks:
             refs = self._refs[w.id]
+            slot = self._slots[w.id]
+            keep = ~(1 << slot)
+            holders = self._holders
             for h in c.blocks:
                 left = refs[h] - 1
                 if left:
                     refs[h] = left
                 else:
                     del refs[h]
-            if not refs:
-                del self._refs[w.id]
+                    m = holders[h] & keep
+                    if m:
+                        holders[h] = m
+                    else:
+                        del holders[h]
+            if not refs:  # nothing of this worker in flight: its slot is free for another
+                del self._refs[w.id], self._slots[w.id]
+                heapq.heappush(self._free_slots, slot)
         return c.tokens
 
     def __len__(self) -> int:

@@ -38,7 +38,7 @@ def test_recharging_a_key_replaces_it_and_the_per_worker_cap_forgets_the_oldest(
     assert led.covered("a", [104]) == 1 and led.covered("a", [2]) == 0
 
 
-def test_binary_search_matches_a_linear_walk_on_chained_prompts():
+def test_binary_search_and_the_fleet_walk_match_a_linear_walk_on_chained_prompts():
     import random
 
     from orchestrator.kv.hashing import BlockHasher
@@ -55,15 +55,28 @@ def test_binary_search_matches_a_linear_walk_on_chained_prompts():
         prompts.append(hasher.hash_blocks(p))
         if k % 2 == 0:
             led.charge(k, rng.choice(workers), 1, prompts[-1])
-    for hashes in prompts:
-        for w in workers:
-            refs = led._refs.get(w.id, {})
-            linear = 0
-            for h in hashes:
-                if h not in refs:
-                    break
-                linear += 1
-            assert led.covered(w.id, hashes) == linear
+    def check() -> None:
+        for hashes in prompts:
+            expected = {}
+            for w in workers:
+                refs = led._refs.get(w.id, {})
+                linear = 0
+                for h in hashes:
+                    if h not in refs:
+                        break
+                    linear += 1
+                assert led.covered(w.id, hashes) == linear
+                if linear:
+                    expected[w.id] = linear
+            assert led.covered_by_worker(workers, hashes) == expected  # the one-walk version agrees
+
+    check()
+    for k in range(0, 30, 4):  # releases free blocks (and slots, reused by later charges)
+        led.release(k)
+    check()
+    for k in range(1, 30, 6):
+        led.charge(k, rng.choice(workers), 1, prompts[k])
+    check()
 
 
 def test_backlog_drains_at_the_rate_learned_from_first_tokens():
