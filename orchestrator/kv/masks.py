@@ -12,6 +12,7 @@ whose match ends (each worker drops out at most once).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
 from orchestrator.kv.index import Tier, best_tier_weight
@@ -36,6 +37,36 @@ def slots_of(bits: int) -> Iterable[int]:
         low = bits & -bits
         yield (low.bit_length() - 1) // SLOT_BITS
         bits ^= low
+
+
+class SlotTable:
+    """Worker id ↔ slot. A freed slot is reused first (lowest first), so masks stay narrow however
+    many workers come and go (autoscaling)."""
+
+    def __init__(self) -> None:
+        self.slot_of: dict[str, int] = {}
+        self.ids: list[str] = []  # slot → worker id (stale for free slots)
+        self._free: list[int] = []  # min-heap
+
+    def assign(self, worker_id: str) -> tuple[int, bool]:
+        """The worker's slot, and whether it was assigned just now."""
+        slot = self.slot_of.get(worker_id)
+        if slot is not None:
+            return slot, False
+        if self._free:
+            slot = heapq.heappop(self._free)
+            self.ids[slot] = worker_id
+        else:
+            slot = len(self.ids)
+            self.ids.append(worker_id)
+        self.slot_of[worker_id] = slot
+        return slot, True
+
+    def free(self, worker_id: str) -> None:
+        """The worker holds nothing any more: its slot may go to another."""
+        slot = self.slot_of.pop(worker_id, None)
+        if slot is not None:
+            heapq.heappush(self._free, slot)
 
 
 class TierCredit:

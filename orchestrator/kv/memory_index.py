@@ -9,13 +9,12 @@ for the cap, and ``slot → blocks`` lets clearing a worker touch only its own e
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier
-from orchestrator.kv.masks import SLOT_BITS, WalkInputs, tier_of, walk
+from orchestrator.kv.masks import SLOT_BITS, SlotTable, WalkInputs, tier_of, walk
 from orchestrator.router.types import Overlap
 
 if TYPE_CHECKING:
@@ -33,9 +32,9 @@ class MemoryPrefixIndex(PrefixIndex):
         self._metrics = metrics
         if metrics is not None:
             metrics.index_capacity.labels(self.backend).set(max_blocks)
-        self._slots: dict[str, int] = {}
-        self._ids: list[str] = []  # slot → worker id
-        self._free_slots: list[int] = []  # slots of cleared workers (min-heap), reused first
+        self._table = SlotTable()  # worker id ↔ slot; a cleared worker's slot is reused first
+        self._slots = self._table.slot_of
+        self._ids = self._table.ids  # slot → worker id
         self._blocks: dict[int, int] = {}  # block hash → holder mask
         self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # (slot, block), oldest first
         self._by_slot: dict[int, set[int]] = {}
@@ -44,17 +43,9 @@ class MemoryPrefixIndex(PrefixIndex):
 
     # --- slots
     def _slot(self, worker_id: str) -> int:
-        slot = self._slots.get(worker_id)
-        if slot is None:
-            # A cleared worker's slot is reused, so masks stay narrow however many workers come
-            # and go (autoscaling): a slot is only freed once none of its entries remain.
-            if self._free_slots:
-                slot = heapq.heappop(self._free_slots)
-                self._ids[slot] = worker_id
-            else:
-                slot = len(self._ids)
-                self._ids.append(worker_id)
-            self._slots[worker_id] = slot
+        # A slot is only freed once none of its entries remain (clear_worker).
+        slot, created = self._table.assign(worker_id)
+        if created:
             self._walk_inputs.slots_changed()
         return slot
 
@@ -113,8 +104,7 @@ class MemoryPrefixIndex(PrefixIndex):
             if mask is not None:
                 self._drop(slot, h, mask & keep)
         self._by_slot.pop(slot, None)
-        del self._slots[worker_id]
-        heapq.heappush(self._free_slots, slot)
+        self._table.free(worker_id)
         self._walk_inputs.slots_changed()
         self._gauge()
 

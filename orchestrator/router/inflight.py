@@ -26,22 +26,18 @@ No I/O and no clock of its own: the caller passes ``now``.
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from orchestrator.fleet.worker import Worker
+from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS
+from orchestrator.kv.masks import SlotTable, TierCredit, slot_bit, walk
 
 MAX_PER_WORKER = 4096  # in-flight prompts remembered per worker (oldest forgotten beyond: a lost release must not grow this)
 RATE_MEMORY = 0.9  # weight of the past in the learned prefill rate, per observed release
 
 
-def _bits(mask: int) -> Iterator[int]:
-    """The positions of the set bits of ``mask``."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
+_DEVICE = TierCredit(DEFAULT_TIER_WEIGHTS)  # in-flight blocks are held in the device tier (slot_bit)
 
 
 @dataclass
@@ -82,12 +78,10 @@ class InflightLedger:
         self._per_worker: dict[str, dict[Hashable, None]] = {}  # worker id → keys, oldest first
         self._refs: dict[str, dict[int, int]] = {}  # worker id → block hash → in-flight prompts holding it
         self._servers: dict[str, _Server] = {}
-        # One bit per worker slot per block (who has it in flight), so ``covered_by_worker`` walks the
-        # request's blocks once for the whole fleet instead of once per worker.
+        # Per block, who has it in flight: the prefix index's holder-mask layout (a byte per worker
+        # slot, device bit set), so ``covered_by_worker`` walks the request's blocks once for the fleet.
         self._holders: dict[int, int] = {}
-        self._slots: dict[str, int] = {}
-        self._slot_ids: list[str] = []
-        self._free_slots: list[int] = []
+        self._slots = SlotTable()
 
     def rate(self, worker_id: str) -> float | None:
         """The worker's learned prefill rate in tokens per second (None before its first release)."""
@@ -129,47 +123,20 @@ class InflightLedger:
 
     def covered_by_worker(self, workers: Sequence[Worker], block_hashes: Sequence[int]) -> dict[str, int]:
         """``covered`` for each of ``workers`` that has any, in one walk over the request's blocks
-        AND-ing the blocks' holder bits (a worker drops out where its run ends)."""
+        AND-ing the blocks' holder masks (``orchestrator.kv.masks``, as the prefix index does)."""
         if not block_hashes or not self._holders:
             return {}
-        slots = self._slots
-        active = 0
+        slot_of = self._slots.slot_of
+        candidates = 0
         for w in workers:
-            slot = slots.get(w.id)
+            slot = slot_of.get(w.id)
             if slot is not None:
-                active |= 1 << slot
-        if not active:
+                candidates |= slot_bit(slot)
+        if not candidates:
             return {}
-        get = self._holders.get
-        depth: dict[int, int] = {}
-        walked = 0
-        for h in block_hashes:
-            still = get(h, 0) & active
-            if still != active:
-                if walked:
-                    for slot in _bits(active & ~still):
-                        depth[slot] = walked
-                active = still
-                if not active:
-                    break
-            walked += 1
-        if active and walked:
-            for slot in _bits(active):
-                depth[slot] = walked
-        ids = self._slot_ids
-        return {ids[slot]: n for slot, n in depth.items()}
-
-    def _slot(self, worker_id: str) -> int:
-        slot = self._slots.get(worker_id)
-        if slot is None:
-            if self._free_slots:
-                slot = heapq.heappop(self._free_slots)
-                self._slot_ids[slot] = worker_id
-            else:
-                slot = len(self._slot_ids)
-                self._slot_ids.append(worker_id)
-            self._slots[worker_id] = slot
-        return slot
+        found = walk(map(self._holders.get, block_hashes), candidates, _DEVICE)
+        ids = self._slots.ids
+        return {ids[slot]: n for slot, (n, _) in found.items()}
 
     def charge(self, key: Hashable, worker: Worker, tokens: int, block_hashes: Sequence[int] = (),
                now: float | None = None) -> None:
@@ -188,7 +155,7 @@ class InflightLedger:
         keys[key] = None
         if c.blocks:
             refs = self._refs.setdefault(worker.id, {})
-            bit = 1 << self._slot(worker.id)
+            bit = slot_bit(self._slots.assign(worker.id)[0])
             holders = self._holders
             for h in c.blocks:
                 n = refs.get(h, 0)
@@ -224,8 +191,7 @@ class InflightLedger:
                 del self._per_worker[w.id]
         if c.blocks:
             refs = self._refs[w.id]
-            slot = self._slots[w.id]
-            keep = ~(1 << slot)
+            keep = ~slot_bit(self._slots.slot_of[w.id])
             holders = self._holders
             for h in c.blocks:
                 left = refs[h] - 1
@@ -239,8 +205,8 @@ class InflightLedger:
                     else:
                         del holders[h]
             if not refs:  # nothing of this worker in flight: its slot is free for another
-                del self._refs[w.id], self._slots[w.id]
-                heapq.heappush(self._free_slots, slot)
+                del self._refs[w.id]
+                self._slots.free(w.id)
         return c.tokens
 
     def __len__(self) -> int:
