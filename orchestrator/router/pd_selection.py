@@ -12,6 +12,9 @@ gateway and unchanged by the virtual-time simulator.
 * **Conditional disaggregation**: when the tokens the decode worker would have to prefill itself are
   fewer than ``min_prefill_tokens``, it prefills locally — a split costs a round trip and a KV
   transfer that a short prefill does not repay.
+* **Aggregated workers in a P/D fleet**: ``both``-role workers compete with the decode pool on the
+  same decode pressure (a dedicated decode worker wins ties) and, when chosen, serve the whole
+  request themselves, so a mixed fleet uses every engine.
 
 Workers with a pending role change (``target_role`` set) take no new work: they are draining.
 Any number of prefill and decode workers (XpYd) are supported.
@@ -85,6 +88,11 @@ def pd_pools(candidates: Sequence[Worker]) -> tuple[list[Worker], list[Worker]]:
     return prefill, decode
 
 
+def aggregated_pool(candidates: Sequence[Worker]) -> list[Worker]:
+    """``both``-role workers that may take new work now (they serve a request end to end)."""
+    return [w for w in candidates if w.role == Role.BOTH and w.accepting and w.target_role is None]
+
+
 def cached_tokens(req: RouteRequest, worker: Worker) -> int:
     """Prompt tokens ``worker`` is credited with holding (tier-weighted, or the prefix a prefill sent
     there is still computing when that is longer: ``router.inflight``), never more than the prompt."""
@@ -100,8 +108,9 @@ def cached_tokens(req: RouteRequest, worker: Worker) -> int:
 
 def can_prefill_locally(worker: Worker) -> bool:
     """SGLang decode servers only decode what a prefill server ships them; vLLM consumers (and the
-    simulator in vLLM dialect) prefill by themselves when no transfer parameters come along."""
-    return worker.engine != EngineKind.SGLANG
+    simulator in vLLM dialect) prefill by themselves when no transfer parameters come along; any
+    ``both``-role worker serves whole requests."""
+    return worker.role == Role.BOTH or worker.engine != EngineKind.SGLANG
 
 
 def prefill_cost(req: RouteRequest, worker: Worker) -> float:
@@ -136,9 +145,11 @@ def select_pair(
     deterministic for the same state.
     """
     del now  # selection depends only on the state passed in; kept for the RoutingPolicy signature
-    prefill_pool, decode_pool = pd_pools([w for w in candidates if w.id not in exclude])
+    allowed = [w for w in candidates if w.id not in exclude]
+    prefill_pool, decode_pool = pd_pools(allowed)
     if not decode_pool:
         return None
+    serving = decode_pool + aggregated_pool(allowed)
     scores: dict[str, float] = {}
 
     best_prefill: Worker | None = None
@@ -147,12 +158,14 @@ def select_pair(
             scores[f"prefill:{w.id}"] = prefill_cost(req, w)
         best_prefill = min(prefill_pool, key=lambda w: (prefill_cost(req, w), w.inflight, w.id))
 
-    for w in decode_pool:
+    for w in serving:
         scores[f"decode:{w.id}"] = decode_cost(w, settings, best_prefill)
-    decode = min(decode_pool, key=lambda w: (decode_cost(w, settings, best_prefill), w.id))
+    decode = min(serving, key=lambda w: (decode_cost(w, settings, best_prefill), w.role == Role.BOTH, w.id))
 
     local_uncached = req.prompt_tokens - cached_tokens(req, decode)
-    if best_prefill is None:
+    if decode.role == Role.BOTH:
+        reason, prefill = f"aggregated: {decode.id} serves both roles and has the least decode pressure", None
+    elif best_prefill is None:
         reason, prefill = "no prefill worker available", None
     elif not can_prefill_locally(decode):
         reason, prefill = f"disaggregated: {decode.engine.value} decode workers cannot prefill", best_prefill

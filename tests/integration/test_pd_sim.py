@@ -95,6 +95,26 @@ def test_vllm_dialect_split_transfers_the_prompt_and_matches_aggregated():
             assert pd_mode(gw, "disaggregated") == 2
 
 
+def test_a_both_role_worker_in_a_pd_fleet_serves_its_share_end_to_end():
+    """A mixed fleet (prefill + decode + an aggregated worker): concurrent requests use the
+    aggregated worker too, each served there whole (no hand-off), the rest split as usual."""
+    with running(sim(), sim(), sim()) as (p, d, b):
+        with running(gateway([{"id": "p", "url": p.url, "engine": "sim", "role": "prefill"},
+                              {"id": "d", "url": d.url, "engine": "sim", "role": "decode"},
+                              {"id": "b", "url": b.url, "engine": "sim", "role": "both"}])) as (gw,):
+            def one(i: int) -> tuple[str, str | None]:
+                r = httpx.post(f"{gw.url}/v1/completions", json=body(max_tokens=24, prompt=f"{i} {PROMPT}"),
+                               timeout=30)
+                assert r.status_code == 200, r.text
+                return r.headers["x-dyad-worker"], r.headers.get("x-dyad-prefill-worker")
+            with ThreadPoolExecutor(6) as pool:
+                served = list(pool.map(one, range(12)))
+            on_b = [x for x in served if x[0] == "b"]
+            assert on_b and all(pw in (None, "b") for _, pw in on_b), served  # whole requests on b
+            assert any(x == ("d", "p") for x in served), served  # the split path still serves
+            assert sources(b)["external_kv_transfer"] == 0 and sources(b)["local_compute"] > 0
+
+
 def test_slow_prefill_is_bounded_and_decode_prefills_locally():
     with running(sim(prefill_delay_s=30), sim()) as (p, d):
         with running(gateway([{"id": "p", "url": p.url, "engine": "sim", "role": "prefill"},

@@ -110,6 +110,27 @@ def test_backed_up_prefill_pool_falls_back_to_local_prefill():
     assert d.prefill_worker is None and "prefill queue" in d.reason
 
 
+def test_both_role_workers_in_a_pd_fleet_take_whole_requests_when_least_loaded():
+    fleet = [w("p0", Role.PREFILL), w("d0", Role.DECODE, inflight=2), w("b0", Role.BOTH),
+             w("b1", Role.BOTH, state=WorkerState.DRAINING)]
+    d = select_pair(req(2000), fleet, 0.0, S)
+    assert d.worker.id == "b0" and d.prefill_worker is None and d.reason.startswith("aggregated")
+    assert "decode:b0" in d.scores and "decode:b1" not in d.scores
+    fleet[2].inflight = 3  # now the decode worker has less pressure: split as usual
+    d = select_pair(req(2000), fleet, 0.0, S)
+    assert d.worker.id == "d0" and d.prefill_worker.id == "p0"
+    fleet[2].inflight = 2  # a tie goes to the dedicated decode worker
+    assert select_pair(req(2000), fleet, 0.0, S).worker.id == "d0"
+    # Served by requests in flight, the both-role worker takes its share of a burst.
+    fleet[1].inflight = fleet[2].inflight = 0
+    served = []
+    for _ in range(8):
+        d = select_pair(req(2000), fleet, 0.0, S)
+        d.worker.inflight += 1
+        served.append(d.worker.id)
+    assert served.count("b0") == 4 and served.count("d0") == 4
+
+
 def test_draining_unhealthy_and_excluded_workers_take_no_new_work():
     fleet = [w("p0", Role.PREFILL, state=WorkerState.UNHEALTHY),
              w("p1", Role.PREFILL, target_role=Role.DECODE),
