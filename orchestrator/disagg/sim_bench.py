@@ -71,7 +71,7 @@ class PdVirtualFleet(VirtualFleet):
 
     def _place(self, req: SimRequest, now: float) -> None:
         cands = self._candidates(Role.PREFILL) + self._candidates(Role.DECODE)
-        rr = self._route_request(req, cands, with_overlaps=True)
+        rr = self._route_request(req, cands, with_overlaps=True, now=now)
         decision = select_pair(rr, cands, now, self.settings)
         if decision is None:  # no decode worker right now: wait for one
             self._pending[Role.PREFILL].append(req)

@@ -8,7 +8,7 @@ so for the work it sent itself the router keeps its own books, per worker:
 - **prefixes in flight**: the chained block hashes of those prompts. An engine admits requests in
   order and re-checks its prefix cache when it starts one (vLLM caches a step's blocks as it
   schedules them), so a request sent behind an in-flight prompt that shares its first N blocks will
-  find those N blocks cached when it starts. ``covered`` says how many, per worker; the policy
+  find those N blocks cached when it starts. ``covered_by_worker`` says how many, per worker; the policy
   credits them like cached blocks, and the request is charged only for the rest, so copies of one
   prefix queued on a worker are counted once, not once per copy.
 
@@ -103,27 +103,10 @@ class InflightLedger:
             s.backlog = float(w.inflight_prefill_tokens)
         w.prefill_backlog_tokens = s.backlog
 
-    def covered(self, worker_id: str, block_hashes: Sequence[int]) -> int:
-        """Leading blocks of ``block_hashes`` that some in-flight prompt on the worker is computing.
-
-        Hashes are chained (each names its whole prefix) and the books hold whole prompts from
-        their first block, so "block i is in flight" implies it for every block before i: a binary
-        search finds the run's end in O(log n) lookups, whatever the prompt's length."""
-        refs = self._refs.get(worker_id)
-        if not refs or not block_hashes or block_hashes[0] not in refs:
-            return 0
-        lo, hi = 1, len(block_hashes)  # hashes[:lo] are in flight; the answer is in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if block_hashes[mid - 1] in refs:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
     def covered_by_worker(self, workers: Sequence[Worker], block_hashes: Sequence[int]) -> dict[str, int]:
-        """``covered`` for each of ``workers`` that has any, in one walk over the request's blocks
-        AND-ing the blocks' holder masks (``orchestrator.kv.masks``, as the prefix index does)."""
+        """Per worker of ``workers`` (those with any), the leading blocks of ``block_hashes`` that a
+        prompt in flight there is computing: one walk over the request's blocks AND-ing the blocks'
+        holder masks (``orchestrator.kv.masks``, as the prefix index does)."""
         if not block_hashes or not self._holders:
             return {}
         slot_of = self._slots.slot_of

@@ -30,7 +30,7 @@ from typing import Any
 from adapters.base import EngineKind, Role
 from orchestrator.errors import NoHealthyWorker
 from orchestrator.fleet.worker import Worker
-from orchestrator.router.types import RouteDecision, RouteRequest
+from orchestrator.router.types import RouteDecision, RouteRequest, prefix_credit
 
 POLICY_NAME = "pd"
 
@@ -96,13 +96,7 @@ def aggregated_pool(candidates: Sequence[Worker]) -> list[Worker]:
 def cached_tokens(req: RouteRequest, worker: Worker) -> int:
     """Prompt tokens ``worker`` is credited with holding (tier-weighted, or the prefix a prefill sent
     there is still computing when that is longer: ``router.inflight``), never more than the prompt."""
-    ov = req.overlaps.get(worker.id)
-    credit = 0.0
-    if ov is not None:
-        credit = ov.weighted_blocks if ov.weighted_blocks else float(ov.blocks)
-    inflight = req.inflight_overlaps.get(worker.id, 0)
-    if inflight > credit:
-        credit = float(inflight)
+    _, credit = prefix_credit(req.overlaps.get(worker.id), req.inflight_overlaps.get(worker.id, 0))
     return min(req.prompt_tokens, int(credit * req.block_size))
 
 

@@ -23,6 +23,18 @@ class Overlap:
     weighted_blocks: float = 0.0  # blocks credited by tier (device 1.0, host 0.75, disk 0.25)
 
 
+def prefix_credit(overlap: Overlap | None, inflight_blocks: int = 0) -> tuple[int, float]:
+    """A worker's (matched, credited) leading blocks of a prompt: its cached prefix (credited by
+    tier) or, when longer, the prefix a prefill sent there is still computing (``inflight_overlaps``),
+    credited in full: the engine finds it cached when this request starts."""
+    matched, credit = (overlap.blocks, overlap.weighted_blocks) if overlap is not None else (0, 0.0)
+    if inflight_blocks > matched:
+        matched = inflight_blocks
+    if inflight_blocks > credit:
+        credit = float(inflight_blocks)
+    return matched, credit
+
+
 @dataclass(frozen=True)
 class PeerLoad:
     """Load other gateway replicas have placed on a worker (from shared reservations in Redis)."""

@@ -803,8 +803,7 @@ class EngineModel:
                                  r.block_ids if done and r.req.do_remote_decode else None))
         for r, k in run.chunks:
             e = ends[0]
-            r.num_computed += k
-            self._store_computed_blocks(r, e)
+            r.num_computed += k  # its blocks were cached when the step was scheduled
             if r.num_computed < r.prefill_target:
                 continue
             start = r.generated

@@ -332,10 +332,12 @@ class VirtualFleet:
             out.append(w)
         return out
 
-    def _route_request(self, req: SimRequest, cands: list[Worker], with_overlaps: bool) -> RouteRequest:
+    def _route_request(self, req: SimRequest, cands: list[Worker], with_overlaps: bool, now: float) -> RouteRequest:
         """The request as the live Router hands it to a policy: block hashes, each candidate's
         cached prefix (read from the engines, what the KV-event index holds live) and the prefixes
-        this fleet's own dispatched prefills are still computing."""
+        this fleet's own dispatched prefills are still computing; the candidates' prefill backlog
+        brought up to ``now``."""
+        self.inflight.refresh(cands, now)
         rr = RouteRequest(request_id=str(req.id), model="sim", prompt_tokens=req.isl, max_tokens=req.osl,
                           block_size=req.block_tokens)
         if with_overlaps and req.blocks:
@@ -351,8 +353,7 @@ class VirtualFleet:
         cands = self._candidates(role)
         if not cands:
             return None
-        rr = self._route_request(req, cands, self.kv_aware and role is not Role.DECODE)
-        self.inflight.refresh(cands, now)
+        rr = self._route_request(req, cands, self.kv_aware and role is not Role.DECODE, now)
         policy = self.decode_policy if role is Role.DECODE else self.prefill_policy
         decision = policy.choose(rr, cands, now)
         return self.workers[decision.worker.id], decision

@@ -11,15 +11,15 @@ def test_covered_counts_leading_blocks_in_flight_on_that_worker_only():
     led = InflightLedger()
     led.charge("r1", a, 300, [1, 2, 3, 4])
     led.charge("r2", a, 100, [1, 2, 9])
-    assert led.covered("a", [1, 2, 3, 7]) == 3
-    assert led.covered("a", [1, 2, 9, 8]) == 3
-    assert led.covered("a", [5, 1, 2]) == 0  # a run starts at the first block
-    assert led.covered("b", [1, 2, 3]) == 0
+    assert led.covered_by_worker([a, b], [1, 2, 3, 7]) == {"a": 3}
+    assert led.covered_by_worker([a, b], [1, 2, 9, 8]) == {"a": 3}
+    assert led.covered_by_worker([a, b], [5, 1, 2]) == {}  # a run starts at the first block
+    assert led.covered_by_worker([b], [1, 2, 3]) == {}  # b has nothing in flight
     assert led.covered_by_worker([a, b], [1, 2, 3]) == {"a": 3}
     assert a.inflight_prefill_tokens == 400
     assert led.release("r1") == 300
     assert led.release("r1") is None  # idempotent
-    assert led.covered("a", [1, 2, 3]) == 2  # r2 still computes blocks 1-2
+    assert led.covered_by_worker([a], [1, 2, 3]) == {"a": 2}  # r2 still computes blocks 1-2
     assert a.inflight_prefill_tokens == 100
     led.release("r2")
     assert led.covered_by_worker([a, b], [1, 2]) == {} and a.inflight_prefill_tokens == 0 and len(led) == 0
@@ -30,15 +30,16 @@ def test_recharging_a_key_replaces_it_and_the_per_worker_cap_forgets_the_oldest(
     led = InflightLedger(max_per_worker=3)
     led.charge("r", a, 50, [1])
     led.charge("r", a, 70, [2])  # a retry on the same key: not counted twice
-    assert a.inflight_prefill_tokens == 70 and led.covered("a", [1]) == 0 and led.covered("a", [2]) == 1
+    assert a.inflight_prefill_tokens == 70
+    assert led.covered_by_worker([a], [1]) == {} and led.covered_by_worker([a], [2]) == {"a": 1}
     for i in range(5):
         led.charge(f"x{i}", a, 10, [100 + i])
     assert len(led) == 3  # a lost release must not grow the books forever
     assert a.inflight_prefill_tokens == 30
-    assert led.covered("a", [104]) == 1 and led.covered("a", [2]) == 0
+    assert led.covered_by_worker([a], [104]) == {"a": 1} and led.covered_by_worker([a], [2]) == {}
 
 
-def test_binary_search_and_the_fleet_walk_match_a_linear_walk_on_chained_prompts():
+def test_the_fleet_walk_matches_a_linear_walk_per_worker_on_chained_prompts():
     import random
 
     from orchestrator.kv.hashing import BlockHasher
@@ -65,7 +66,6 @@ def test_binary_search_and_the_fleet_walk_match_a_linear_walk_on_chained_prompts
                     if h not in refs:
                         break
                     linear += 1
-                assert led.covered(w.id, hashes) == linear
                 if linear:
                     expected[w.id] = linear
             assert led.covered_by_worker(workers, hashes) == expected  # the one-walk version agrees

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from orchestrator.config import KvAwareConfig
 from orchestrator.fleet.worker import Worker
-from orchestrator.router.types import Overlap, PeerLoad, RouteDecision, RouteRequest
+from orchestrator.router.types import Overlap, PeerLoad, RouteDecision, RouteRequest, prefix_credit
 
 log = logging.getLogger("dyad.router.kv_aware")
 
@@ -88,15 +88,7 @@ class KvAwarePolicy:
 
     def _cost(self, request_blocks: int, bs: int, w: Worker, overlap: Overlap | None,
               peer: PeerLoad | None, inflight_blocks: int = 0) -> WorkerCost:
-        credit = 0.0
-        matched = 0
-        if overlap is not None:
-            credit = overlap.weighted_blocks
-            matched = overlap.blocks
-        if inflight_blocks > credit:  # a prefill in flight there computes these blocks before this one starts
-            credit = float(inflight_blocks)
-        if inflight_blocks > matched:
-            matched = inflight_blocks
+        matched, credit = prefix_credit(overlap, inflight_blocks)
         if credit > request_blocks:
             credit = float(request_blocks)
         load = w.load
@@ -114,8 +106,6 @@ class KvAwarePolicy:
         engine_waiting_blocks = load.waiting * per_request
         if engine_waiting_blocks > queued_blocks:
             queued_blocks = engine_waiting_blocks
-        if uncached < 0.0:
-            uncached = 0.0
         prefill = queued_blocks + uncached
         running = inflight if inflight > load.running else load.running
         kv_blocks = load.kv_usage * load.num_blocks if load.num_blocks else 0.0
