@@ -160,20 +160,27 @@ def _complete_stream(out: dict, tokens: int) -> None:
     assert json.loads(out["events"][-2])["usage"]["completion_tokens"] == tokens
 
 
+def _in_flight_and_queued(url: str, first_tokens: int, queued_tokens: int) -> tuple[dict, dict, list[threading.Thread]]:
+    """One stream running on the gateway's single slot and one queued behind it; then SIGTERM comes."""
+    first: dict = {}
+    queued: dict = {}
+    running = threading.Event()
+    threads = [threading.Thread(target=_stream, args=(url, first_tokens, first, running)),
+               threading.Thread(target=_stream, args=(url, queued_tokens, queued))]
+    threads[0].start()
+    assert running.wait(20)
+    threads[1].start()
+    _wait_queued(url)
+    return first, queued, threads
+
+
 def test_sigterm_serves_a_request_queued_behind_in_flight_work(tmp_path):
     """Grace to spare: the queued request is dispatched when the slot frees and runs to its end — longer
     than uvicorn's own 5 s shutdown timeout, which would cut it if the drain did not wait for it."""
     engine = SimEngineThread(model="m", profile=load_profile(PACED), kv_events=False).start()
     proc, url = _serve(tmp_path, engine.url, grace_s=60)
     try:
-        first, queued = {}, {}
-        running = threading.Event()
-        threads = [threading.Thread(target=_stream, args=(url, 30, first, running)),
-                   threading.Thread(target=_stream, args=(url, 130, queued))]  # ≈ 1.5 s, then ≈ 6.5 s
-        threads[0].start()
-        assert running.wait(20)
-        threads[1].start()
-        _wait_queued(url)
+        first, queued, threads = _in_flight_and_queued(url, 30, 130)  # ≈ 1.5 s, then ≈ 6.5 s
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "late", "max_tokens": 2},
@@ -196,14 +203,7 @@ def test_sigterm_out_of_grace_refuses_queued_requests_with_503_not_a_cut(tmp_pat
     engine = SimEngineThread(model="m", profile=load_profile(PACED), kv_events=False).start()
     proc, url = _serve(tmp_path, engine.url, grace_s=1)
     try:
-        first, queued = {}, {}
-        running = threading.Event()
-        threads = [threading.Thread(target=_stream, args=(url, 50, first, running)),  # ≈ 2.5 s
-                   threading.Thread(target=_stream, args=(url, 130, queued))]
-        threads[0].start()
-        assert running.wait(20)
-        threads[1].start()
-        _wait_queued(url)
+        first, queued, threads = _in_flight_and_queued(url, 50, 130)  # ≈ 2.5 s, then ≈ 6.5 s
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)
