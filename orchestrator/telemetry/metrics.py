@@ -38,6 +38,14 @@ class DyadMetrics:
         self.generation_tokens = Histogram("dyad_request_generation_tokens",
                                            "Generated tokens of finished requests",
                                            ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        # Demand, counted when a request arrives (after its model is known), whatever happens to it later
+        # (queued, refused, failed): the planner sizes the fleet for what arrives, not for what finished.
+        self.arrivals = Counter("dyad_request_arrivals_total",
+                                "Requests that arrived for a model (served, queued, refused or failed)",
+                                ["model"], registry=r)
+        self.arrival_prompt_tokens = Counter("dyad_request_arrival_prompt_tokens_total",
+                                             "Prompt tokens of arrived requests (counted or estimated at arrival)",
+                                             ["model"], registry=r)
         self.inflight = Gauge("dyad_requests_inflight", "Requests being served by the gateway", ["model"],
                               registry=r)
         self.upstream_errors = Counter("dyad_upstream_errors_total", "Failed attempts towards engines",
