@@ -10,14 +10,14 @@ import sys
 
 # subcommand → (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("orchestrator.gateway.serve", "run the gateway from a config file"),
+    "serve": ("orchestrator.gateway.serve", "run the gateway (from flags, a config file, or both)"),
     "demo": ("orchestrator.demo", "gateway + simulated fleet on embedded defaults"),
     "sim-engine": ("orchestrator.sim.cli", "run one simulated engine (vLLM or SGLang dialect)"),
     "bench": ("orchestrator.bench.cli", "replay a trace against any OpenAI endpoint"),
     "sim": ("orchestrator.sim.virtual_cli", "replay a trace against a simulated fleet in virtual time"),
     "plan": ("orchestrator.planner.plan_cli", "what-if: which prefill/decode split a trace needs"),
     "profile": ("orchestrator.planner.profile_cli", "sweep an engine into a performance profile"),
-    "check-config": ("orchestrator.config_cli", "validate a configuration file"),
+    "check-config": ("orchestrator.config_cli", "validate configuration files"),
     "hash-key": ("orchestrator.gateway.hash_key_cli", "the SHA-256 digest of a client API key (auth.keys)"),
 }
 

@@ -3,7 +3,10 @@
 Every section has working defaults, so an empty file (or none) is a valid in-memory setup.
 Environment overrides use ``__`` for nesting: ``DYAD_GATEWAY__PORT=9000``,
 ``DYAD_ROUTER__POLICY=kv_aware``, ``DYAD_INDEX__BACKEND=redis``; values are parsed as YAML
-scalars/lists (``DYAD_GATEWAY__API_KEYS='[k1, k2]'``).
+scalars/lists (``DYAD_GATEWAY__API_KEYS='[k1, k2]'``). List items are addressed by index and may be
+created that way (``DYAD_WORKERS__0__URL=...``, ``DYAD_WORKERS__1__URL=...``); a variable that does not
+fit the shape is a ``ConfigError`` naming it. Command-line flags (``dyad serve --worker ...``) override
+both the file and the environment.
 
 An invalid file raises ``ConfigError`` whose message lists every bad field; the CLI prints it and
 exits with status 2.
@@ -11,6 +14,7 @@ exits with status 2.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -389,52 +393,132 @@ class DyadConfig(_Section):
         return None
 
 
+class _EnvPathError(Exception):
+    """A ``DYAD_*`` variable whose path does not fit the configuration's shape."""
+
+
+def _index(key: str) -> int | None:
+    return int(key) if key.isdigit() else None
+
+
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    """``tree[path[0]][path[1]]... = value``. A numeric key addresses a list item: the list is created
+    when missing, and an index one past the end appends; a gap or a key that does not fit the shape
+    already there raises ``_EnvPathError`` saying what is wrong."""
     node: Any = tree
-    for key in path[:-1]:
+    for depth, key in enumerate(path):
+        last = depth == len(path) - 1
+        where = ".".join(path[:depth]) or "(top level)"
+        i = _index(key)
         if isinstance(node, list):
-            node = node[int(key)]
-            continue
-        node = node.setdefault(key, {})
-    last = path[-1]
-    if isinstance(node, list):
-        node[int(last)] = value
-    else:
-        node[last] = value
+            if i is None:
+                raise _EnvPathError(f"{where} is a list: address its items by index (…__0__…), not '{key}'")
+            if i > len(node):
+                raise _EnvPathError(f"index {i} of {where} leaves a gap: {where} has {len(node)} item(s), "
+                                    f"set index {len(node)} first")
+            if i == len(node):
+                node.append(value if last else {})
+            elif last:
+                node[i] = value
+            if last:
+                return
+            nxt = _index(path[depth + 1]) is not None
+            if node[i] is None:
+                node[i] = [] if nxt else {}
+            node = node[i]
+        elif isinstance(node, dict):
+            if last:
+                node[key] = value
+                return
+            nxt = _index(path[depth + 1]) is not None
+            if node.get(key) is None:
+                node[key] = [] if nxt else {}
+            node = node[key]
+        else:
+            raise _EnvPathError(f"{where} is a single value ({type(node).__name__}), it has no key '{key}'")
+        if not isinstance(node, dict | list):
+            rest = path[depth + 1]
+            raise _EnvPathError(f"{'.'.join(path[:depth + 1])} is a single value, it has no key '{rest}'")
 
 
-def apply_env_overrides(raw: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """``DYAD_A__B=v`` sets ``raw['a']['b'] = yaml(v)``; list items by index (``DYAD_WORKERS__0__URL``)."""
+def _env_sort_key(path: list[str]) -> list[tuple[int, int | str]]:
+    # numeric parts as numbers, so that __2__ comes before __10__ (list items are appended in order)
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in path]
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> list[tuple[str, list[str], Any]]:
+    """``(variable, path, value)`` for every ``DYAD_<SECTION>[__<KEY>...]`` variable, in the order they
+    are applied; the value is parsed as YAML (a plain string when it is not YAML)."""
     env = os.environ if environ is None else environ
-    for name, value in sorted(env.items()):
-        if not name.startswith("DYAD_") or "__" not in name[5:] and name[5:].lower() not in DyadConfig.model_fields:
+    found = []
+    for name, value in env.items():
+        if not name.startswith("DYAD_"):
             continue
-        path = [p.lower() for p in name[5:].split("__") if p]
-        if not path or path[0] not in DyadConfig.model_fields:
-            continue
+        path = [p.lower() for p in name[5:].split("__")]
+        if path[0] not in DyadConfig.model_fields:
+            continue  # DYAD_* variables that are not configuration (e.g. the vLLM venv path)
+        if any(p == "" for p in path):
+            raise ConfigError(f"{name}: empty key in the name (use exactly two underscores between levels)")
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             parsed = value
-        _set_path(raw, path, parsed)
+        found.append((name, path, parsed))
+    found.sort(key=lambda item: _env_sort_key(item[1]))
+    return found
+
+
+def apply_env_overrides(raw: dict[str, Any], environ: dict[str, str] | None = None,
+                        sources: dict[str, str] | None = None) -> dict[str, Any]:
+    """``DYAD_A__B=v`` sets ``raw['a']['b'] = yaml(v)``; list items by index (``DYAD_WORKERS__0__URL``),
+    creating the list and appending at its end. A variable that does not fit raises ``ConfigError``
+    naming it. ``sources`` (when given) maps each dotted path set to the variable that set it."""
+    for name, path, value in env_overrides(environ):
+        try:
+            _set_path(raw, path, value)
+        except _EnvPathError as e:
+            raise ConfigError(f"{name}: {e}") from None
+        if sources is not None:
+            sources[".".join(path)] = name
     return raw
 
 
-def format_validation_error(err: ValidationError) -> str:
+def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``overrides`` (e.g. from command-line flags) into ``raw``: mappings merge key by key,
+    anything else (lists included) replaces what was there."""
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            merge_overrides(raw[key], value)
+        else:
+            raw[key] = value
+    return raw
+
+
+def format_validation_error(err: ValidationError, sources: dict[str, str] | None = None) -> str:
+    """Every problem on its own line, by dotted field path; a field set by an environment variable
+    also names the variable (``sources``: dotted path → variable)."""
     lines = [f"invalid configuration ({err.error_count()} problem{'s' if err.error_count() != 1 else ''}):"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"  {loc}: {msg}")
+        var = None
+        for path, name in (sources or {}).items():  # a variable that set this field, or a key inside it
+            related = loc == path or loc.startswith(path + ".") or path.startswith(loc + ".")
+            if related and (var is None or len(path) > len(var[0])):
+                var = (path, name)
+        lines.append(f"  {loc}: {msg}" + (f" (set by {var[1]})" if var else ""))
     return "\n".join(lines)
 
 
-def load_config(source: str | Path | dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> DyadConfig:
-    """Load from a YAML path (or an already-parsed dict, or nothing), apply env overrides, validate."""
+def load_config(source: str | Path | dict[str, Any] | None = None, environ: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> DyadConfig:
+    """Load from a YAML path (or an already-parsed dict, or nothing), apply env overrides, then
+    ``overrides`` (command-line flags: ``config_cli.flag_overrides``), validate. Precedence: flags over
+    environment over file over defaults."""
     if source is None:
         raw: Any = {}
     elif isinstance(source, dict):
-        raw = dict(source)
+        raw = copy.deepcopy(source)  # env overrides and flags must not change the caller's dict
     else:
         path = Path(source)
         try:
@@ -447,8 +531,11 @@ def load_config(source: str | Path | dict[str, Any] | None = None, environ: dict
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError("invalid configuration: the top level must be a mapping of sections")
-    raw = apply_env_overrides(raw, environ)
+    sources: dict[str, str] = {}
+    raw = apply_env_overrides(raw, environ, sources)
+    if overrides:
+        raw = merge_overrides(raw, overrides)
     try:
         return DyadConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from e
+        raise ConfigError(format_validation_error(e, sources)) from e

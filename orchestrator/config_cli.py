@@ -1,22 +1,120 @@
-"""``dyad check-config FILE``: validate a configuration and print every bad field (exit 2)."""
+"""Configuration from the command line.
+
+- ``dyad check-config FILE [FILE ...]``: validate each file (with the ``DYAD_*`` environment applied,
+  as ``dyad serve`` would) and print every bad field; exit 2 when any file is invalid.
+- ``add_serve_flags(parser)`` / ``flag_overrides(args)``: the fleet flags of ``dyad serve`` (``--worker``,
+  ``--prefill``, ``--decode``, ``--policy``, ``--redis``, ``--model``, ``--host``, ``--port``) and the
+  config overrides they stand for, so a gateway starts without a file:
+
+      dyad serve --worker http://10.0.0.5:8000 --worker http://10.0.0.6:8000 --policy kv_aware
+      dyad serve --prefill http://p0:30000 8998 --decode http://d0:30001 --engine sglang
+
+  Flags override the file and the environment (``load_config(..., overrides=...)``). ``--worker``,
+  ``--prefill`` and ``--decode`` together replace the file's ``workers`` list.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, get_args
 
-from orchestrator.config import ConfigError, load_config
+from orchestrator.config import ConfigError, PolicyName, load_config
 
+POLICIES: tuple[str, ...] = get_args(PolicyName)
+ENGINES = ("vllm", "sglang", "sim")
+
+
+# --- dyad check-config ------------------------------------------------------------------------------
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML configuration file")
+    p.add_argument("config", nargs="+", help="YAML configuration file(s); each is checked on its own")
 
 
 def run(args: argparse.Namespace) -> int:
+    bad = 0
+    for path in args.config:
+        try:
+            cfg = load_config(path)
+        except ConfigError as e:
+            bad += 1
+            print(f"{path}: {e}", file=sys.stderr)
+            continue
+        print(f"{path}: ok: {len(cfg.workers)} worker(s), policy {cfg.router.policy}, index {cfg.index.backend}")
+    if len(args.config) > 1:
+        print(f"{len(args.config) - bad} of {len(args.config)} configuration(s) valid",
+              file=sys.stderr if bad else sys.stdout)
+    return 2 if bad else 0
+
+
+# --- dyad serve flags -------------------------------------------------------------------------------
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """The fleet and listener flags of ``dyad serve`` (each overrides the file and the environment)."""
+    g = p.add_argument_group("fleet (no config file needed; these override the file and DYAD_* variables)")
+    g.add_argument("--worker", action="append", metavar="URL", default=[],
+                   help="an aggregated engine (prefill and decode); repeat for more")
+    g.add_argument("--prefill", action="append", nargs="+", metavar=("URL", "BOOTSTRAP_PORT"), default=[],
+                   help="a prefill engine, with SGLang's bootstrap port after the URL when it is not 8998 "
+                        "(as sglang-router takes it); repeat for more")
+    g.add_argument("--decode", action="append", metavar="URL", default=[], help="a decode engine; repeat for more")
+    g.add_argument("--engine", choices=ENGINES, help="wire dialect of the engines given by flags (default vllm)")
+    g.add_argument("--model", metavar="NAME",
+                   help="model the flag engines serve (default: learned from each engine's /v1/models)")
+    g.add_argument("--policy", choices=POLICIES, help="routing policy (overrides router.policy)")
+    g.add_argument("--redis", metavar="URL",
+                   help="share the prefix index through this Redis (redis:// or rediss://); sets index.backend")
+    p.add_argument("--host", help="listen address (overrides gateway.host)")
+    p.add_argument("--port", type=int, help="listen port (overrides gateway.port)")
+
+
+def _bootstrap_port(url: str, extra: list[str]) -> int | None:
+    if not extra:
+        return None
+    if len(extra) > 1:
+        raise ConfigError(f"--prefill {url}: takes a URL and at most one bootstrap port, got {' '.join(extra)}")
     try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    print(f"ok: {len(cfg.workers)} worker(s), policy {cfg.router.policy}, index {cfg.index.backend}")
-    return 0
+        port = int(extra[0])
+    except ValueError:
+        raise ConfigError(f"--prefill {url}: bootstrap port '{extra[0]}' is not a number") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"--prefill {url}: bootstrap port {port} is out of range (1-65535)")
+    return port
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config overrides the flags stand for (a nested dict for ``load_config(overrides=...)``).
+    Raises ``ConfigError`` for a malformed ``--prefill``."""
+    out: dict[str, Any] = {}
+    workers: list[dict[str, Any]] = []
+    for url in getattr(args, "worker", None) or []:
+        workers.append({"url": url, "role": "both"})
+    for item in getattr(args, "prefill", None) or []:
+        url, *extra = item
+        w: dict[str, Any] = {"url": url, "role": "prefill"}
+        port = _bootstrap_port(url, extra)
+        if port is not None:
+            w["bootstrap_port"] = port
+        workers.append(w)
+    for url in getattr(args, "decode", None) or []:
+        workers.append({"url": url, "role": "decode"})
+    if workers:
+        engine = getattr(args, "engine", None)
+        model = getattr(args, "model", None)
+        for w in workers:
+            if engine:
+                w["engine"] = engine
+            if model:
+                w["models"] = [model]
+        out["workers"] = workers
+    elif getattr(args, "engine", None) or getattr(args, "model", None):
+        raise ConfigError("--engine and --model describe engines given with --worker, --prefill or --decode")
+    if getattr(args, "policy", None):
+        out.setdefault("router", {})["policy"] = args.policy
+    if getattr(args, "redis", None):
+        out["index"] = {"backend": "redis", "redis_url": args.redis}
+    if getattr(args, "host", None):
+        out.setdefault("gateway", {})["host"] = args.host
+    if getattr(args, "port", None) is not None:
+        out.setdefault("gateway", {})["port"] = args.port
+    return out

@@ -1,7 +1,8 @@
 """``dyad serve`` and the ways tests, the demo and benchmarks run a gateway.
 
-- ``dyad serve --config FILE [--host H] [--port P]``: the production entry point. An invalid
-  configuration prints every bad field on stderr and exits with status 2.
+- ``dyad serve [--config FILE] [--worker URL ...] [--policy NAME] [--host H] [--port P]``: the production
+  entry point (fleet flags: ``orchestrator/config_cli.py``). An invalid configuration prints every bad
+  field on stderr and exits with status 2.
 - ``GatewayThread(config)``: a gateway on a free loopback port in a background thread, with
   ``.url`` and ``.runtime``; a context manager that stops it on exit.
 - ``await serve(config)``: run a gateway inside the caller's event loop until cancelled.
@@ -24,6 +25,7 @@ import uvicorn
 
 from orchestrator.clock import Clock
 from orchestrator.config import ConfigError, DyadConfig, GatewayTlsConfig, ResilienceConfig, load_config
+from orchestrator.config_cli import add_serve_flags, flag_overrides
 from orchestrator.gateway.app import create_app
 from orchestrator.gateway.fastpath import coalescing_protocol
 from orchestrator.gateway.runtime import GatewayRuntime
@@ -153,8 +155,7 @@ class GatewayThread:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", help="YAML configuration file (default: built-in defaults)")
-    parser.add_argument("--host", help="listen address (overrides gateway.host)")
-    parser.add_argument("--port", type=int, help="listen port (overrides gateway.port)")
+    add_serve_flags(parser)  # --worker/--prefill/--decode/--policy/--redis/--model/--host/--port (config_cli.py)
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="json", choices=["json", "text"],
                         help="json: one object per line with the request id (default); text: for a terminal")
@@ -165,14 +166,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, overrides=flag_overrides(args))
     except ConfigError as e:
         print(f"dyad serve: {e}", file=sys.stderr)
         return 2
-    if args.host:
-        config.gateway.host = args.host
-    if args.port is not None:
-        config.gateway.port = args.port
     configure_logging(json=args.log_format == "json", level=args.log_level)
     gw = config.gateway
     try:

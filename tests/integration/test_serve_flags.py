@@ -1,0 +1,105 @@
+"""``dyad serve`` started with flags only (no config file) serves requests through ``dyad sim-engine``
+processes: two aggregated workers, and a SGLang-dialect prefill/decode pair whose bootstrap port is
+given after the prefill URL. Everything is a real process on loopback; the simulator stands in for
+vLLM (any number of engines on 2 cores) and for SGLang (which cannot run here)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+
+from orchestrator.ports import free_port, wait_ready
+
+MODEL = "flags-model"
+
+
+def _dyad(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def sim_engine(*extra: str) -> Iterator[str]:
+    port = free_port()
+    proc = _dyad("sim-engine", "--port", str(port), "--model", MODEL, "--no-kv-events", *extra)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_ready(f"{url}/health", proc, timeout_s=30), proc.stderr.read().decode()[-2000:]
+        yield url
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
+def serve(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    port = free_port()
+    proc = _dyad("serve", "--port", str(port), *flags, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_ready(f"{url}/ready", proc, timeout_s=30), proc.stderr.read().decode()[-2000:]
+        yield url
+    finally:
+        _stop(proc)
+
+
+def _chat(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hello " * 30}]})
+
+
+def test_two_workers_from_flags_serve_with_the_model_learned_from_the_engines():
+    with sim_engine() as a, sim_engine("--seed", "1") as b, \
+            serve("--worker", a, "--worker", b, "--policy", "round_robin",
+                  env={"DYAD_ROUTER__DEBUG_HEADERS": "true", "DYAD_HEALTH__INTERVAL_S": "0.2"}) as gw:
+        # no --model: the gateway asked each engine's /v1/models
+        models = httpx.get(f"{gw}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        served_by = set()
+        for _ in range(4):
+            r = _chat(gw)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"]
+            served_by.add(r.headers["x-dyad-worker"])  # DYAD_* environment applied next to the flags
+        assert served_by == {"w0", "w1"}  # --policy round_robin over both --worker engines
+
+
+def test_prefill_decode_pair_from_flags_with_an_sglang_bootstrap_port():
+    # The simulated SGLang prefill serves its bootstrap rooms on its HTTP port, not SGLang's default
+    # 8998: the decode side only gets the KV when the gateway passes the port given after the URL.
+    with sim_engine("--dialect", "sglang", "--disaggregation-mode", "prefill") as p, \
+            sim_engine("--dialect", "sglang", "--disaggregation-mode", "decode", "--bootstrap-timeout", "5") as d:
+        bootstrap = p.rsplit(":", 1)[1]
+        with serve("--prefill", p, bootstrap, "--decode", d, "--engine", "sglang", "--model", MODEL,
+                   "--policy", "least_load") as gw:
+            r = _chat(gw)
+            assert r.status_code == 200, r.text
+            metrics = httpx.get(f"{gw}/metrics", timeout=10).text
+            assert 'dyad_pd_requests_total{mode="disaggregated"' in metrics  # prefilled on the prefill engine
+
+
+def test_a_malformed_flag_or_variable_is_one_line_naming_it():
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--prefill", "http://p:1", "x"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "bootstrap port 'x' is not a number" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve"], capture_output=True, text=True,
+                         timeout=30, env={**os.environ, "DYAD_WORKERS__1__URL": "http://a:1"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "dyad serve: DYAD_WORKERS__1__URL: index 1 of workers leaves a gap: workers has 0 item(s), set index 0 first"]
