@@ -1,7 +1,9 @@
 """The admin API: list, add, remove, drain and undrain workers at run time.
 
 Behind ``gateway.admin_token`` (a bearer token distinct from client keys). With no token
-configured every admin route answers 404 saying the admin API is disabled.
+configured every admin route answers 404 saying the admin API is disabled. Every call that changes
+the fleet writes one audit line (who, what, result; ``orchestrator/telemetry/audit.py``), refused
+ones included.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from orchestrator.fleet.worker import Worker
 from orchestrator.gateway import request as rq
 from orchestrator.gateway.auth import admin_runtime
 from orchestrator.gateway.runtime import GatewayRuntime
+from orchestrator.telemetry.audit import audited
 
 ADMIN_BODY_LIMIT = 64 * 1024
 
@@ -54,6 +57,7 @@ async def list_workers(request: Request) -> Response:
     return _json({"workers": [worker_view(w) for w in rt.fleet.workers()]})
 
 
+@audited("worker.add")
 async def add_worker(request: Request) -> Response:
     """Body: a worker as in the config file (``url`` required; ``id``, ``engine``, ``role``,
     ``models``, ``labels``, ...). The worker is probed at once and joins when healthy."""
@@ -72,26 +76,36 @@ async def add_worker(request: Request) -> Response:
         while rt.fleet.get(f"w{n}") is not None:
             n += 1
         wc.id = f"w{n}"
+    request.state.audit.update(target=wc.id, url=wc.url, role=wc.role.value, engine=wc.engine.value)
     if rt.fleet.get(wc.id) is not None:
         raise ApiError(f"A worker with id '{wc.id}' already exists.", status=409, type="invalid_request_error",
                        param="id", code="worker_exists")
     worker = rt.fleet.add(worker_from_config(wc))
     await rt.health.check_worker(worker)
+    request.state.audit["state"] = worker.state.value
     return _json(worker_view(worker), status=201)
 
 
+@audited("worker.remove")
 async def remove_worker(request: Request) -> Response:
     rt = admin_runtime(request)
     worker = _worker(rt, request)
     rt.fleet.remove(worker.id)
+    request.state.audit.update(url=worker.url, inflight=worker.inflight)
     return _json({"removed": worker.id, "inflight": worker.inflight})
 
 
+@audited("worker.drain")
 async def drain_worker(request: Request) -> Response:
     rt = admin_runtime(request)
-    return _json(worker_view(rt.fleet.drain(_worker(rt, request).id)))
+    worker = rt.fleet.drain(_worker(rt, request).id)
+    request.state.audit.update(state=worker.state.value, inflight=worker.inflight)
+    return _json(worker_view(worker))
 
 
+@audited("worker.undrain")
 async def undrain_worker(request: Request) -> Response:
     rt = admin_runtime(request)
-    return _json(worker_view(rt.fleet.undrain(_worker(rt, request).id)))
+    worker = rt.fleet.undrain(_worker(rt, request).id)
+    request.state.audit["state"] = worker.state.value
+    return _json(worker_view(worker))

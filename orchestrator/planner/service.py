@@ -18,6 +18,7 @@ from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.planner.actuators import Actuator, export_metrics
 from orchestrator.planner.core import PlanDecision, Planner, WorkerView
 from orchestrator.planner.metrics_source import Observation
+from orchestrator.telemetry import audit
 from orchestrator.telemetry.metrics import DyadMetrics
 
 log = logging.getLogger("dyad.planner")
@@ -58,7 +59,18 @@ class PlannerService:
         now = self.clock.now()
         obs = await self.source.observe(now)
         decision = self.planner.step(obs, self.fleet(), now)
-        done = await self.actuator.apply(decision)
+        if self.actuator.name == "recommend" or not decision.actions:
+            done = await self.actuator.apply(decision)
+        else:  # the planner changes the fleet: an audit line, as for an admin action
+            actions = [" ".join(str(x) for x in (a.kind, a.role.value, a.worker_id) if x) for a in decision.actions]
+            try:
+                done = await self.actuator.apply(decision)
+            except Exception as e:
+                audit.record("planner.apply", actor="planner", result="error", actuator=self.actuator.name,
+                             actions=actions, error=f"{type(e).__name__}: {e}"[:300])
+                raise
+            audit.record("planner.apply", actor="planner", result="ok", actuator=self.actuator.name,
+                         actions=actions, applied=done)
         if self.metrics is not None and self.actuator.name != "recommend":
             export_metrics(decision, self.metrics)
         entry = decision.to_dict()

@@ -31,6 +31,9 @@ _fields: ContextVar[Mapping[str, Any]] = ContextVar("dyad_log_fields",
 # Attributes every LogRecord has; anything else on a record came from ``extra=`` and is logged.
 _RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime",
                                                                                     "request_id"}
+# Extra attributes other libraries put on their records that are not information: uvicorn adds an
+# ANSI-coloured copy of every message (``color_message``) for its own terminal formatter.
+_NOISE_ATTRS = frozenset({"color_message"})
 _HANDLER_NAME = "dyad"
 
 
@@ -91,7 +94,7 @@ class JsonFormatter(logging.Formatter):
         if rid is not None:
             entry["request_id"] = rid
         for key, value in record.__dict__.items():
-            if key not in _RECORD_ATTRS and not key.startswith("_") and key not in entry:
+            if key not in _RECORD_ATTRS and key not in _NOISE_ATTRS and not key.startswith("_") and key not in entry:
                 entry[key] = _jsonable(value)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)

@@ -91,3 +91,50 @@ def test_configure_is_idempotent_and_text_mode_shows_the_id():
         root.removeHandler(handler)
         root.setLevel(old_level)
     assert root.handlers == old_handlers
+
+
+def test_uvicorn_lines_are_clean_json_without_color_message():
+    """A real uvicorn server started and stopped through Dyad's own config: its lines are Dyad's JSON,
+    with the plain message and without uvicorn's ANSI-coloured ``color_message`` copy."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from orchestrator.gateway.serve import bind_socket, uvicorn_config
+
+    async def app(scope, receive, send):  # a bare ASGI app: only the server's own lines matter here
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+
+    buf = io.StringIO()
+    root = logging.getLogger()
+    old_level, old_handlers = root.level, list(root.handlers)
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", sock.getsockname()[1], log_level="info"))
+    handler = configure_logging(json=True, level="INFO", stream=buf)  # as `dyad serve` does
+    try:
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.should_exit = True
+        thread.join(10)
+    finally:
+        sock.close()
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    assert root.handlers == old_handlers
+    raw = buf.getvalue().splitlines()
+    lines = [json.loads(line) for line in raw]  # every line is one JSON object
+    lines = [line for line in lines if line["logger"].startswith("uvicorn")]
+    messages = [line["msg"] for line in lines]
+    assert any("Application startup complete" in m for m in messages), messages
+    assert any("Started server process" in m for m in messages), messages
+    for line in lines:
+        assert "color_message" not in line, line
+        assert "\x1b[" not in json.dumps(line), line
+        assert set(line) <= {"ts", "level", "logger", "msg", "request_id", "exc"}, line

@@ -1,0 +1,105 @@
+"""Audit log: one line per admin action (and per planner action that changes the fleet): who did what
+to which worker, and how it ended.
+
+Lines go to the ``dyad.audit`` logger at INFO, which ``configure_logging`` keeps enabled whatever
+``--log-level`` says (an audit trail that a log level can switch off is not one). In JSON they read::
+
+    {"ts": "...", "level": "info", "logger": "dyad.audit", "msg": "admin worker.drain w1: ok",
+     "audit": true, "action": "worker.drain", "target": "w1", "actor": "admin-token:3f2a9c1e",
+     "client": "10.0.0.7", "result": "ok", "status": 200}
+
+``actor`` names the credential, never the credential itself: ``admin-token:<first 8 hex of its
+SHA-256>`` (enough to tell a rotated token from the old one), ``invalid-token`` for a wrong one,
+``no-token`` when none was sent, ``planner`` for the planner. ``client`` is the caller's address as uvicorn resolves it: the peer of
+the connection, or the ``X-Forwarded-For`` address when the peer is a trusted proxy (uvicorn's
+``forwarded_allow_ips``, loopback by default); the raw header is recorded beside it as
+``forwarded_for``. ``result`` is ``ok``, ``accepted`` (started and
+still running, e.g. a role change draining), ``denied`` (401/403) or ``error``; refused requests carry
+the error ``code``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from orchestrator.errors import ApiError
+
+AUDIT_LOGGER = "dyad.audit"
+log = logging.getLogger(AUDIT_LOGGER)
+log.setLevel(logging.INFO)  # on by default, also before configure_logging
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def actor_of(request: Request) -> str:
+    """Which credential the caller presented (a fingerprint, never the token)."""
+    value = request.headers.get("authorization") or ""
+    scheme, _, token = value.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return "no-token"
+    gateway = getattr(getattr(getattr(request.app.state, "runtime", None), "config", None), "gateway", None)
+    expected = getattr(gateway, "admin_token", None)
+    if expected and hmac.compare_digest(token.encode(), expected.encode()):
+        return "admin-token:" + hashlib.sha256(token.encode()).hexdigest()[:8]
+    return "invalid-token"
+
+
+def client_of(request: Request) -> dict[str, str]:
+    out = {"client": request.client.host if request.client else "unknown"}
+    forwarded = request.headers.get("x-forwarded-for")
+    if forwarded:
+        out["forwarded_for"] = forwarded[:200]
+    return out
+
+
+def record(action: str, *, actor: str, result: str, target: str | None = None, **fields: Any) -> None:
+    """Write one audit line. ``fields``: who (``client``), outcome details (``status``, ``code``,
+    ``error``) and what changed (``role_from``, ``role_to``, ``url``, ...)."""
+    msg = f"{'planner' if actor == 'planner' else 'admin'} {action}{' ' + target if target else ''}: {result}"
+    log.info(msg, extra={"audit": True, "action": action, "target": target, "actor": actor, "result": result,
+                         **{k: v for k, v in fields.items() if v is not None}})
+
+
+def audited(action: str) -> Callable[[Handler], Handler]:
+    """Wrap an admin route: one audit line per call, whatever its outcome. The route may add details
+    (``request.state.audit = {...}``); the target is the ``worker_id`` path parameter, or
+    ``request.state.audit["target"]``."""
+
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def run(request: Request) -> Response:
+            request.state.audit = {}
+            base = {"actor": actor_of(request), **client_of(request)}
+            try:
+                response = await handler(request)
+            except ApiError as e:
+                details = {**request.state.audit}
+                target = details.pop("target", request.path_params.get("worker_id"))
+                result = "denied" if e.status in (401, 403) else "error"
+                record(action, target=target, result=result, status=e.status, code=e.code, error=str(e)[:300],
+                       **base, **details)
+                raise
+            except Exception as e:
+                details = {**request.state.audit}
+                target = details.pop("target", request.path_params.get("worker_id"))
+                record(action, target=target, result="error", status=500, error=f"{type(e).__name__}: {e}"[:300],
+                       **base, **details)
+                raise
+            details = {**request.state.audit}
+            target = details.pop("target", request.path_params.get("worker_id"))
+            result = details.pop("result", "accepted" if response.status_code == 202 else "ok")
+            record(action, target=target, result=result, status=response.status_code, **base, **details)
+            return response
+
+        return run
+
+    return wrap
