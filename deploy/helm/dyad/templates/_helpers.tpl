@@ -1,0 +1,124 @@
+{{/* Names and labels. */}}
+{{- define "dyad.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dyad.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "dyad.selector" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "dyad.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The enabled engine pools, in a fixed order: a list of pool names. */}}
+{{- define "dyad.pools" -}}
+{{- $out := list -}}
+{{- range $name := list "prefill" "decode" "both" -}}
+{{- if (index $.Values.pools $name).enabled -}}{{- $out = append $out $name -}}{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* true when the release splits prefill and decode (both P/D pools on). */}}
+{{- define "dyad.pd" -}}
+{{- if and .Values.pools.prefill.enabled .Values.pools.decode.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* Where the shared index lives: a redis URL, or "" for in-memory. */}}
+{{- define "dyad.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s-redis.%s.svc:6379/0" (include "dyad.fullname" .) .Release.Namespace -}}
+{{- else -}}
+{{- .Values.redis.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dyad.usesRedis" -}}
+{{- if or .Values.redis.enabled .Values.redis.url .Values.redis.urlSecret.name -}}true{{- end -}}
+{{- end -}}
+
+{{/* The gateway configuration (orchestrator/config.py), as YAML. */}}
+{{- define "dyad.config" -}}
+{{- $full := include "dyad.fullname" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $port := int .Values.engine.port -}}
+{{- $sglang := eq .Values.engine.type "sglang" -}}
+{{- $workers := list -}}
+{{- range $pool := include "dyad.pools" . | fromJsonArray -}}
+{{- $p := index $.Values.pools $pool -}}
+{{- range $i := until (int $p.replicas) -}}
+{{- $host := printf "%s-%s-%d.%s-%s.%s.svc" $full $pool $i $full $pool $ns -}}
+{{- $w := dict "id" (printf "%s-%d" $pool $i) "url" (printf "http://%s:%d" $host $port) "role" $pool "engine" $.Values.engine.type "models" (list $.Values.model.name) -}}
+{{- if and (not $sglang) $.Values.engine.kvEvents -}}
+{{- $_ := set $w "kv_events" (dict "endpoint" (printf "tcp://%s:5557" $host) "replay_endpoint" (printf "tcp://%s:5558" $host)) -}}
+{{- end -}}
+{{- if and $sglang (eq $pool "prefill") -}}
+{{- $_ := set $w "bootstrap_port" (int $.Values.engine.sglang.bootstrapPort) -}}
+{{- end -}}
+{{- $workers = append $workers $w -}}
+{{- end -}}
+{{- end -}}
+{{- $model := dict "name" .Values.model.name "block_size" (int .Values.model.blockSize) -}}
+{{- if .Values.model.aliases -}}{{- $_ := set $model "aliases" .Values.model.aliases -}}{{- end -}}
+{{- $cfg := dict "models" (list $model) "workers" $workers "router" (dict "policy" .Values.gateway.policy) "gateway" (dict "host" "0.0.0.0" "port" (int .Values.gateway.port)) -}}
+{{- if include "dyad.usesRedis" . -}}
+{{- $_ := set $cfg "index" (dict "backend" "redis" "redis_url" (include "dyad.redisUrl" . | default "redis://set-by-env:6379/0")) -}}
+{{- end -}}
+{{- if include "dyad.pd" . -}}
+{{- $_ := set $cfg "disagg" (dict "enabled" true "connector" "nixl") -}}
+{{- end -}}
+{{- if .Values.planner.enabled -}}
+{{- $planner := dict "enabled" false "interval_s" .Values.planner.intervalS "ttft_target_s" .Values.planner.ttftTargetS "itl_target_s" .Values.planner.itlTargetS "max_workers" (int .Values.planner.maxWorkers) "kubernetes_namespace" $ns "kubernetes_workloads" (dict "prefill" (printf "statefulsets/%s-prefill" $full) "decode" (printf "statefulsets/%s-decode" $full)) -}}
+{{- if .Values.planner.prometheusUrl -}}{{- $_ := set $planner "prometheus_url" .Values.planner.prometheusUrl -}}{{- end -}}
+{{- $_ := set $cfg "planner" $planner -}}
+{{- end -}}
+{{- $cfg = mustMergeOverwrite $cfg (deepCopy .Values.gateway.config) -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* Environment shared by the gateway and planner containers. */}}
+{{- define "dyad.commonEnv" -}}
+{{- if .Values.redis.urlSecret.name }}
+- name: DYAD_INDEX__REDIS_URL
+  valueFrom: {secretKeyRef: {name: {{ .Values.redis.urlSecret.name | quote }}, key: {{ .Values.redis.urlSecret.key | quote }}}}
+{{- end }}
+{{- if .Values.gateway.adminTokenSecret }}
+- name: DYAD_GATEWAY__ADMIN_TOKEN
+  valueFrom: {secretKeyRef: {name: {{ .Values.gateway.adminTokenSecret | quote }}, key: token}}
+{{- end }}
+{{- end -}}
+
+{{/* Checks that fail the render with a message naming the value. */}}
+{{- define "dyad.validate" -}}
+{{- $pools := include "dyad.pools" . | fromJsonArray -}}
+{{- if not $pools -}}{{- fail "pools: enable at least one of prefill, decode, both" -}}{{- end -}}
+{{- if and .Values.pools.prefill.enabled (not .Values.pools.decode.enabled) -}}
+{{- fail "pools.prefill: a prefill pool needs a decode pool (pools.decode.enabled)" -}}
+{{- end -}}
+{{- if and .Values.planner.enabled (not (include "dyad.pd" .)) -}}
+{{- fail "planner.enabled: the planner sizes prefill and decode pools; enable both, or set planner.enabled=false" -}}
+{{- end -}}
+{{- if and .Values.redis.enabled (or .Values.redis.url .Values.redis.urlSecret.name) -}}
+{{- fail "redis: set redis.enabled=false to use an external Redis (redis.url or redis.urlSecret)" -}}
+{{- end -}}
+{{- if not (has .Values.engine.type (list "vllm" "sglang")) -}}
+{{- fail (printf "engine.type: %q is not vllm or sglang" .Values.engine.type) -}}
+{{- end -}}
+{{- if and .Values.planner.enabled (lt (int .Values.planner.maxWorkers) 2) -}}
+{{- fail "planner.maxWorkers: at least 2 (one prefill, one decode)" -}}
+{{- end -}}
+{{- end -}}
