@@ -1,0 +1,152 @@
+"""The shared prefix index and the shared rate limits over TLS (``rediss://``), against a real
+redis-server that listens only on a TLS port, with certificates from a throwaway CA made here by the
+openssl CLI (tests/fixtures/redis_tls.py): one-way TLS and mutual TLS, a whole ``dyad serve`` pointed
+at it with ``--redis``, and what happens when the TLS settings are wrong (local fallback, said once).
+The engine behind the gateway is the project's simulator (routing and Redis are what is tested)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis as sync_redis
+
+from orchestrator.clock import VirtualClock
+from orchestrator.gateway.auth import ClientIdentity, hash_key
+from orchestrator.gateway.limits import RateLimited, RateLimiter
+from orchestrator.kv.redis_index import RedisPrefixIndex
+from orchestrator.ports import free_port, wait_ready
+from orchestrator.sim.server import SimEngineThread
+from orchestrator.telemetry.metrics import DyadMetrics
+from tests.fixtures.redis import unique_prefix
+from tests.fixtures.redis_tls import TlsRedisServer, make_pki
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("redis-pki"))
+
+
+@pytest.fixture(scope="module", params=["tls", "mutual-tls"])
+def tls_redis(request, pki):
+    with TlsRedisServer(pki, auth_clients=request.param == "mutual-tls") as server:
+        yield server
+
+
+async def test_prefix_index_shared_between_replicas_over_tls(tls_redis):
+    prefix = unique_prefix("tls-idx")
+    a = RedisPrefixIndex(tls_redis.url, prefix, clock=VirtualClock())
+    b = RedisPrefixIndex(tls_redis.url, prefix, clock=VirtualClock())  # another gateway replica
+    try:
+        blocks = [11, 22, 33, 44, 55]
+        await a.store("w0", blocks)
+        await a.store("w1", blocks[:2])
+        found = await b.overlaps(blocks + [66])
+        assert {w: o.blocks for w, o in found.items()} == {"w0": 5, "w1": 2}
+        assert await b.size() == 7
+        await a.remove("w0", blocks[3:])
+        assert (await b.overlaps(blocks))["w0"].blocks == 3
+        assert a.available and b.available and b.fallback_lookups == 0  # every answer came from Redis
+    finally:
+        await a.close()
+        await b.close()
+    # and the keys really are in that server, read back over TLS by an independent client
+    client = sync_redis.Redis.from_url(tls_redis.url)
+    assert client.keys(f"{prefix}:*")
+    client.close()
+
+
+async def test_rate_limits_shared_between_replicas_over_tls(tls_redis):
+    prefix = unique_prefix("tls-rl")
+    metrics = DyadMetrics()
+    a = RateLimiter(VirtualClock(), metrics, redis_url=tls_redis.url, key_prefix=prefix)
+    b = RateLimiter(VirtualClock(), metrics, redis_url=tls_redis.url, key_prefix=prefix)
+    who = ClientIdentity("tls-key", rpm=4)
+    try:
+        for lim in (a, b, a, b):  # the whole budget, split between two replicas
+            await lim.check(who, 10)
+        for lim in (a, b):
+            with pytest.raises(RateLimited) as e:
+                await lim.check(who, 10)
+            assert e.value.code == "rpm_exceeded"
+        assert metrics.rate_limit_fallbacks._value.get() == 0  # decided in Redis, not locally
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_wrong_tls_settings_fall_back_to_local_state(tls_redis, pki, caplog):
+    """A plain redis:// URL on the TLS port, or rediss:// without the CA that signed the server: the
+    index answers from its local mirror and the limits from local buckets; the gateway keeps serving."""
+    for url, why in ((tls_redis.plain_url, "plain"), (tls_redis.url_with(), "unknown CA")):
+        prefix = unique_prefix("tls-bad")
+        idx = RedisPrefixIndex(url, prefix, clock=VirtualClock())
+        metrics = DyadMetrics()
+        lim = RateLimiter(VirtualClock(), metrics, redis_url=url, key_prefix=prefix)
+        try:
+            await idx.store("w0", [1, 2, 3])
+            assert {w: o.blocks for w, o in (await idx.overlaps([1, 2, 3])).items()} == {"w0": 3}, why
+            assert not idx.available and idx.fallback_lookups >= 1, why
+            await lim.check(ClientIdentity("k", rpm=100), 1)
+            assert metrics.rate_limit_fallbacks._value.get() == 1, why
+        finally:
+            await idx.close()
+            await lim.close()
+    assert any("Redis unreachable" in r.getMessage() and "CERTIFICATE_VERIFY_FAILED" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_dyad_serve_with_a_rediss_url(tls_redis):
+    """``dyad serve --redis rediss://...`` (a real gateway process): routing state and rate-limit
+    buckets end up in the TLS-only Redis."""
+    prefix = unique_prefix("tls-gw")
+    engine = SimEngineThread(model="m", profile="cpu-tiny", kv_events=False).start()
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DYAD_")}, "PYTHONUNBUFFERED": "1",
+           "DYAD_INDEX__KEY_PREFIX": prefix, "DYAD_LIMITS__BACKEND": "redis", "DYAD_LIMITS__KEY_PREFIX": prefix,
+           "DYAD_HEALTH__INTERVAL_S": "0.2",
+           # two client keys: one warms the gateway's TLS connection to Redis (the first one pays the
+           # handshake), the other is the one counted
+           "DYAD_AUTH__KEYS": f"[{{name: warm, sha256: {hash_key('warm-key')}, rpm: 1000}}, "
+                              f"{{name: counted, sha256: {hash_key('counted-key')}, rpm: 3}}]"}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--worker", engine.url,
+                             "--policy", "kv_aware", "--redis", tls_redis.url, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_ready(f"{url}/ready", proc, timeout_s=30), proc.stderr.read().decode()[-2000:]
+        body = {"model": "m", "max_tokens": 2, "prompt": "shared system prompt " * 40}
+        warm = httpx.post(f"{url}/v1/completions", json=body, timeout=30, headers={"authorization": "Bearer warm-key"})
+        assert warm.status_code == 200, warm.text
+        codes = [httpx.post(f"{url}/v1/completions", json=body, timeout=30,
+                            headers={"authorization": "Bearer counted-key"}).status_code for _ in range(4)]
+        assert codes == [200, 200, 200, 429]  # the key's rpm 3, counted in Redis
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert "dyad_rate_limit_local_fallbacks_total 0.0" in metrics
+        client = sync_redis.Redis.from_url(tls_redis.url)
+        try:
+            deadline = time.monotonic() + 10
+            while not client.keys(f"{prefix}:idx*"):  # the routing decision's approximate index entry
+                assert time.monotonic() < deadline, client.keys(f"{prefix}:*")
+                time.sleep(0.05)
+            assert client.keys(f"{prefix}:rl:*")
+        finally:
+            client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        engine.stop()
