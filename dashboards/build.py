@@ -6,7 +6,8 @@ committed JSON differs from what this script writes, and checks every metric nam
 against a live scrape of a gateway and a simulated engine.
 
 Queries use only metrics declared in ``orchestrator/telemetry/metrics.py``, the recording rules
-in ``deploy/prometheus/rules.yml`` and vLLM's ``vllm:*`` series. Variables: ``$datasource``,
+in ``deploy/prometheus/rules.yml``, vLLM's ``vllm:*`` series and NVIDIA's DCGM exporter's
+``DCGM_FI_*`` series (GPU utilization, power, memory; its default counter set). Variables: ``$datasource``,
 ``$model`` (gateway-side panels), ``$instance`` (gateway replica).
 """
 
@@ -203,7 +204,35 @@ def fleet_overview() -> dict[str, Any]:
             Panel("Preemptions / s", [q("sum by (instance) (rate(vllm:num_preemptions_total[$__rate_interval]))",
                                         "{{instance}}")], "ops", width=12),
         ]),
+        Row("GPUs (DCGM exporter)", gpu_panels()),
     ])
+
+
+GPU = "Hostname, gpu"  # DCGM exporter labels naming one GPU (pod labels get renamed by some scrape setups)
+
+
+def gpu_panels() -> list[Panel]:
+    """NVIDIA's DCGM exporter (a DaemonSet on the GPU nodes, scraped by the same Prometheus): is the
+    hardware busy, how much power does it draw, how full is its memory, and what does a token cost."""
+    per_gpu = "{{Hostname}} gpu {{gpu}}"
+    return [
+        Panel("GPU utilization", [q(f"avg by ({GPU}) (DCGM_FI_DEV_GPU_UTIL)", per_gpu)], "percent", width=8,
+              max=100, description="Share of time a kernel ran on the GPU (DCGM_FI_DEV_GPU_UTIL). Prefill GPUs "
+                                   "near 100 % and decode GPUs far below is the usual P/D shape."),
+        Panel("GPU power draw", [q(f"sum by ({GPU}) (DCGM_FI_DEV_POWER_USAGE)", per_gpu)], "watt", width=8),
+        Panel("GPU memory used", [q(f"sum by ({GPU}) (DCGM_FI_DEV_FB_USED) / (sum by ({GPU}) (DCGM_FI_DEV_FB_USED) "
+                                    f"+ sum by ({GPU}) (DCGM_FI_DEV_FB_FREE))", per_gpu)],
+              "percentunit", width=8, max=1, thresholds=[(None, "green"), (0.95, "orange")],
+              description="Framebuffer used / (used + free). vLLM reserves most of it for the KV cache at "
+                          "start, so high is normal; KV usage per worker is in the Workers row."),
+        Panel("Fleet GPU power", [q("sum(DCGM_FI_DEV_POWER_USAGE)")], "watt", "stat", 6, 4),
+        Panel("Mean GPU utilization", [q("avg(DCGM_FI_DEV_GPU_UTIL)")], "percent", "stat", 6, 4, max=100,
+              thresholds=[(None, "orange"), (30, "green")]),
+        Panel("Generated tokens per joule",
+              [q("sum(rate(vllm:generation_tokens_total[$__rate_interval])) / sum(DCGM_FI_DEV_POWER_USAGE)",
+                 "tokens / J")], "short", "stat", 12, 4,
+              description="Engines' generated tokens per second over the GPUs' power draw in watts."),
+    ]
 
 
 def routing_and_cache() -> dict[str, Any]:

@@ -1,7 +1,13 @@
 """Dashboards name only metrics that exist: every metric in every panel query (and variable query)
 is checked against a live scrape of a gateway in front of a simulated fleet, the simulated
-engine's ``/metrics``, a real vLLM 0.32 scrape, and the recording rules; then every query runs in
-a real Prometheus scraping that gateway and those engines."""
+engine's ``/metrics``, a real vLLM 0.32 scrape, the recording rules, and (for the GPU panels) a DCGM
+exporter answer; then every query runs in a real Prometheus scraping that gateway, those engines and
+the DCGM exporter answer served over HTTP.
+
+The DCGM series cannot come from this machine (no GPU, no exporter): ``data/dcgm-exporter-sample.txt``
+is written from the exporter's default counter set and label scheme, and says so. What it proves is
+that the GPU panels' names, labels and arithmetic work on the exporter's format, not that a
+particular exporter version still emits them."""
 
 from __future__ import annotations
 
@@ -20,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
 REAL_VLLM_SCRAPE = Path("/work/shared/docs/vllm-metrics-sample.txt")
+DCGM_SAMPLE = Path(__file__).resolve().parent / "data" / "dcgm-exporter-sample.txt"
+GPU_PANELS = ("GPU utilization", "GPU power draw", "GPU memory used", "Fleet GPU power", "Mean GPU utilization",
+              "Generated tokens per joule")
 
 PROMQL_WORDS = {
     "sum", "max", "min", "avg", "count", "rate", "increase", "irate", "deriv", "histogram_quantile", "topk",
@@ -70,6 +79,11 @@ def metric_names(expr: str) -> set[str]:
     s = re.sub(r"label_values\(\s*([a-zA-Z_:][\w:]*)\s*,\s*\w+\s*\)", r"\1", s)
     names = set(re.findall(r"(?<![\w.$])[a-zA-Z_:][\w:]*", s))
     return {n for n in names if n not in PROMQL_WORDS}
+
+
+def _exposition_names(text: str) -> set[str]:
+    """Series names as written (the client parser would add ``_total`` to the exporter's counters)."""
+    return {re.split(r"[{\s]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def _recording_rules() -> dict[str, str]:
@@ -150,6 +164,7 @@ def test_every_dashboard_metric_is_in_a_live_scrape(scrapes):
     gateway_families = set(re.findall(r"^# HELP (\S+)", gateway_text, re.M))
     engine_samples = _sample_names(engine_text)
     real_vllm = _sample_names(REAL_VLLM_SCRAPE.read_text())
+    dcgm = _exposition_names(DCGM_SAMPLE.read_text())
     rules = _recording_rules()
 
     def check(name: str, problems: list[str], unsampled: set[str]) -> None:
@@ -168,11 +183,14 @@ def test_every_dashboard_metric_is_in_a_live_scrape(scrapes):
                 unsampled.add(name)
             else:
                 problems.append(f"{name}: exported but no samples after live traffic")
+        elif name.startswith("DCGM_"):
+            if name not in dcgm:
+                problems.append(f"{name}: not in the DCGM exporter's answer ({DCGM_SAMPLE.name})")
         elif name in rules:
             for inner in metric_names(rules[name]):
                 check(inner, problems, unsampled)
         else:
-            problems.append(f"{name}: neither a Dyad metric, a vLLM metric nor a recording rule")
+            problems.append(f"{name}: neither a Dyad, vLLM or DCGM metric nor a recording rule")
 
     problems: list[str] = []
     unsampled: set[str] = set()
@@ -186,20 +204,50 @@ def test_every_dashboard_metric_is_in_a_live_scrape(scrapes):
     assert len(checked) >= 40
     # The allow-list only excuses families a short run cannot exercise; it must not grow to cover
     # everything (at least the core request/latency/routing/worker families are sampled).
+    assert {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_FB_USED"} <= checked
     sampled = {n for n in checked if n in gateway_samples}
     for core in ("dyad_requests_total", "dyad_request_ttft_seconds_bucket", "dyad_routing_decisions_total", "dyad_worker_kv_usage_ratio", "dyad_worker_healthy",
                  "dyad_pd_requests_total", "dyad_worker_role"):
         assert core in sampled, core
 
 
+@pytest.fixture(scope="module")
+def dcgm_exporter():
+    """The DCGM exporter's answer served over HTTP on a free loopback port, as the exporter serves it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = DCGM_SAMPLE.read_bytes()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+    server.server_close()
+
+
 @pytest.mark.prometheus
-def test_every_dashboard_query_runs_in_prometheus(live_fleet, prometheus_server):
+def test_every_dashboard_query_runs_in_prometheus(live_fleet, prometheus_server, dcgm_exporter):
     prom = prometheus_server
     prom.set_targets([(f"{live_fleet.url}/metrics", {"job": "dyad-gateway"})]
-                     + [(f"{e.url}/metrics", {"job": "engine"}) for e in live_fleet.engines.values()])
+                     + [(f"{e.url}/metrics", {"job": "engine"}) for e in live_fleet.engines.values()]
+                     + [(dcgm_exporter, {"job": "dcgm-exporter"})])
     # rate() needs two samples in its window: wait until it has them.
     prom.wait_for('rate(dyad_requests_total{job="dyad-gateway"}[1m])')
     prom.wait_for('rate(vllm:prompt_tokens_total{job="engine"}[1m])')
+    prom.wait_for('DCGM_FI_DEV_GPU_UTIL{job="dcgm-exporter"}')
     # Grafana variables as "All": the query text is what Grafana would send.
     subst = {"$__rate_interval": "1m", "$model": ".*", "$instance": ".*"}
     errors, empty = [], []
@@ -217,5 +265,10 @@ def test_every_dashboard_query_runs_in_prometheus(live_fleet, prometheus_server)
     assert not errors, "\n".join(errors)
     # Data, not just valid syntax, for the panels an operator looks at first.
     for title in ("Requests / s", "Requests by status", "Healthy workers", "In flight per worker (gateway count)",
-                  "Decisions by policy and outcome", "Workers by role", "Tokens / s"):
+                  "Decisions by policy and outcome", "Workers by role", "Tokens / s", *GPU_PANELS):
         assert title not in empty, f"{title!r} shows no data"
+    # the GPU panels' arithmetic on the exporter's series: one line per GPU, memory as a ratio
+    per_gpu = prom.query("sum by (Hostname, gpu) (DCGM_FI_DEV_FB_USED) / (sum by (Hostname, gpu) "
+                         "(DCGM_FI_DEV_FB_USED) + sum by (Hostname, gpu) (DCGM_FI_DEV_FB_FREE))")
+    assert len(per_gpu) == 4 and all(0.8 < float(r["value"][1]) < 1.0 for r in per_gpu)
+    assert prom.query_value("sum(DCGM_FI_DEV_POWER_USAGE)") > 0
