@@ -7,6 +7,7 @@ need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v chromium >/dev/null || need+=(chromium)
+command -v openssl >/dev/null || need+=(openssl)  # throwaway CAs in the TLS tests (gateway, Redis)
 if [ ${#need[@]} -gt 0 ]; then
   echo "[setup_test_deps] apt-get install ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
