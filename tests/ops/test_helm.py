@@ -1,7 +1,7 @@
 """The Helm chart (deploy/helm/dyad), rendered offline by the real Helm SDK (helm-python-sdk: Helm v4's
 Go library behind a C ABI, from PyPI) with several value sets, then checked the way a cluster would:
 every built-in object against the Kubernetes 1.30 and 1.37 schemas (kubernetes-validate, strict),
-references between objects, the rendered gateway config through ``dyad check-config`` with each
+the prometheus-operator objects against models generated from its CRD schemas (cloudcoil), references between objects, the rendered gateway config through ``dyad check-config`` with each
 container's environment, the PrometheusRule through promtool, and the dashboards against
 dashboards/*.json. No cluster runs here: nothing is applied."""
 
@@ -19,6 +19,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "dyad"
@@ -103,7 +104,7 @@ def test_every_object_validates_strictly(rendered, version):
     errors, checked = [], 0
     for d in docs:
         if (d["apiVersion"], d["kind"]) in CRDS:
-            continue  # kubernetes-validate ships no prometheus-operator schemas: checked below
+            continue  # kubernetes-validate ships no prometheus-operator schemas: see the next test
         try:
             kubernetes_validate.validate(d, version, strict=True)
             checked += 1
@@ -111,6 +112,18 @@ def test_every_object_validates_strictly(rendered, version):
             errors.append(f"{d['kind']}/{d['metadata']['name']}: {e.message} at {list(e.path)}")
     assert not errors, f"{name}:\n" + "\n".join(errors)
     assert checked >= 7  # config, gateway Deployment + Service, 2 pools x (StatefulSet + Service) at least
+
+
+def test_prometheus_operator_objects_match_their_crd_schemas(rendered):
+    """ServiceMonitor and PrometheusRule against prometheus-operator's CRD schemas (as pydantic models,
+    cloudcoil-models-prometheus-operator): types checked on validation, and a field the schema does
+    not know (which pydantic would drop) shows as a difference on the way back."""
+    name, _, docs = rendered
+    for d in docs:
+        if (d["apiVersion"], d["kind"]) not in CRDS:
+            continue
+        model = getattr(prometheus_operator, d["kind"]).model_validate(d)
+        assert model.model_dump(by_alias=True, exclude_unset=True, mode="json") == d, (name, d["kind"])
 
 
 def test_names_are_unique_and_selectors_find_pods(rendered):
