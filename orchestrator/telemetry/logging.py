@@ -34,6 +34,9 @@ _RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None)))
 # Extra attributes other libraries put on their records that are not information: uvicorn adds an
 # ANSI-coloured copy of every message (``color_message``) for its own terminal formatter.
 _NOISE_ATTRS = frozenset({"color_message"})
+# uvicorn logs its lifecycle ("Started server process", "Shutting down") on a logger named
+# "uvicorn.error"; at level info that name only misleads whoever greps for errors.
+_LOGGER_NAMES = {"uvicorn.error": "uvicorn"}
 _HANDLER_NAME = "dyad"
 
 
@@ -87,7 +90,7 @@ class JsonFormatter(logging.Formatter):
         entry: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
-            "logger": record.name,
+            "logger": _LOGGER_NAMES.get(record.name, record.name),
             "msg": record.getMessage(),
         }
         rid = getattr(record, "request_id", None)

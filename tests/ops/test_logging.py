@@ -135,6 +135,7 @@ def test_uvicorn_lines_are_clean_json_without_color_message():
     assert any("Application startup complete" in m for m in messages), messages
     assert any("Started server process" in m for m in messages), messages
     for line in lines:
+        assert line["logger"] == "uvicorn", line  # not "uvicorn.error" for its info lines
         assert "color_message" not in line, line
         assert "\x1b[" not in json.dumps(line), line
         assert set(line) <= {"ts", "level", "logger", "msg", "request_id", "exc"}, line
