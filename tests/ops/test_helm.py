@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -293,13 +294,28 @@ def test_bad_values_fail_the_render_naming_the_value():
         "planner.enabled": {"pools": {"prefill": {"enabled": False}, "decode": {"enabled": False},
                                       "both": {"enabled": True}}},
         "redis: set redis.enabled=false": {"redis": {"url": "redis://elsewhere:6379/0"}},
-        "engine.type": {"engine": {"type": "trtllm"}},
         "pools.prefill": {"pools": {"decode": {"enabled": False}}, "planner": {"enabled": False}},
         "pools: enable at least one": {"pools": {"prefill": {"enabled": False}, "decode": {"enabled": False}},
                                        "planner": {"enabled": False}},
     }
     for message, values in cases.items():
         with pytest.raises(helm.HelmRenderError, match=message):
+            render(values)
+
+
+def test_values_schema_names_a_misspelt_or_mistyped_value():
+    """values.schema.json: Helm refuses values that do not fit, naming where (typos included)."""
+    cases = {
+        "at '/gateway/replicas': got string, want integer": {"gateway": {"replicas": "two"}},
+        "additional properties 'gatway' not allowed": {"gatway": {"replicas": 2}},
+        "at '/gateway': additional properties 'replicaz' not allowed": {"gateway": {"replicaz": 2}},
+        "at '/redis/url'": {"redis": {"enabled": False, "url": "http://not-redis:6379"}},
+        "at '/engine/type'": {"engine": {"type": "trtllm"}},
+        "at '/pools/decode/replicas'": {"pools": {"decode": {"replicas": -1}}},
+        "at '/gateway/policy'": {"gateway": {"policy": "cache_aware"}},
+    }
+    for message, values in cases.items():
+        with pytest.raises(helm.HelmValuesError, match=re.escape(message)):
             render(values)
 
 
