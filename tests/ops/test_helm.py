@@ -34,7 +34,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     # the defaults: vLLM P/D (2 prefill + 2 decode), in-chart Redis, the planner
     "pd-vllm": {**MONITORING},
     "aggregated": {**yaml.safe_load((CHART / "values-aggregated.yaml").read_text()), **MONITORING},
-    "external-redis": {"redis": {"enabled": False, "url": "rediss://redis.example.internal:6380/0"},
+    "external-redis": {"redis": {"enabled": False, "url": "rediss://redis.example.internal:6380/0",
+                                 "tlsSecret": "redis-tls", "tlsClientCert": True},
                        "gateway": {"replicas": 3, "adminTokenSecret": "dyad-admin",
                                    "config": {"limits": {"default_rpm": 600}}}},
     "redis-url-in-secret": {"redis": {"enabled": False, "urlSecret": {"name": "dyad-redis-url", "key": "url"}}},
@@ -190,7 +191,19 @@ def test_rendered_config_passes_check_config_in_every_container(rendered, tmp_pa
     if redis.get("enabled", True):
         assert cfg.index.backend == "redis" and find(docs, "Service", cfg.index.redis_url.split("//")[1].split(".")[0])
     elif redis.get("url"):
-        assert (cfg.index.backend, cfg.index.redis_url) == ("redis", redis["url"]) and not find(docs, "Deployment", "dyad-redis")
+        assert cfg.index.backend == "redis"
+        assert not [w for w in workloads(docs) if w["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"]
+        if redis.get("tlsSecret"):  # the Secret's files, mounted in every Dyad container, named in the URL
+            assert cfg.index.redis_url == redis["url"] + (
+                "?ssl_ca_certs=/etc/dyad-redis-tls/ca.crt&ssl_certfile=/etc/dyad-redis-tls/tls.crt"
+                "&ssl_keyfile=/etc/dyad-redis-tls/tls.key")
+            for w in dyad_pods:
+                spec = w["spec"]["template"]["spec"]
+                assert {"name": "redis-tls", "secret": {"secretName": redis["tlsSecret"]}} in spec["volumes"]
+                assert {"name": "redis-tls", "mountPath": "/etc/dyad-redis-tls", "readOnly": True} in \
+                    spec["containers"][0]["volumeMounts"]
+        else:
+            assert cfg.index.redis_url == redis["url"]
     elif redis.get("urlSecret"):
         assert cfg.index.redis_url == SECRET_VALUES[("dyad-redis-url", "url")]
     else:

@@ -42,9 +42,28 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "dyad.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
 {{- printf "redis://%s-redis.%s.svc:6379/0" (include "dyad.fullname" .) .Release.Namespace -}}
+{{- else if and .Values.redis.url .Values.redis.tlsSecret -}}
+{{- $q := "ssl_ca_certs=/etc/dyad-redis-tls/ca.crt" -}}
+{{- if .Values.redis.tlsClientCert -}}
+{{- $q = printf "%s&ssl_certfile=/etc/dyad-redis-tls/tls.crt&ssl_keyfile=/etc/dyad-redis-tls/tls.key" $q -}}
+{{- end -}}
+{{- printf "%s%s%s" .Values.redis.url (ternary "&" "?" (contains "?" .Values.redis.url)) $q -}}
 {{- else -}}
 {{- .Values.redis.url -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The Redis TLS Secret as a volume and its mount (gateway and planner containers). */}}
+{{- define "dyad.redisTlsVolume" -}}
+{{- if .Values.redis.tlsSecret }}
+- name: redis-tls
+  secret: {secretName: {{ .Values.redis.tlsSecret | quote }}}
+{{- end }}
+{{- end -}}
+{{- define "dyad.redisTlsMount" -}}
+{{- if .Values.redis.tlsSecret }}
+- {name: redis-tls, mountPath: /etc/dyad-redis-tls, readOnly: true}
+{{- end }}
 {{- end -}}
 
 {{- define "dyad.usesRedis" -}}
@@ -114,6 +133,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- if and .Values.redis.enabled (or .Values.redis.url .Values.redis.urlSecret.name) -}}
 {{- fail "redis: set redis.enabled=false to use an external Redis (redis.url or redis.urlSecret)" -}}
+{{- end -}}
+{{- if and .Values.redis.tlsSecret (not (or .Values.redis.url .Values.redis.urlSecret.name)) -}}
+{{- fail "redis.tlsSecret: for an external rediss:// Redis (redis.url or redis.urlSecret)" -}}
 {{- end -}}
 {{- if not (has .Values.engine.type (list "vllm" "sglang")) -}}
 {{- fail (printf "engine.type: %q is not vllm or sglang" .Values.engine.type) -}}
