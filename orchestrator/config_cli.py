@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """The fleet and listener flags of ``dyad serve`` (each overrides the file and the environment)."""
-    g = p.add_argument_group("fleet (no config file needed; these override the file and DYAD_* variables)")
+    g = p.add_argument_group("fleet (no config file needed; these override the file and DYAD_* variables; "
+                             "--worker/--prefill/--decode together replace its workers list)")
     g.add_argument("--worker", action="append", metavar="URL", default=[],
                    help="an aggregated engine (prefill and decode); repeat for more")
     g.add_argument("--prefill", action="append", nargs="+", metavar=("URL", "BOOTSTRAP_PORT"), default=[],
