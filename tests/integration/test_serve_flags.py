@@ -79,6 +79,16 @@ def test_two_workers_from_flags_serve_with_the_model_learned_from_the_engines():
         assert served_by == {"w0", "w1"}  # --policy round_robin over both --worker engines
 
 
+def test_workers_from_the_environment_alone():
+    """No file, no fleet flags: the list of workers comes from DYAD_WORKERS__<i>__* variables."""
+    with sim_engine() as a, sim_engine("--seed", "2") as b, \
+            serve(env={"DYAD_WORKERS__0__URL": a, "DYAD_WORKERS__1__URL": b, "DYAD_WORKERS__1__ID": "second",
+                       "DYAD_ROUTER__POLICY": "round_robin", "DYAD_ROUTER__DEBUG_HEADERS": "true",
+                       "DYAD_HEALTH__INTERVAL_S": "0.2"}) as gw:
+        served_by = {_chat(gw).headers["x-dyad-worker"] for _ in range(4)}
+        assert served_by == {"w0", "second"}
+
+
 def test_prefill_decode_pair_from_flags_with_an_sglang_bootstrap_port():
     # The simulated SGLang prefill serves its bootstrap rooms on its HTTP port, not SGLang's default
     # 8998: the decode side only gets the KV when the gateway passes the port given after the URL.
