@@ -78,26 +78,23 @@ def audited(action: str) -> Callable[[Handler], Handler]:
         @functools.wraps(handler)
         async def run(request: Request) -> Response:
             request.state.audit = {}
-            base = {"actor": actor_of(request), **client_of(request)}
+            who = {"actor": actor_of(request), **client_of(request)}
+
+            def line(result: str, status: int, **outcome: Any) -> None:
+                details = dict(request.state.audit)
+                target = details.pop("target", request.path_params.get("worker_id"))
+                result = details.pop("result", result)
+                record(action, target=target, result=result, status=status, **who, **outcome, **details)
+
             try:
                 response = await handler(request)
             except ApiError as e:
-                details = {**request.state.audit}
-                target = details.pop("target", request.path_params.get("worker_id"))
-                result = "denied" if e.status in (401, 403) else "error"
-                record(action, target=target, result=result, status=e.status, code=e.code, error=str(e)[:300],
-                       **base, **details)
+                line("denied" if e.status in (401, 403) else "error", e.status, code=e.code, error=str(e)[:300])
                 raise
             except Exception as e:
-                details = {**request.state.audit}
-                target = details.pop("target", request.path_params.get("worker_id"))
-                record(action, target=target, result="error", status=500, error=f"{type(e).__name__}: {e}"[:300],
-                       **base, **details)
+                line("error", 500, error=f"{type(e).__name__}: {e}"[:300])
                 raise
-            details = {**request.state.audit}
-            target = details.pop("target", request.path_params.get("worker_id"))
-            result = details.pop("result", "accepted" if response.status_code == 202 else "ok")
-            record(action, target=target, result=result, status=response.status_code, **base, **details)
+            line("accepted" if response.status_code == 202 else "ok", response.status_code)
             return response
 
         return run
