@@ -61,9 +61,18 @@ def client_of(request: Request) -> dict[str, str]:
     return out
 
 
+def _clean(value: str, limit: int = 128) -> str:
+    """A caller-supplied string (a worker id from the path, a header) made safe for one log line:
+    bounded, control characters escaped (``%0A`` in a path would otherwise forge a text-log line)."""
+    value = value[:limit]
+    return value if value.isprintable() else value.encode("unicode_escape").decode("ascii")
+
+
 def record(action: str, *, actor: str, result: str, target: str | None = None, **fields: Any) -> None:
     """Write one audit line. ``fields``: who (``client``), outcome details (``status``, ``code``,
     ``error``) and what changed (``role_from``, ``role_to``, ``url``, ...)."""
+    target = _clean(target) if target is not None else None
+    fields = {k: _clean(v, 300) if isinstance(v, str) else v for k, v in fields.items()}
     msg = f"{'planner' if actor == 'planner' else 'admin'} {action}{' ' + target if target else ''}: {result}"
     log.info(msg, extra={"audit": True, "action": action, "target": target, "actor": actor, "result": result,
                          **{k: v for k, v in fields.items() if v is not None}})

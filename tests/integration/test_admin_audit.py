@@ -108,3 +108,22 @@ def test_each_admin_action_is_one_audit_line_with_who_what_result(fleet, log_lin
         assert line["logger"] == "dyad.audit" and line["level"] == "info"
         assert line["client"] == "127.0.0.1" or line.get("forwarded_for") == line["client"]
     assert ADMIN not in log_lines.getvalue() and "guess" not in log_lines.getvalue()  # never the token
+
+
+def test_a_worker_id_cannot_forge_a_text_log_line(fleet):
+    gw, _ = fleet
+    buf = io.StringIO()
+    root = logging.getLogger()
+    old_level, old_handlers = root.level, list(root.handlers)
+    handler = configure_logging(json=False, level="INFO", stream=buf)
+    try:
+        r = httpx.post(f"{gw.url}/admin/workers/x%0A2026-01-01%20forged%20line/drain",
+                       headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+        assert r.status_code == 404
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    assert root.handlers == old_handlers
+    audit = [line for line in buf.getvalue().splitlines() if "dyad.audit" in line]
+    assert len(audit) == 1 and "x\\n2026-01-01 forged line" in audit[0], buf.getvalue()
+    assert not any(line.startswith("2026-01-01 forged") for line in buf.getvalue().splitlines())
