@@ -31,8 +31,9 @@ CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/
 MONITORING = {"monitoring": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
-    # the defaults: vLLM P/D (2 prefill + 2 decode), in-chart Redis, the planner
-    "pd-vllm": {**MONITORING},
+    # the defaults (vLLM P/D, 2 prefill + 2 decode, in-chart Redis) with the planner
+    "pd-vllm": {"planner": {"enabled": True, "prometheusUrl": "http://prometheus-operated.monitoring.svc:9090"},
+                **MONITORING},
     "aggregated": {**yaml.safe_load((CHART / "values-aggregated.yaml").read_text()), **MONITORING},
     "external-redis": {"redis": {"enabled": False, "url": "rediss://redis.example.internal:6380/0",
                                  "tlsSecret": "redis-tls", "tlsClientCert": True},
@@ -41,7 +42,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "redis-url-in-secret": {"redis": {"enabled": False, "urlSecret": {"name": "dyad-redis-url", "key": "url"}}},
     "pd-sglang": {"engine": {"type": "sglang", "sglang": {"bootstrapPort": 9001}},
                   "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 3}}, **MONITORING},
-    "no-redis-single-gateway": {"redis": {"enabled": False}, "gateway": {"replicas": 1}, "planner": {"enabled": False},
+    "no-redis-single-gateway": {"redis": {"enabled": False}, "gateway": {"replicas": 1},
                                 "monitoring": {"dashboards": {"enabled": False}}},
 }
 # What a Secret referenced by the chart would hold, for running check-config with the container env.
@@ -241,7 +242,7 @@ def test_engine_arguments_per_engine_and_role(rendered):
 def test_planner_rbac_is_namespaced_and_scales_only_its_pools(rendered):
     name, values, docs = rendered
     planner = [w for w in find(docs, "Deployment") if w["metadata"]["name"].endswith("-planner")]
-    if values.get("planner", {}).get("enabled", True) is False or name == "aggregated":
+    if not values.get("planner", {}).get("enabled", False):
         assert not planner and not find(docs, "Role")
         return
     (role,) = find(docs, "Role")
@@ -256,6 +257,12 @@ def test_planner_rbac_is_namespaced_and_scales_only_its_pools(rendered):
     env = {e["name"]: e.get("value") for e in planner[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["DYAD_PLANNER__ENABLED"] == "true" and env["DYAD_PLANNER__ACTUATOR"] == "kubernetes"
     assert planner[0]["spec"]["replicas"] == 1 and planner[0]["spec"]["strategy"]["type"] == "Recreate"
+    (cm,) = [d for d in find(docs, "ConfigMap") if "dyad.yaml" in d["data"]]
+    planner_cfg = yaml.safe_load(cm["data"]["dyad.yaml"])["planner"]
+    assert planner_cfg["prometheus_url"] == values["planner"]["prometheusUrl"]  # the gateways' load, not its own
+    assert planner_cfg["kubernetes_workloads"] == {
+        role: f"statefulsets/{s['metadata']['name']}" for s in find(docs, "StatefulSet")
+        for role in [s["metadata"]["labels"]["dyad.dev/pool"]]}
 
 
 def test_prometheus_rule_is_our_tested_rules_and_passes_promtool(rendered, tmp_path):
@@ -305,7 +312,9 @@ def test_dashboards_are_configmaps_of_the_committed_json(rendered):
 def test_bad_values_fail_the_render_naming_the_value():
     cases = {
         "planner.enabled": {"pools": {"prefill": {"enabled": False}, "decode": {"enabled": False},
-                                      "both": {"enabled": True}}},
+                                      "both": {"enabled": True}},
+                            "planner": {"enabled": True, "prometheusUrl": "http://prom:9090"}},
+        "planner.prometheusUrl": {"planner": {"enabled": True}},
         "redis: set redis.enabled=false": {"redis": {"url": "redis://elsewhere:6379/0"}},
         "pools.prefill": {"pools": {"decode": {"enabled": False}}, "planner": {"enabled": False}},
         "pools: enable at least one": {"pools": {"prefill": {"enabled": False}, "decode": {"enabled": False}},

@@ -128,6 +128,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.pools.prefill.enabled (not .Values.pools.decode.enabled) -}}
 {{- fail "pools.prefill: a prefill pool needs a decode pool (pools.decode.enabled)" -}}
 {{- end -}}
+{{- if and .Values.planner.enabled (not .Values.planner.prometheusUrl) -}}
+{{- fail "planner.prometheusUrl: the planner reads the gateways' latency and load from Prometheus (its own pod serves no traffic); set it, or planner.enabled=false" -}}
+{{- end -}}
 {{- if and .Values.planner.enabled (not (include "dyad.pd" .)) -}}
 {{- fail "planner.enabled: the planner sizes prefill and decode pools; enable both, or set planner.enabled=false" -}}
 {{- end -}}
