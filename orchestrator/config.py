@@ -74,6 +74,23 @@ class WorkerConfig(_Section):
 PolicyName = Literal["round_robin", "least_load", "power_of_two", "kv_aware", "random"]
 
 
+class TierCostConfig(_Section):
+    """What a block cached outside GPU memory is worth, from modelled bandwidth (``orchestrator/kv/tier_cost.py``).
+
+    A host-tier hit is not free: the engine copies the block back into GPU memory instead of computing
+    it. Its credit is ``1 - reload time / prefill time`` per token, i.e.
+    ``1 - prefill_tokens_per_s * kv_bytes_per_token / reload bandwidth`` (0 when reloading is slower
+    than recomputing). Set for the tiers the engines have; they override ``tier_weights`` for those.
+    """
+
+    kv_bytes_per_token: int = Field(..., gt=0, description="KV bytes per token of the model (2 × layers × "
+                                    "KV heads × head dim × dtype bytes)")
+    prefill_tokens_per_s: float = Field(..., gt=0, description="Engine prefill throughput, tokens/s")
+    host_reload_bytes_per_s: float | None = Field(None, gt=0, description="Host → GPU copy bandwidth "
+                                                  "(vLLM CPU offloading), bytes/s")
+    disk_read_bytes_per_s: float | None = Field(None, gt=0, description="Disk/remote tier → GPU bandwidth, bytes/s")
+
+
 class KvAwareConfig(_Section):
     """Parameters of the ``kv_aware`` policy (prefix overlap vs load)."""
 
@@ -86,6 +103,8 @@ class KvAwareConfig(_Section):
     temperature: float = Field(0.0, ge=0, description="0 = pick the cheapest worker; > 0 = softmax over normalized costs")
     tier_weights: dict[str, float] = Field(default_factory=lambda: {"device": 1.0, "host": 0.75, "disk": 0.25},
                                            description="Credit per cached block by tier")
+    tier_cost: TierCostConfig | None = Field(None, description="Derive host/disk credit from reload "
+                                             "bandwidth vs prefill throughput (overrides tier_weights)")
     session_header: str = Field("x-session-id", description="Request header naming a session for affinity")
     session_ttl_s: float = Field(600.0, gt=0, description="How long a session sticks to its worker")
 

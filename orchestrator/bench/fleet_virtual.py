@@ -16,10 +16,21 @@ from typing import Any
 
 from orchestrator.bench.runner import percentile
 from orchestrator.bench.traces import TraceRequest
-from orchestrator.config import KvAwareConfig
+from orchestrator.config import KvAwareConfig, TierCostConfig
 from orchestrator.sim.engine_model import chain_block_hashes
 from orchestrator.sim.profiles import EngineProfile
 from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
+
+
+def tier_cost_of(profile: EngineProfile) -> TierCostConfig | None:
+    """The gateway's ``router.kv_aware.tier_cost`` for engines like ``profile`` (its KV size per
+    token, prefill rate and host reload bandwidth), so the router credits a host hit at the reload
+    cost the engines actually pay. None when the profile has no host tier or no timing."""
+    if not profile.host_kv_tokens or profile.per_prefill_token_s <= 0 or profile.kv_bytes_per_token <= 0:
+        return None
+    return TierCostConfig(kv_bytes_per_token=profile.kv_bytes_per_token,
+                          prefill_tokens_per_s=1.0 / profile.per_prefill_token_s,
+                          host_reload_bytes_per_s=profile.host_reload_bandwidth_bytes_s or None)
 
 
 def run_virtual_routing(trace: Sequence[TraceRequest] | Sequence[SimRequest], profile: EngineProfile, *,
@@ -29,7 +40,11 @@ def run_virtual_routing(trace: Sequence[TraceRequest] | Sequence[SimRequest], pr
     ``workers`` aggregated engines routed by ``policy``; a summary dict with ``hit_ratio``,
     ``ttft_s`` (mean/p50/p90/p99/max), ``itl_s`` (per-request mean ITL: mean/p99),
     ``prefill_load`` (per engine uncached prompt tokens, max/mean), ``finished`` and the
-    simulation's wall time."""
+    simulation's wall time. With a host tier in ``profile``, ``hit_ratio`` counts GPU hits and
+    host reloads (prompt tokens not recomputed), ``gpu_hit_ratio`` / ``host_hit_ratio`` split it, and
+    unless ``kv_aware`` is given the router credits host hits by ``tier_cost_of(profile)``."""
+    if kv_aware is None and tier_cost_of(profile) is not None:
+        kv_aware = KvAwareConfig(tier_cost=tier_cost_of(profile))
     if trace and isinstance(trace[0], SimRequest):
         reqs = [replace(r) for r in trace]  # fresh progress fields per run
         block_tokens = reqs[0].block_tokens
@@ -39,13 +54,14 @@ def run_virtual_routing(trace: Sequence[TraceRequest] | Sequence[SimRequest], pr
     fleet = VirtualFleet(profile, FleetSpec(aggregated=workers), policy=policy, seed=seed,
                          block_tokens=block_tokens, kv_aware=kv_aware)
     res = fleet.run(reqs)
-    queries = hits = 0
+    queries = hits = host_hits = 0
     loads = []
     for sw in fleet.workers.values():
         st = sw.engine.model.stats
         queries += st.prefix_cache_queries
         hits += st.prefix_cache_hits
-        loads.append(st.prefix_cache_queries - st.prefix_cache_hits)
+        host_hits += st.host_cache_hits
+        loads.append(st.prefix_cache_queries - st.prefix_cache_hits - st.host_cache_hits)
     ttfts = [r.ttft for r in res.requests if r.ttft is not None]
     itls = [r.itl for r in res.requests if r.itl is not None]
     mean_load = sum(loads) / len(loads) if loads else 0.0
@@ -53,7 +69,9 @@ def run_virtual_routing(trace: Sequence[TraceRequest] | Sequence[SimRequest], pr
         "policy": policy,
         "requests": len(res.requests),
         "finished": sum(1 for r in res.requests if r.finish is not None),
-        "hit_ratio": hits / queries if queries else None,
+        "hit_ratio": (hits + host_hits) / queries if queries else None,
+        "gpu_hit_ratio": hits / queries if queries else None,
+        "host_hit_ratio": host_hits / queries if queries else None,
         "ttft_s": {"mean": sum(ttfts) / len(ttfts) if ttfts else None,
                    **{f"p{q}": percentile(ttfts, q) for q in (50, 90, 99)},
                    "max": max(ttfts, default=None)},

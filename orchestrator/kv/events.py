@@ -84,6 +84,8 @@ class KvEventMapper:
         engine_hashes = [_as_int(h) for h in ev.get("block_hashes") or ()]
         tokens = ev.get("token_ids") or []
         block_size = int(ev.get("block_size") or 0)
+        if engine_hashes and not tokens:
+            return self._stored_known(engine_hashes, Tier.from_medium(ev.get("medium")))
         if not engine_hashes or block_size <= 0 or len(tokens) < block_size * len(engine_hashes):
             return None
         extra = ev.get("extra_keys") or []
@@ -115,6 +117,22 @@ class KvEventMapper:
             prev = self.engine_to_ours.get(eh)
             self.engine_to_ours[eh] = (oh, (prev[1] if prev else 0) | int(tier))
         return IndexOp("store", ours, tier, block_size=block_size, namespace=namespace)
+
+    def _stored_known(self, engine_hashes: list[int], tier: Tier) -> IndexOp | None:
+        """A block moved to another tier, announced by engine hash only (vLLM's OffloadingConnector
+        sends offloads as BlockStored ``medium: "CPU"`` with no tokens unless its
+        ``self_describing_kv_events`` is on): blocks we already know gain the tier; unknown ones
+        cannot be re-hashed and are skipped."""
+        ours: list[int] = []
+        known_map = self.engine_to_ours
+        for eh in engine_hashes:
+            known = known_map.get(eh)
+            if known is None:
+                self.unmapped += 1
+                continue
+            known_map[eh] = (known[0], known[1] | int(tier))
+            ours.append(known[0])
+        return IndexOp("store", ours, tier) if ours else None
 
     def _removed(self, ev: dict[str, Any]) -> IndexOp | None:
         if ev.get("group_idx") not in (None, 0):

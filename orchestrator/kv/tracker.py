@@ -33,6 +33,7 @@ from orchestrator.kv.events import IndexOp, KvEventMapper, KvEventSubscriber
 from orchestrator.kv.hashing import BlockHasher
 from orchestrator.kv.index import PrefixIndex, Tier
 from orchestrator.kv.memory_index import MemoryPrefixIndex
+from orchestrator.kv.tier_cost import effective_tier_weights
 from orchestrator.kv.tokenization import RequestTokenizer
 from orchestrator.router.types import RouteDecision, RouteRequest
 from orchestrator.telemetry.metrics import DyadMetrics
@@ -54,7 +55,7 @@ class PrefixTracker:
         self.metrics = metrics
         self.clock = clock
         self.shared_load = shared_load
-        self.tier_weights = dict(config.router.kv_aware.tier_weights)
+        self.tier_weights = effective_tier_weights(config.router.kv_aware)
         self.approx = ApproximateRecorder(index, config.index.approximate_ttl_s, config.index.max_blocks)
         self.mappers: dict[str, KvEventMapper] = {}
         self.subscribers: dict[str, KvEventSubscriber] = {}

@@ -19,6 +19,16 @@ here; KV events (BlockStored / BlockRemoved / AllBlocksCleared) are recorded exa
 shape (engines.md §3): only full blocks, none for hits. vLLM sends one BlockRemoved per evicted
 block; the sim sends one per eviction burst listing all its blocks (same shape, same meaning).
 
+Host tier (``profile.host_kv_tokens > 0``, vLLM's native CPU offloading): a block evicted from GPU is
+demoted into a host LRU of that capacity instead of being lost (BlockStored ``medium: "CPU"`` in the
+placeholder shape vLLM's OffloadingConnector sends by default: the engine hash only, no tokens; then
+BlockRemoved ``GPU``); the host LRU's own evictions are BlockRemoved ``CPU``. A prompt whose cached
+prefix continues in the host tier reloads those blocks into GPU memory (BlockStored ``GPU``, then
+BlockRemoved ``CPU``: the tiers are exclusive), paying ``profile.host_reload_seconds`` on the step
+that starts its prefill instead of recomputing them. Reloaded tokens count as cached for the
+request (``num_cached_tokens``) and as ``external_kv_transfer`` / ``host_cache_hits`` in the stats,
+not as GPU prefix-cache hits (vLLM counts connector hits apart too).
+
 Generation: the sim never emits EOS while ``max_tokens`` is set (it generates exactly
 ``max_tokens``, finish reason ``length``); without ``max_tokens`` it stops ("stop") after a
 deterministic length between 16 and 128 tokens. Token ids come from ``tokenizer.output_token_ids``.
@@ -107,6 +117,7 @@ class EngineStats:
     def __init__(self, max_model_len: int) -> None:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_cache_hits = 0  # prompt tokens reloaded from the host tier instead of recomputed
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prompt_tokens_by_source = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
@@ -177,7 +188,8 @@ _PENDING, _WAITING, _TRANSFER, _RUNNING, _LEASED, _DONE = range(6)
 class _Req:
     __slots__ = ("req", "rid", "prompt", "prompt_len", "prefill_target", "num_computed", "generated", "target",
                  "natural_stop", "hashes", "held", "private", "state", "arrival", "ready", "scheduled_at",
-                 "first_token_at", "last_token_at", "cached_tokens", "seed", "counted", "block_ids", "aborted")
+                 "first_token_at", "last_token_at", "cached_tokens", "seed", "counted", "block_ids", "aborted",
+                 "reload_s")
 
     def __init__(self, req: SimRequest, seed: int, target: int, natural_stop: bool, now: float, ready: float):
         self.req = req
@@ -203,6 +215,7 @@ class _Req:
         self.counted = False
         self.block_ids: list[int] | None = None
         self.aborted = False
+        self.reload_s = 0.0  # host-tier reload time charged to the step that starts its prefill
 
     @property
     def nblocks(self) -> int:
@@ -247,6 +260,8 @@ class EngineModel:
         self._cache: dict[int, int] = {}  # block hash → reference count
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, eviction order
         self._private_total = 0
+        self._host: OrderedDict[int, None] = OrderedDict()  # host-tier blocks, LRU first
+        self._host_cap = profile.host_kv_tokens // profile.block_size
         self._next_block_id = 0
         self._events: list[tuple[float, list[dict[str, Any]]]] = []
         self._held_outputs: list[SimOutput] = []
@@ -349,6 +364,7 @@ class EngineModel:
             return False
         self._cache.clear()
         self._lru.clear()
+        self._host.clear()
         if self.record_kv_events:
             self._emit(now, {"type": "AllBlocksCleared"})
         return True
@@ -393,6 +409,23 @@ class EngineModel:
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of this prompt are in the prefix cache right now (no side effects)."""
         return self.cached_prefix_blocks(chain_block_hashes(token_ids, self._bs)) * self._bs
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self._host)
+
+    def cached_prefix_tiers(self, block_hashes: Sequence[int]) -> tuple[int, int]:
+        """(GPU blocks, host blocks) of the leading cached prefix of this hash chain: the GPU prefix,
+        then how far it continues in the host tier (no side effects)."""
+        dev = self.cached_prefix_blocks(block_hashes)
+        host = self._host
+        n = 0
+        if host:
+            for h in block_hashes[dev:]:
+                if h not in host:
+                    break
+                n += 1
+        return dev, n
 
     def cached_prefix_blocks(self, block_hashes: Iterable[int]) -> int:
         """How many leading blocks of this hash chain are in the prefix cache (no side effects, no
@@ -483,11 +516,40 @@ class EngineModel:
             removed = [pop(False)[0] for _ in range(n - free)]
             for h in removed:
                 del cache[h]
+            if self._host_cap:
+                self._demote(removed, t)
             if self.record_kv_events:  # one event for the blocks evicted together (same shape as vLLM's)
                 self._emit(t, {"type": "BlockRemoved", "block_hashes": removed, "medium": "GPU", "group_idx": 0})
         r.private += n
         self._private_total += n
         return True
+
+    def _demote(self, hashes: list[int], t: float) -> None:
+        """GPU-evicted blocks enter the host tier (most recent last); the host LRU overflows."""
+        host = self._host
+        for h in hashes:
+            host[h] = None
+            host.move_to_end(h)
+        dropped = [host.popitem(last=False)[0] for _ in range(len(host) - self._host_cap)]
+        if self.record_kv_events:
+            kept = [h for h in hashes if h in host]
+            if kept:  # vLLM's default (non self-describing) offload event: engine hashes only
+                self._emit(t, {"type": "BlockStored", "block_hashes": kept, "parent_block_hash": None,
+                               "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU",
+                               "lora_name": None, "group_idx": 0})
+            if dropped:
+                self._emit(t, {"type": "BlockRemoved", "block_hashes": dropped, "medium": "CPU", "group_idx": 0})
+
+    def _host_hit(self, r: _Req, start: int) -> int:
+        host = self._host
+        if not host:
+            return 0
+        n = 0
+        for h in self._ensure_hashes(r)[start:]:
+            if h not in host:
+                break
+            n += 1
+        return n
 
     def _free_blocks(self, r: _Req) -> None:
         cache, lru = self._cache, self._lru
@@ -662,7 +724,12 @@ class EngineModel:
             return False
         if chunks:
             ctx = sum(r.prefill_target + r.generated for r in decodes)
-            dur = (p.step_fixed_s + p.per_running_seq_s * (len(decodes) + len(chunks))
+            reload_s = 0.0
+            for r, _k in chunks:
+                if r.reload_s:
+                    reload_s += r.reload_s
+                    r.reload_s = 0.0
+            dur = (reload_s + p.step_fixed_s + p.per_running_seq_s * (len(decodes) + len(chunks))
                    + p.per_prefill_token_s * sum(k for _, k in chunks) + p.per_context_token_s * ctx)
             self._run = _Run(decodes, chunks, [t + dur])
             return True
@@ -719,10 +786,26 @@ class EngineModel:
                 del lru[h]
             cache[h] = c + 1
         r.held = list(hashes[:hit])
+        # the prefix continues in the host tier: take those blocks out first (a GPU eviction below
+        # must not demote over them), reload them into GPU memory instead of computing them
+        reload = 0 if r.req.remote_prefill else self._host_hit(r, hit)
+        if reload:
+            host = self._host
+            for h in hashes[hit:hit + reload]:
+                del host[h]
+            if self.record_kv_events:
+                self._emit(t, {"type": "BlockRemoved", "block_hashes": list(hashes[hit:hit + reload]),
+                               "medium": "CPU", "group_idx": 0})
         need = -(-r.prefill_target // self._bs) - hit
         ok = self._allocate(r, need, t)
         assert ok, "admission check and allocation disagree"
-        hit_tokens = min(hit * self._bs, r.prefill_target - 1)
+        dev_tokens = min(hit * self._bs, r.prefill_target - 1)
+        if reload:
+            self._cache_blocks(r, hashes, hit, hit + reload, r.prompt, t)
+        hit_tokens = min((hit + reload) * self._bs, r.prefill_target - 1)
+        host_tokens = hit_tokens - dev_tokens
+        if host_tokens > 0:
+            r.reload_s += p.host_reload_seconds(host_tokens)
         r.num_computed = hit_tokens
         if r.scheduled_at is None:
             r.scheduled_at = t
@@ -734,10 +817,12 @@ class EngineModel:
         if not r.counted:
             r.counted = True
             st.prefix_cache_queries += r.prompt_len
-            st.prefix_cache_hits += hit_tokens
+            st.prefix_cache_hits += dev_tokens
+            st.host_cache_hits += host_tokens
             st.prompt_tokens += r.prompt_len
             by = st.prompt_tokens_by_source
-            by["local_cache_hit"] += hit_tokens
+            by["local_cache_hit"] += dev_tokens
+            by["external_kv_transfer"] += host_tokens
             if r.req.remote_prefill:
                 by["external_kv_transfer"] += r.prompt_len - hit_tokens
             else:

@@ -37,6 +37,10 @@ class EngineProfile:
     transfer_bandwidth_bytes_s: float = 25e9  # P/D KV transfer
     transfer_fixed_s: float = 0.0  # per-transfer setup latency
     kv_lease_s: float = 30.0  # how long a prefill engine keeps blocks for a remote decode
+    # Host-memory KV tier (vLLM ``--kv-offloading-size``): blocks evicted from GPU are demoted here
+    # (LRU) and reloaded over ``host_reload_bandwidth_bytes_s`` when a prompt hits them. 0 = none.
+    host_kv_tokens: int = 0
+    host_reload_bandwidth_bytes_s: float = 25e9  # host→GPU copy; PCIe Gen4 x16 in practice
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -66,6 +70,13 @@ class EngineProfile:
             return 0.0
         bw = self.transfer_bandwidth_bytes_s
         return self.transfer_fixed_s + (tokens * self.kv_bytes_per_token / bw if bw > 0 else 0.0)
+
+    def host_reload_seconds(self, tokens: int) -> float:
+        """Time to copy ``tokens`` tokens of KV from the host tier back into GPU memory."""
+        bw = self.host_reload_bandwidth_bytes_s
+        if tokens <= 0 or bw <= 0:
+            return 0.0
+        return tokens * self.kv_bytes_per_token / bw
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

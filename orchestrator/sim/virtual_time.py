@@ -34,6 +34,7 @@ from adapters.base import EngineKind, Role
 from orchestrator.clock import VirtualClock
 from orchestrator.config import KvAwareConfig, RouterConfig
 from orchestrator.fleet.worker import Worker, WorkerState
+from orchestrator.kv.tier_cost import effective_tier_weights
 from orchestrator.planner.core import Action, PlanDecision, WorkerView
 from orchestrator.planner.metrics_source import PEAK_WINDOW_S, Observation
 from orchestrator.router.inflight import InflightLedger
@@ -259,6 +260,7 @@ class VirtualFleet:
         self.prefill_policy = make_policy(self.router_config)
         self.decode_policy = make_policy(self.router_config)
         self.kv_aware = policy == "kv_aware"
+        self.host_credit = effective_tier_weights(self.router_config.kv_aware).get("host", 0.0)
         self.scaler = scaler
         self.interval_s = interval_s
         self.start_s = start_s
@@ -342,10 +344,11 @@ class VirtualFleet:
                           block_size=req.block_tokens)
         if with_overlaps and req.blocks:
             rr.block_hashes = list(req.blocks)
+            host_credit = self.host_credit
             for w in cands:
-                m = self.workers[w.id].engine.cache.match(req.blocks, touch=False)
-                if m:
-                    rr.overlaps[w.id] = Overlap(blocks=m, weighted_blocks=float(m))
+                dev, host = self.workers[w.id].engine.model.cached_prefix_tiers(req.blocks)
+                if dev or host:  # what the KV-event index holds per tier, credited as the gateway does
+                    rr.overlaps[w.id] = Overlap(blocks=dev + host, weighted_blocks=dev + host_credit * host)
             rr.inflight_overlaps = self.inflight.covered_by_worker(cands, rr.block_hashes)
         return rr
 
