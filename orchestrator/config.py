@@ -264,8 +264,11 @@ class ScrapeConfig(_Section):
 class IndexConfig(_Section):
     """The global prefix index: in memory (default) or in Redis when router replicas share it."""
 
-    backend: Literal["memory", "redis"] = Field("memory", description="memory (one router) or redis (replicas share it)")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server for the shared index and load")
+    backend: Literal["memory", "redis", "redis_cluster"] = Field(
+        "memory", description="memory (one router), redis (replicas share one node) or redis_cluster "
+                              "(replicas share a Redis/Valkey cluster; docs/prefix-index.md)")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server for the shared index and load "
+                           "(redis_cluster: redis://host:port[,host:port...], any nodes as seeds)")
     key_prefix: str = Field("dyad", description="Prefix of every Redis key Dyad writes")
     max_blocks: int = Field(1_000_000, ge=1, description="Cap on indexed (worker, block) entries; LRU beyond")
     approximate_ttl_s: float = Field(120.0, gt=0, description="TTL of routing-decision entries (no KV events)")

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.kv.hashing import BlockHasher
-from orchestrator.kv.index import Tier
+from orchestrator.kv.index import GROUP_BLOCKS, Tier
 
 log = logging.getLogger("dyad.kv.events")
 
@@ -45,6 +45,7 @@ class IndexOp:
     tier: Tier | None = None
     block_size: int | None = None
     namespace: str | None = None
+    anchors: list[int] | None = None  # each hash's group anchor (index.chain_anchors)
 
 
 def _as_int(h: Any) -> int:
@@ -59,7 +60,8 @@ class KvEventMapper:
     def __init__(self, worker_id: str, namespace: Callable[[], str | None]) -> None:
         self.worker_id = worker_id
         self._namespace = namespace  # the worker's canonical model name (resolved lazily)
-        self.engine_to_ours: dict[int, tuple[int, int]] = {}  # engine hash → (our hash, tier mask)
+        # engine hash → (our hash, tier mask, position in its chain, group anchor)
+        self.engine_to_ours: dict[int, tuple[int, int, int, int]] = {}
         self.unmapped = 0  # stored blocks whose parent we never saw (cannot be chained)
         self.skipped = 0  # blocks we do not index (multimodal keys, non-primary KV groups)
 
@@ -104,19 +106,25 @@ class KvEventMapper:
             return None
         parent = ev.get("parent_block_hash")
         parent_ours: int | None = None
+        pos, anchor = 0, 0
         if parent is not None:
             known = self.engine_to_ours.get(_as_int(parent))
             if known is None:
                 self.unmapped += len(engine_hashes)
                 return None
-            parent_ours = known[0]
+            parent_ours, pos, anchor = known[0], known[2] + 1, known[3]
         hasher = BlockHasher(namespace, block_size, None if parent is not None else salt)
         ours = hasher.hash_blocks(tokens[: block_size * len(engine_hashes)], parent=parent_ours)
         tier = Tier.from_medium(ev.get("medium"))
+        anchors: list[int] = []
         for eh, oh in zip(engine_hashes, ours, strict=True):
+            if pos % GROUP_BLOCKS == 0:
+                anchor = oh
+            anchors.append(anchor)
             prev = self.engine_to_ours.get(eh)
-            self.engine_to_ours[eh] = (oh, (prev[1] if prev else 0) | int(tier))
-        return IndexOp("store", ours, tier, block_size=block_size, namespace=namespace)
+            self.engine_to_ours[eh] = (oh, (prev[1] if prev else 0) | int(tier), pos, anchor)
+            pos += 1
+        return IndexOp("store", ours, tier, block_size=block_size, namespace=namespace, anchors=anchors)
 
     def _stored_known(self, engine_hashes: list[int], tier: Tier) -> IndexOp | None:
         """A block moved to another tier, announced by engine hash only (vLLM's OffloadingConnector
@@ -124,15 +132,17 @@ class KvEventMapper:
         ``self_describing_kv_events`` is on): blocks we already know gain the tier; unknown ones
         cannot be re-hashed and are skipped."""
         ours: list[int] = []
+        anchors: list[int] = []
         known_map = self.engine_to_ours
         for eh in engine_hashes:
             known = known_map.get(eh)
             if known is None:
                 self.unmapped += 1
                 continue
-            known_map[eh] = (known[0], known[1] | int(tier))
+            known_map[eh] = (known[0], known[1] | int(tier), known[2], known[3])
             ours.append(known[0])
-        return IndexOp("store", ours, tier) if ours else None
+            anchors.append(known[3])
+        return IndexOp("store", ours, tier, anchors=anchors) if ours else None
 
     def _removed(self, ev: dict[str, Any]) -> IndexOp | None:
         if ev.get("group_idx") not in (None, 0):
@@ -147,7 +157,7 @@ class KvEventMapper:
             ours.append(known[0])
             left = known[1] & ~int(tier)
             if left:
-                self.engine_to_ours[eh] = (known[0], left)
+                self.engine_to_ours[eh] = (known[0], left, known[2], known[3])
             else:
                 del self.engine_to_ours[eh]
         return IndexOp("remove", ours, tier) if ours else None

@@ -44,6 +44,25 @@ class Tier(IntFlag):
 
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {"device": 1.0, "host": 0.75, "disk": 0.25}
 
+# Blocks of one prompt chain are grouped by position: block ``i`` belongs to the group anchored at
+# block ``(i // GROUP_BLOCKS) * GROUP_BLOCKS`` of its chain (every holder of block i holds that
+# anchor too, as hashes are chained). The Redis Cluster backend keeps a group under one hash slot,
+# so a lookup touches ceil(n / GROUP_BLOCKS) slots (docs/prefix-index.md).
+GROUP_BLOCKS = 16
+
+
+def chain_anchors(block_hashes: Sequence[int], first_position: int = 0,
+                  first_anchor: int | None = None) -> list[int]:
+    """The group anchor of each block of a chain whose first block sits at ``first_position``
+    (``first_anchor``: the anchor of that position's group when it starts before this list)."""
+    out: list[int] = []
+    anchor = first_anchor
+    for i, h in enumerate(block_hashes):
+        if (first_position + i) % GROUP_BLOCKS == 0 or anchor is None:
+            anchor = h
+        out.append(anchor)
+    return out
+
 
 def best_tier_weight(mask: int, weights: Mapping[str, float]) -> float:
     """The credit of a block held in the tiers of ``mask``: its best tier's weight."""
@@ -60,8 +79,12 @@ class PrefixIndex(ABC):
     backend: str = "abstract"
 
     @abstractmethod
-    async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
-        """Record that ``worker_id`` holds these blocks in ``tier`` (refreshes their recency)."""
+    async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE,
+                    anchors: Sequence[int] | None = None) -> None:
+        """Record that ``worker_id`` holds these blocks in ``tier`` (refreshes their recency).
+
+        ``anchors``: each block's group anchor (``chain_anchors``), when the blocks are not a chain
+        from position 0; only the cluster backend uses it."""
 
     @abstractmethod
     async def remove(self, worker_id: str, block_hashes: Sequence[int], tier: Tier | None = None) -> None:

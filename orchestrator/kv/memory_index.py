@@ -50,7 +50,8 @@ class MemoryPrefixIndex(PrefixIndex):
         return slot
 
     # --- writes
-    async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
+    async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE,
+                    anchors: Sequence[int] | None = None) -> None:
         self.store_now(worker_id, block_hashes, tier)
 
     def store_now(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:

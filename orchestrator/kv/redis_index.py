@@ -360,7 +360,8 @@ class RedisPrefixIndex(PrefixIndex):
         if self._metrics is not None:
             self._metrics.index_blocks.labels(self.backend).set(int(size))
 
-    async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
+    async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE,
+                    anchors: Sequence[int] | None = None) -> None:
         if not block_hashes:
             return
         self.mirror.store_now(worker_id, block_hashes, tier)

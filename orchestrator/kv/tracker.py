@@ -200,10 +200,15 @@ class PrefixTracker:
                 continue
             if pending is not None and _mergeable(pending, op):
                 pending.hashes.extend(op.hashes)
+                if pending.anchors is not None and op.anchors is not None:
+                    pending.anchors.extend(op.anchors)
+                else:
+                    pending.anchors = None
                 continue
             if pending is not None:
                 await self.apply_op(worker_id, pending)
-            pending = IndexOp(op.kind, list(op.hashes), op.tier, op.block_size, op.namespace)
+            pending = IndexOp(op.kind, list(op.hashes), op.tier, op.block_size, op.namespace,
+                              list(op.anchors) if op.anchors is not None else None)
         if pending is not None:
             await self.apply_op(worker_id, pending)
 
@@ -217,7 +222,7 @@ class PrefixTracker:
                                     "hashing requests with %d", op.namespace, worker_id, op.block_size,
                                     self.block_size_for(op.namespace), op.block_size)
                     self._block_size[op.namespace] = op.block_size
-            await self.index.store(worker_id, op.hashes, op.tier or Tier.DEVICE)
+            await self.index.store(worker_id, op.hashes, op.tier or Tier.DEVICE, anchors=op.anchors)
         elif op.kind == "remove":
             await self.index.remove(worker_id, op.hashes, op.tier)
         elif op.kind == "clear":
@@ -316,6 +321,9 @@ def _mergeable(a: IndexOp, b: IndexOp) -> bool:
 
 def build_index(config: DyadConfig, metrics: DyadMetrics | None = None, clock: Clock = SYSTEM_CLOCK) -> PrefixIndex:
     ic = config.index
+    if ic.backend == "redis_cluster":
+        from orchestrator.kv.redis_cluster_index import RedisClusterPrefixIndex
+        return RedisClusterPrefixIndex(ic.redis_url, ic.key_prefix, ic.max_blocks, metrics, clock=clock)
     if ic.backend == "redis":
         from orchestrator.kv.redis_index import RedisPrefixIndex
         return RedisPrefixIndex(ic.redis_url, ic.key_prefix, ic.max_blocks, metrics, clock=clock)
