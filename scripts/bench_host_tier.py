@@ -31,11 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.bench.fleet_virtual import chat_requests, run_virtual_routing, tier_cost_of  # noqa: E402
+from orchestrator.bench.fleet_virtual import chat_requests, run_virtual_routing  # noqa: E402
 from orchestrator.bench.traces import ideal_prefix_hit_ratio, load_mooncake, load_sharegpt  # noqa: E402
 from orchestrator.config import KvAwareConfig  # noqa: E402
 from orchestrator.kv.tier_cost import derived_tier_weights  # noqa: E402
-from orchestrator.sim.profiles import load_profile  # noqa: E402
+from orchestrator.sim.profiles import load_profile, tier_cost_of  # noqa: E402
 from orchestrator.sim.virtual_time import SimRequest, requests_from_trace  # noqa: E402
 
 

@@ -16,21 +16,10 @@ from typing import Any
 
 from orchestrator.bench.runner import percentile
 from orchestrator.bench.traces import TraceRequest
-from orchestrator.config import KvAwareConfig, TierCostConfig
+from orchestrator.config import KvAwareConfig
 from orchestrator.sim.engine_model import chain_block_hashes
-from orchestrator.sim.profiles import EngineProfile
+from orchestrator.sim.profiles import EngineProfile, tier_cost_of
 from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
-
-
-def tier_cost_of(profile: EngineProfile) -> TierCostConfig | None:
-    """The gateway's ``router.kv_aware.tier_cost`` for engines like ``profile`` (its KV size per
-    token, prefill rate and host reload bandwidth), so the router credits a host hit at the reload
-    cost the engines actually pay. None when the profile has no host tier or no timing."""
-    if not profile.host_kv_tokens or profile.per_prefill_token_s <= 0 or profile.kv_bytes_per_token <= 0:
-        return None
-    return TierCostConfig(kv_bytes_per_token=profile.kv_bytes_per_token,
-                          prefill_tokens_per_s=1.0 / profile.per_prefill_token_s,
-                          host_reload_bytes_per_s=profile.host_reload_bandwidth_bytes_s or None)
 
 
 def run_virtual_routing(trace: Sequence[TraceRequest] | Sequence[SimRequest], profile: EngineProfile, *,

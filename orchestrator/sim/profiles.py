@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from orchestrator.config import TierCostConfig
+
 
 @dataclass(frozen=True)
 class EngineProfile:
@@ -150,6 +152,17 @@ ZERO = EngineProfile(
     transfer_bandwidth_bytes_s=0.0,
     transfer_fixed_s=0.0,
 )
+
+def tier_cost_of(profile: EngineProfile) -> TierCostConfig | None:
+    """The gateway's ``router.kv_aware.tier_cost`` for engines like ``profile`` (its KV size per
+    token, prefill rate and host reload bandwidth), so the router credits a host hit at the reload
+    cost the engines pay. None when the profile has no host tier or no timing."""
+    if not profile.host_kv_tokens or profile.per_prefill_token_s <= 0 or profile.kv_bytes_per_token <= 0:
+        return None
+    return TierCostConfig(kv_bytes_per_token=profile.kv_bytes_per_token,
+                          prefill_tokens_per_s=1.0 / profile.per_prefill_token_s,
+                          host_reload_bytes_per_s=profile.host_reload_bandwidth_bytes_s or None)
+
 
 PROFILES: dict[str, EngineProfile] = {p.name: p for p in (CPU_TINY, GPU_LIKE, ZERO)}
 

@@ -95,7 +95,8 @@ def fail(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from orchestrator.sim.profiles import load_profile
+    from orchestrator.config import KvAwareConfig
+    from orchestrator.sim.profiles import load_profile, tier_cost_of
 
     if args.prefill < 0 or args.decode < 0 or args.aggregated < 0:
         return fail("--prefill, --decode and --aggregated must be >= 0")
@@ -116,9 +117,11 @@ def run(args: argparse.Namespace) -> int:
         from orchestrator.planner.plan_cli import make_planner
         budget = args.budget or 4 * (args.prefill + args.decode)
         scaler = make_planner(args, profile, budget)
+    cost = tier_cost_of(profile)  # a host tier in the profile: credit its hits at the reload cost
     fleet = VirtualFleet(profile, FleetSpec(args.prefill, args.decode, args.aggregated), policy=args.policy,
                          scaler=scaler, interval_s=args.interval, start_s=args.start_s,
-                         role_change_s=args.role_change_s)
+                         role_change_s=args.role_change_s,
+                         kv_aware=KvAwareConfig(tier_cost=cost) if cost is not None else None)
     result = fleet.run(reqs)
     s = result.summary(args.ttft, args.itl)
     s.update({"prefill": args.prefill, "decode": args.decode, "aggregated": args.aggregated,

@@ -87,7 +87,9 @@ def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
         prefix = unique_prefix("fo")
         config = {
             "models": [{"name": "m", "block_size": 32}],
-            "workers": [{"id": f"e{i}", "url": e.url, "engine": "sim", "models": ["m"]} for i, e in enumerate(engines)],
+            "workers": [{"id": f"e{i}", "url": e.url, "engine": "sim", "models": ["m"],
+                         "kv_events": {"endpoint": e.kv_events_endpoint, "replay_endpoint": e.replay_endpoint}}
+                        for i, e in enumerate(engines)],
             "router": {"policy": "kv_aware", "debug_headers": True, "seed": 1},
             "index": {"backend": "redis_cluster", "redis_url": cl.url, "key_prefix": prefix},
         }

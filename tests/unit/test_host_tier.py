@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator.bench.fleet_virtual import run_virtual_routing, tier_cost_of
+from orchestrator.bench.fleet_virtual import run_virtual_routing
 from orchestrator.config import KvAwareConfig, TierCostConfig
 from orchestrator.kv.events import KvEventMapper
 from orchestrator.kv.hashing import BlockHasher
@@ -17,7 +17,7 @@ from orchestrator.kv.masks import tier_of
 from orchestrator.kv.memory_index import MemoryPrefixIndex
 from orchestrator.kv.tier_cost import effective_tier_weights, reload_credit
 from orchestrator.sim.engine_model import EngineModel, SimRequest
-from orchestrator.sim.profiles import CPU_TINY, GPU_LIKE
+from orchestrator.sim.profiles import CPU_TINY, GPU_LIKE, tier_cost_of
 from orchestrator.sim.virtual_time import SimRequest as FleetRequest
 
 BS = 16
