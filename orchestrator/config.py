@@ -272,6 +272,9 @@ class IndexConfig(_Section):
     key_prefix: str = Field("dyad", description="Prefix of every Redis key Dyad writes")
     max_blocks: int = Field(1_000_000, ge=1, description="Cap on indexed (worker, block) entries; LRU beyond")
     approximate_ttl_s: float = Field(120.0, gt=0, description="TTL of routing-decision entries (no KV events)")
+    ingest_events: bool = Field(True, description="Subscribe to the engines' KV events and write them into "
+                                "the index; false on replicas that only read a shared index another replica "
+                                "fills (each writer multiplies the index's write load)")
 
 
 class DisaggConfig(_Section):

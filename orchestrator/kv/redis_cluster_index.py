@@ -148,6 +148,7 @@ class _Scripts:
 
 class RedisClusterPrefixIndex(PrefixIndex):
     backend = "redis_cluster"
+    uses_anchors = True  # the tracker passes each block's group anchor to ``store``
     RESYNC_CHUNK = 2000
 
     def __init__(

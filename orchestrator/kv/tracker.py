@@ -56,6 +56,8 @@ class PrefixTracker:
         self.clock = clock
         self.shared_load = shared_load
         self.tier_weights = effective_tier_weights(config.router.kv_aware)
+        # False: this replica reads a shared index that others fill from the engines' events
+        self.ingest_events = config.index.ingest_events
         self.approx = ApproximateRecorder(index, config.index.approximate_ttl_s, config.index.max_blocks)
         self.mappers: dict[str, KvEventMapper] = {}
         self.subscribers: dict[str, KvEventSubscriber] = {}
@@ -138,7 +140,7 @@ class PrefixTracker:
         holders = [decision.worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
         if req.block_hashes:
             for w in holders:
-                if w.id in self.subscribers:
+                if w.id in self.subscribers or (w.kv_events is not None and not self.ingest_events):
                     # Engines publish nothing on a cache hit: refresh the matched prefix's recency
                     # (at most once per TOUCH_INTERVAL_S per worker and prefix: a hot system prompt
                     # would otherwise be re-stored on every request).
@@ -222,7 +224,10 @@ class PrefixTracker:
                                     "hashing requests with %d", op.namespace, worker_id, op.block_size,
                                     self.block_size_for(op.namespace), op.block_size)
                     self._block_size[op.namespace] = op.block_size
-            await self.index.store(worker_id, op.hashes, op.tier or Tier.DEVICE, anchors=op.anchors)
+            if op.anchors is not None and getattr(self.index, "uses_anchors", False):
+                await self.index.store(worker_id, op.hashes, op.tier or Tier.DEVICE, anchors=op.anchors)
+            else:
+                await self.index.store(worker_id, op.hashes, op.tier or Tier.DEVICE)
         elif op.kind == "remove":
             await self.index.remove(worker_id, op.hashes, op.tier)
         elif op.kind == "clear":
@@ -243,7 +248,7 @@ class PrefixTracker:
         return resolve
 
     def _subscribe(self, w: Worker) -> None:
-        if w.kv_events is None or w.id in self.subscribers:
+        if w.kv_events is None or w.id in self.subscribers or not self.ingest_events:
             return
         self.mappers[w.id] = KvEventMapper(w.id, self._worker_namespace(w.id))
         gaps = self.metrics.kv_event_gaps if self.metrics is not None else None

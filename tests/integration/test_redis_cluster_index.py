@@ -152,9 +152,8 @@ def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
                     break
                 assert time.monotonic() < deadline, "index did not recover"
             # ... and the cluster itself holds the entries again (not only the gateway's mirror)
-            probe = RedisClusterPrefixIndex(cl.url, prefix)
-
             async def check() -> int:
+                probe = RedisClusterPrefixIndex(cl.url, prefix, call_timeout_s=10.0, socket_timeout_s=5.0)
                 try:
                     return await probe.size()
                 finally:
