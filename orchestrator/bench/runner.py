@@ -70,6 +70,7 @@ class EngineCounters:
     prompt_tokens: float | None = None
     generation_tokens: float | None = None
     requests: float | None = None
+    external_hits: float | None = None  # vllm:external_prefix_cache_hits (a host/offload tier's reloads)
     error: str | None = None
 
     def minus(self, before: EngineCounters) -> dict[str, Any]:
@@ -86,6 +87,7 @@ class EngineCounters:
             "prefix_hits": h,
             "uncached_prompt_tokens": None if q is None or h is None else q - h,
             "hit_ratio": (h / q) if q and h is not None else None,
+            "external_hits": d(self.external_hits, before.external_hits),
             "error": self.error or before.error,
         }
 
@@ -100,6 +102,7 @@ def parse_engine_counters(url: str, text: str) -> EngineCounters:
         prompt_tokens=ms.sum("vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
         generation_tokens=ms.sum("vllm:generation_tokens_total", "sglang:generation_tokens_total"),
         requests=ms.sum("vllm:request_success_total", "sglang:num_requests_total"),
+        external_hits=ms.sum("vllm:external_prefix_cache_hits_total"),
     )
 
 
@@ -190,6 +193,10 @@ def summarize_results(results: Sequence[RequestResult], duration_s: float, *, sl
             "prefix_hits": sum(h) if h else None,
             "hit_ratio": (sum(h) / sum(q)) if q and h and sum(q) > 0 else None,
         }
+        ext = [e["external_hits"] for e in engines if e.get("external_hits") is not None]
+        if ext and q and h and sum(q) > 0:  # engines with a host/offload tier: reloads are not recomputed either
+            summary["cache"]["external_hits"] = sum(ext)
+            summary["cache"]["hit_ratio_with_external"] = (sum(h) + sum(ext)) / sum(q)
         summary["prefill_load"] = {
             "per_engine": loads,
             "max": max(loads) if loads else None,
@@ -489,6 +496,9 @@ def format_table(summary: dict[str, Any], title: str | None = None) -> str:
         hr = cache["hit_ratio"]
         lines.append(f"engine prefix cache: {cache['prefix_hits'] or 0:.0f} / {cache['prefix_queries'] or 0:.0f} "
                      f"tokens hit = {'-' if hr is None else f'{100 * hr:.1f}%'}")
+        if cache.get("hit_ratio_with_external") is not None:
+            lines.append(f"  + reloaded from the host/offload tier: {cache['external_hits']:.0f} tokens; "
+                         f"not recomputed = {100 * cache['hit_ratio_with_external']:.1f}%")
         pl = s["prefill_load"]
         if pl["max_over_mean"] is not None:
             lines.append(f"prefill load (uncached prompt tokens per engine): max {pl['max']:.0f}, "

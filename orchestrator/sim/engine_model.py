@@ -118,6 +118,7 @@ class EngineStats:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.host_cache_hits = 0  # prompt tokens reloaded from the host tier instead of recomputed
+        self.host_cache_queries = 0  # prompt tokens looked up in the host tier (past the GPU hit)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prompt_tokens_by_source = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
@@ -819,6 +820,8 @@ class EngineModel:
             st.prefix_cache_queries += r.prompt_len
             st.prefix_cache_hits += dev_tokens
             st.host_cache_hits += host_tokens
+            if self._host_cap:
+                st.host_cache_queries += r.prompt_len - dev_tokens
             st.prompt_tokens += r.prompt_len
             by = st.prompt_tokens_by_source
             by["local_cache_hit"] += dev_tokens

@@ -68,6 +68,11 @@ def render_vllm(m: EngineModel, model_name: str, engine: str = "0") -> str:
               [(lb, st.prefix_cache_queries)])
     w.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
               [(lb, st.prefix_cache_hits)])
+    if p.host_kv_tokens:  # vLLM exports these when a KV connector (here: CPU offloading) is configured
+        w.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector "
+                  "cross-instance cache sharing, in terms of number of queried tokens.", [(lb, st.host_cache_queries)])
+        w.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector "
+                  "cross-instance cache sharing, in terms of number of cached tokens.", [(lb, st.host_cache_hits)])
     w.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", [(lb, st.num_preemptions)])
     w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [(lb, st.prompt_tokens)])
     w.counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",

@@ -142,7 +142,7 @@ class ModelEngine:
         return list(self.reqs.values())
 
     def submit_prefill(self, req: SimRequest, now: float) -> None:
-        hit = self.cache.match(req.blocks)
+        hit = sum(self.model.cached_prefix_tiers(req.blocks))  # GPU prefix + its host-tier continuation
         req.cached = min(req.isl - 1, hit * req.block_tokens) if req.isl > 1 else 0
         req.prefill_left = max(1, req.isl - req.cached)
         remote = self.role is Role.PREFILL

@@ -151,3 +151,22 @@ def test_virtual_fleet_with_host_tier_hits_more_than_gpu_only():
     assert gpu["host_hit_ratio"] == 0
     assert host["host_hit_ratio"] > 0.3 and host["hit_ratio"] > gpu["hit_ratio"] + 0.3
     assert host["ttft_s"]["mean"] < gpu["ttft_s"]["mean"]
+
+
+def test_engine_metrics_export_host_reloads_as_vllm_external_hits_and_bench_counts_them():
+    from orchestrator.bench.runner import EngineCounters, parse_engine_counters
+    from orchestrator.sim.metrics_text import render_vllm
+
+    m = EngineModel(PROFILE)
+    run(m, SimRequest("a", prompt(1), 1), 0.0)
+    for k in (2, 3, 4):
+        run(m, SimRequest(f"x{k}", prompt(k), 1), 10.0 * k)
+    run(m, SimRequest("a2", prompt(1), 1), 100.0)
+    text = render_vllm(m, "m")
+    c = parse_engine_counters("http://e", text)
+    assert c.external_hits == 4 * BS and c.prefix_hits == m.stats.prefix_cache_hits
+    assert "vllm:external_prefix_cache_queries_total" in text
+    d = c.minus(EngineCounters(url="http://e", prefix_queries=0, prefix_hits=0, external_hits=0))
+    assert d["external_hits"] == 4 * BS
+    # an engine without a host tier exports no external counters (as vLLM without a connector)
+    assert "external_prefix_cache" not in render_vllm(EngineModel(CPU_TINY), "m")
