@@ -6,7 +6,8 @@ joined by ``redis-cli --cluster create``; tests/fixtures/redis_cluster.py).
   worker and the per-worker cap work across slots; the same answers as the in-memory index.
 - ``test_gateway_survives_primary_kill_...``: a real gateway (``dyad serve``) over two simulated
   engines (the sim server in-process: KV events on, vLLM's wire format) with ``index.backend:
-  redis_cluster`` on 3 primaries + 3 replicas; under routing load one primary is killed -9, its
+  redis_cluster`` on 3 primaries + 3 replicas, and a second, read-only replica (``ingest_events:
+  false``) that finds what the first learnt; under routing load one primary is killed -9, its
   replica is promoted; no request fails, and the cluster index serves again (resynced) afterwards.
 """
 
@@ -94,15 +95,22 @@ def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
             "index": {"backend": "redis_cluster", "redis_url": cl.url, "key_prefix": prefix},
         }
         gw = GatewayProcess(config, tmp_path, "gw")
+        # a second replica that only reads the shared index (index.ingest_events: false)
+        reader = GatewayProcess({**config, "index": {**config["index"], "ingest_events": False}}, tmp_path, "reader")
         try:
             gw.wait_ready()
-            # KV events reach the cluster index: a prefix served once is found again
+            reader.wait_ready()
+            # KV events reach the cluster index: a prefix served once is found again, also by the
+            # replica that never subscribed to the engines
             system = words("sys", 320)
             first = complete(gw.url, system + " one")
             time.sleep(0.5)
             second = complete(gw.url, system + " two")
             assert second.headers["x-dyad-worker"] == first.headers["x-dyad-worker"]
             assert int(second.headers["x-dyad-predicted-cached-tokens"]) >= 288
+            third = complete(reader.url, system + " three")
+            assert third.headers["x-dyad-worker"] == first.headers["x-dyad-worker"]
+            assert int(third.headers["x-dyad-predicted-cached-tokens"]) >= 288
 
             errors: list[str] = []
             done = threading.Event()
@@ -166,5 +174,6 @@ def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
             assert "redis cluster index unreachable" in log and "reachable again" in log, log[-3000:]
         finally:
             gw.stop()
+            reader.stop()
             for e in engines:
                 e.stop()
