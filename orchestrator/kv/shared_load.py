@@ -12,6 +12,12 @@ first removes both members, and the swap only re-adds when the original member i
 replicas have on each candidate (this replica's own load is already in ``Worker.inflight`` /
 ``inflight_prefill_tokens``). While Redis is down it answers empty: each replica routes on what it
 knows, and the reservations are re-written when Redis is back.
+
+On a Redis Cluster (``index.backend: redis_cluster``) every load key carries one hash tag
+(``P:{P:load}:load:<worker>``), so the scripts that touch several workers' keys run on the one node
+that owns that slot (``route_key`` declares it); a call slower than ``call_timeout_s`` or any
+cluster error makes ``peer_loads`` answer empty for ``retry_interval_s``, so no request waits on a
+failing node. The load keys are small and short-lived; one node takes them (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -79,8 +86,15 @@ return table.concat(out, ';')
 
 class SharedLoad:
     def __init__(self, client: aioredis.Redis, key_prefix: str = "dyad", ttl_s: float = 30.0,
-                 replica_id: str | None = None) -> None:
+                 replica_id: str | None = None, *, route_key: str | None = None,
+                 down_errors: tuple[type[BaseException], ...] = REDIS_DOWN_ERRORS,
+                 call_timeout_s: float | None = None, retry_interval_s: float = 1.0) -> None:
         self.client = client
+        self.route_key = route_key  # cluster: a key in the load keys' slot, so scripts go to its node
+        self.down_errors = (*down_errors, asyncio.TimeoutError)
+        self.call_timeout_s = call_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self._skip_until = 0.0
         self.key_prefix = key_prefix
         self.ttl_ms = int(ttl_s * 1000)
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
@@ -89,6 +103,13 @@ class SharedLoad:
         self._writes: dict[str, asyncio.Task[None]] = {}  # request id → its reservation being written
         self._reserve_s, self._peers_s, self._swap_s = LuaScript(_RESERVE), LuaScript(_PEERS), LuaScript(_SWAP)
         self._task: asyncio.Task[None] | None = None
+
+    async def _script(self, script: LuaScript, args: list[object]) -> object:
+        call = (script.call_keys(self.client, [self.route_key], args) if self.route_key is not None
+                else script(self.client, args))
+        if self.call_timeout_s is None:
+            return await call
+        return await asyncio.wait_for(call, self.call_timeout_s)
 
     def _member(self, request_id: str, prefill_tokens: int) -> str:
         return f"{self.replica_id}|{request_id}|{max(0, int(prefill_tokens))}"
@@ -110,8 +131,8 @@ class SharedLoad:
     async def reserve(self, request_id: str, worker_id: str, prefill_tokens: int) -> None:
         member = self._member(request_id, prefill_tokens)
         self._live[request_id] = (worker_id, member)
-        with contextlib.suppress(*REDIS_DOWN_ERRORS):
-            await self._reserve_s(self.client, [self.key_prefix, self.ttl_ms, worker_id, member])
+        with contextlib.suppress(*self.down_errors):
+            await self._script(self._reserve_s, [self.key_prefix, self.ttl_ms, worker_id, member])
 
     async def first_token(self, request_id: str) -> None:
         """Prefill done: keep the request counted in flight, with no queued prefill tokens left."""
@@ -125,7 +146,7 @@ class SharedLoad:
             return
         self._live[request_id] = (worker_id, done)
         self._first[request_id] = member
-        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+        with contextlib.suppress(*self.down_errors):
             await self._swap_s.call_keys(self.client, [f"{self.key_prefix}:load:{worker_id}"], [member, done])
 
     async def release(self, request_id: str) -> None:
@@ -136,16 +157,20 @@ class SharedLoad:
             return
         worker_id, member = entry
         members = [member] if original is None else [member, original]
-        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+        with contextlib.suppress(*self.down_errors):
             await self.client.zrem(f"{self.key_prefix}:load:{worker_id}", *members)
 
     async def peer_loads(self, worker_ids: Sequence[str]) -> dict[str, PeerLoad]:
         if not worker_ids:
             return {}
-        try:
-            flat = await self._peers_s(self.client, [self.key_prefix, self.replica_id, *worker_ids])
-        except REDIS_DOWN_ERRORS:
+        if self._skip_until and time.monotonic() < self._skip_until:
             return {}
+        try:
+            flat = await self._script(self._peers_s, [self.key_prefix, self.replica_id, *worker_ids])
+        except self.down_errors:
+            self._skip_until = time.monotonic() + self.retry_interval_s
+            return {}
+        self._skip_until = 0.0
         out: dict[str, PeerLoad] = {}
         text = flat.decode() if isinstance(flat, bytes) else str(flat)
         for entry in text.split(";") if text else ():
@@ -160,8 +185,8 @@ class SharedLoad:
         args: list[object] = [self.key_prefix, self.ttl_ms]
         for worker_id, member in list(self._live.values()):
             args += [worker_id, member]
-        with contextlib.suppress(*REDIS_DOWN_ERRORS):
-            await self._reserve_s(self.client, args)
+        with contextlib.suppress(*self.down_errors):
+            await self._script(self._reserve_s, args)
 
     async def _renew_loop(self) -> None:
         while True:

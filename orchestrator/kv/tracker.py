@@ -345,6 +345,14 @@ def build_prefix_tracker(config: DyadConfig, fleet: FleetRegistry, metrics: Dyad
     """
     index = build_index(config, metrics, clock)
     shared = None
+    if config.index.backend == "redis_cluster":
+        from orchestrator.kv.redis_cluster_index import CLUSTER_DOWN_ERRORS, RedisClusterPrefixIndex
+        from orchestrator.kv.shared_load import SharedLoad
+        assert isinstance(index, RedisClusterPrefixIndex)
+        p = config.index.key_prefix
+        tagged = f"{p}:{{{p}:load}}"  # one hash tag: the load scripts touch several workers' keys
+        shared = SharedLoad(index.client, tagged, route_key=f"{tagged}:route", down_errors=CLUSTER_DOWN_ERRORS,
+                            call_timeout_s=0.5)
     if config.index.backend == "redis":
         from orchestrator.kv.redis_index import RedisPrefixIndex
         from orchestrator.kv.shared_load import SharedLoad

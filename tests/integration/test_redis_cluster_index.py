@@ -177,3 +177,52 @@ def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
             reader.stop()
             for e in engines:
                 e.stop()
+
+
+async def test_replicas_share_in_flight_load_on_the_cluster(cluster):
+    """Two router replicas (in-process trackers) on the cluster: a request one has in flight shows in
+    the other's peer load (the load keys share one hash tag, so the multi-key scripts run there)."""
+    from orchestrator.config import load_config
+    from orchestrator.fleet.registry import FleetRegistry
+    from orchestrator.kv.tracker import build_prefix_tracker
+    from orchestrator.router.types import RouteDecision, RouteRequest
+
+    prefix = unique_prefix("load")
+
+    def replica():
+        cfg = load_config({
+            "models": [{"name": "m", "tokenizer": "sim", "block_size": 32}],
+            "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{9000 + i}", "engine": "sim", "models": ["m"]}
+                        for i in range(2)],
+            "router": {"policy": "kv_aware", "seed": 1},
+            "index": {"backend": "redis_cluster", "redis_url": cluster.url, "key_prefix": prefix},
+        }, environ={})
+        fleet = FleetRegistry.from_config(cfg)
+        for w in fleet.workers():
+            fleet.record_health(w, True, 0.0)
+        return build_prefix_tracker(cfg, fleet), fleet
+
+    a, fa = replica()
+    b, fb = replica()
+    await a.start()
+    await b.start()
+    try:
+        assert a.shared_load is not None and a.shared_load.route_key is not None
+        req = RouteRequest(request_id="r1", model="m", prompt_tokens=640, block_size=32)
+        body = {"model": "m", "prompt": " ".join(f"x{i}" for i in range(640))}
+        await a.annotate(req, body, "/v1/completions", fa.candidates("m"))
+        d = RouteDecision(worker=fa.get("w1"), policy="kv_aware", reason="")
+        await a.on_routed(req, d, 0.0)
+        await a.shared_load._written("r1")
+        peers = await b.shared_load.peer_loads(["w0", "w1"])
+        assert "w0" not in peers and peers["w1"].inflight == 1 and peers["w1"].prefill_tokens == 640
+        assert await a.shared_load.peer_loads(["w0", "w1"]) == {}  # its own load is not a peer's
+        await a.shared_load.release("r1")
+        assert await b.shared_load.peer_loads(["w0", "w1"]) == {}
+        # the approximate entry recorded by A (no KV events here) is in the cluster index for B
+        req2 = RouteRequest(request_id="r2", model="m", prompt_tokens=0)
+        await b.annotate(req2, body, "/v1/completions", fb.candidates("m"))
+        assert req2.overlaps["w1"].blocks == 20
+    finally:
+        await a.stop()
+        await b.stop()
