@@ -262,7 +262,7 @@ class ScrapeConfig(_Section):
 
 
 class IndexConfig(_Section):
-    """The global prefix index: in memory (default) or in Redis when router replicas share it."""
+    """The global prefix index: in memory (default), or in Redis / a Redis Cluster when router replicas share it."""
 
     backend: Literal["memory", "redis", "redis_cluster"] = Field(
         "memory", description="memory (one router), redis (replicas share one node) or redis_cluster "
