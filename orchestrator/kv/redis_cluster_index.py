@@ -25,8 +25,9 @@ Availability is the single-node backend's: every write is mirrored into a local
 connection errors, ``TRYAGAIN``, or a call slower than ``call_timeout_s``), this replica switches to that mirror at
 once: lookups are answered from it and writes go only to it, so no request waits on a dead node.
 A background probe asks the cluster every ``retry_interval_s`` (redis-py re-reads the topology, so
-a promoted replica is found); once ``cluster_state`` is ``ok`` the mirror is written back
-(``resync``) and the cluster serves again. Replicas
+a promoted replica is found); once ``cluster_state`` is ``ok`` and all 16,384 slots are served (a
+primary that died without a replica keeps this replica on its mirror until the node is back) the
+mirror is written back (``resync``) and the cluster serves again. Replicas
 and the planner point at the same cluster (any node is a seed).
 """
 
@@ -37,12 +38,12 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier, chain_anchors
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dyad.kv.redis_cluster")
 
 # Errors that mean "part of the cluster is unreachable right now" (not a bug in a command).
-CLUSTER_DOWN_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+CLUSTER_DOWN_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 # KEYS: block keys of one group.  ARGV: slot, tier mask.  Sets the worker's tier bits.
 _STORE = """
@@ -148,6 +149,7 @@ class _Scripts:
 
 class RedisClusterPrefixIndex(PrefixIndex):
     backend = "redis_cluster"
+    MAX_BACKLOG = 100_000  # writes queued while a resync runs
     uses_anchors = True  # the tracker passes each block's group anchor to ``store``
     RESYNC_CHUNK = 2000
 
@@ -188,6 +190,7 @@ class RedisClusterPrefixIndex(PrefixIndex):
         self._retry_interval_s = retry_interval_s
         self._call_timeout_s = call_timeout_s
         self._probe_task: asyncio.Task[None] | None = None
+        self._backlog: list[Callable[[], Awaitable[Any]]] | None = None  # writes made during a resync
         self.fallback_lookups = 0
         self.resyncs = 0
         self.slot_reloads = 0
@@ -239,16 +242,40 @@ class RedisClusterPrefixIndex(PrefixIndex):
             await asyncio.sleep(self._retry_interval_s)
             try:
                 info = await asyncio.wait_for(self._client.cluster_info(), self._call_timeout_s * 4)
-                state = info.get("cluster_state") if isinstance(info, dict) else None
-                if state not in ("ok", b"ok"):
-                    continue
+                if not cluster_serves_all_slots(info):
+                    continue  # e.g. a primary died without a replica: stay on the mirror until fixed
                 await asyncio.wait_for(self._load_slots(), self._call_timeout_s * 4)
             except CLUSTER_DOWN_ERRORS as e:
                 log.debug("redis cluster probe: still down (%s)", e)
                 continue
             log.warning("redis cluster index reachable again; resyncing this replica's local index into it")
-            self.available = True
-            await self.resync()
+            # Lookups stay on the mirror until the cluster holds it again; writes made meanwhile
+            # are queued and replayed once the resync is through.
+            self._backlog = []
+            try:
+                await self._resync_all()
+                self.available = True
+                backlog, self._backlog = self._backlog, None
+                for op in backlog or ():
+                    await op()
+            except CLUSTER_DOWN_ERRORS as e:
+                self._backlog = None
+                self.errors += 1
+                log.debug("redis cluster probe: resync failed (%s)", e)
+                self.available = False
+                continue
+            self.resyncs += 1
+            log.warning("redis cluster index resynced (%d entries)", len(self.mirror._lru))
+
+    def _queue(self, op: Callable[[], Awaitable[Any]]) -> bool:
+        """While a resync runs, queue a write for after it (bounded; beyond, the next outage's
+        resync covers it). True when queued."""
+        backlog = self._backlog
+        if backlog is None or self.available:
+            return False
+        if len(backlog) < self.MAX_BACKLOG:
+            backlog.append(op)
+        return True
 
     async def _pipeline(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Run commands in one cluster pipeline (grouped per node by redis-py); reload scripts and
@@ -353,6 +380,8 @@ class RedisClusterPrefixIndex(PrefixIndex):
         anchors = self._anchors_for(block_hashes, anchors)
         self._remember(block_hashes, anchors)
         self.mirror.store_now(worker_id, block_hashes, tier)
+        if self._queue(lambda: self._write_store(worker_id, block_hashes, anchors, tier)):
+            return
         await self._guard(self._write_store(worker_id, block_hashes, anchors, tier))
 
     async def remove(self, worker_id: str, block_hashes: Sequence[int], tier: Tier | None = None) -> None:
@@ -363,7 +392,11 @@ class RedisClusterPrefixIndex(PrefixIndex):
         hs = [h for h in block_hashes if h in known]
         if not hs:
             return
-        await self._guard(self._remove(worker_id, hs, [known[h] for h in hs], 0 if tier is None else int(tier)))
+        anchors = [known[h] for h in hs]
+        mask = 0 if tier is None else int(tier)
+        if self._queue(lambda: self._remove(worker_id, hs, anchors, mask)):
+            return
+        await self._guard(self._remove(worker_id, hs, anchors, mask))
 
     async def _remove(self, worker_id: str, hs: Sequence[int], anchors: Sequence[int], tier: int) -> None:
         slot = self._my_slots.get(worker_id)
@@ -376,6 +409,8 @@ class RedisClusterPrefixIndex(PrefixIndex):
 
     async def clear_worker(self, worker_id: str) -> None:
         self.mirror.clear_worker_now(worker_id)
+        if self._queue(lambda: self._clear(worker_id)):
+            return
         await self._guard(self._clear(worker_id))
 
     async def _clear(self, worker_id: str) -> None:
@@ -400,18 +435,21 @@ class RedisClusterPrefixIndex(PrefixIndex):
     async def resync(self) -> None:
         """Write the local mirror back into the cluster (after a node came back or failed over)."""
         try:
-            grouped: dict[tuple[str, int], list[int]] = {}
-            for worker_id, h, mask in self.mirror.entries():
-                for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
-                    if mask & tier:
-                        grouped.setdefault((worker_id, int(tier)), []).append(h)
-            for (worker_id, tier), hashes in grouped.items():
-                for i in range(0, len(hashes), self.RESYNC_CHUNK):
-                    chunk = hashes[i:i + self.RESYNC_CHUNK]
-                    await self._write_store(worker_id, chunk, self._anchors_for(chunk, None), Tier(tier))
+            await self._resync_all()
             self.resyncs += 1
         except CLUSTER_DOWN_ERRORS as e:
             self._mark_down(e)
+
+    async def _resync_all(self) -> None:
+        grouped: dict[tuple[str, int], list[int]] = {}
+        for worker_id, h, mask in self.mirror.entries():
+            for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+                if mask & tier:
+                    grouped.setdefault((worker_id, int(tier)), []).append(h)
+        for (worker_id, tier), hashes in grouped.items():
+            for i in range(0, len(hashes), self.RESYNC_CHUNK):
+                chunk = hashes[i:i + self.RESYNC_CHUNK]
+                await self._write_store(worker_id, chunk, self._anchors_for(chunk, None), Tier(tier))
 
     # --- reads
     async def overlaps(
@@ -473,6 +511,20 @@ class RedisClusterPrefixIndex(PrefixIndex):
         if self._probe_task is not None and not self._probe_task.done():
             self._probe_task.cancel()
         await self._client.aclose()
+
+
+def cluster_serves_all_slots(info: object) -> bool:
+    """``CLUSTER INFO`` (as redis-py parses it) says the cluster is up and every hash slot is served."""
+    if not isinstance(info, dict):
+        return False
+    def text(v: object) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+    state = text(info.get("cluster_state", ""))
+    try:
+        slots_ok = int(text(info.get("cluster_slots_ok", "0")))
+    except ValueError:
+        return False
+    return state == "ok" and slots_ok == 16384
 
 
 def cluster_client(url: str, socket_timeout_s: float = 0.5) -> RedisCluster:

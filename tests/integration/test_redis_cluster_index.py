@@ -4,6 +4,9 @@ joined by ``redis-cli --cluster create``; tests/fixtures/redis_cluster.py).
 - ``test_cluster_index_...``: two index instances (two router replicas) on a 3-primary cluster share
   entries per tier; a lookup reads ceil(n / GROUP_BLOCKS) hash slots; removals per tier, clearing a
   worker and the per-worker cap work across slots; the same answers as the in-memory index.
+- ``test_primary_without_replica_...``: a primary of a cluster without replicas is killed: lookups
+  and writes go to the mirror at once (its slots are not served), nothing fails; when the node comes
+  back empty, the probe sees every slot served again and the resync refills it.
 - ``test_gateway_survives_primary_kill_...``: a real gateway (``dyad serve``) over two simulated
   engines (the sim server in-process: KV events on, vLLM's wire format) with ``index.backend:
   redis_cluster`` on 3 primaries + 3 replicas, and a second, read-only replica (``ingest_events:
@@ -226,3 +229,44 @@ async def test_replicas_share_in_flight_load_on_the_cluster(cluster):
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_primary_without_replica_dies_and_comes_back_empty_then_is_resynced():
+    with RedisCluster(primaries=3, replicas=0, node_timeout_ms=1000) as cl:
+        prefix = unique_prefix("norep")
+        idx = RedisClusterPrefixIndex(cl.url, prefix, retry_interval_s=0.3, call_timeout_s=2.0)
+        try:
+            chains = [chain(t, 40) for t in range(1, 30)]  # 29 × 3 groups: every node holds some
+            for t, c in enumerate(chains):
+                await idx.store(f"w{t % 3}", c)
+            assert idx.available
+            victim = cl.ports[0]
+            cl.kill(victim)
+            answers = [await idx.overlaps(c) for c in chains]  # from the cluster, or the mirror once it fails
+            assert all(a[f"w{t % 3}"].blocks == 40 for t, a in enumerate(answers))
+            assert not idx.available and idx.fallback_lookups > 0
+            await idx.store("w9", chain(99, 20))  # written to the mirror (or the cluster, if up)
+            # once the node is marked failed, a third of the slots are not served: the probe keeps
+            # the replica on its mirror (an early probe may try before that; its resync fails)
+            await asyncio.sleep(3.0)
+            for _ in range(10):
+                assert not idx.available
+                for t, c in enumerate(chains):
+                    assert (await idx.overlaps(c))[f"w{t % 3}"].blocks == 40
+                await asyncio.sleep(0.15)
+            cl.restart(victim)
+            deadline = time.monotonic() + 30
+            while not (idx.available and idx.resyncs >= 1):
+                assert time.monotonic() < deadline, "index did not return to the cluster"
+                await asyncio.sleep(0.2)
+            # a fresh replica (empty mirror) reads everything, including what the dead node held
+            fresh = RedisClusterPrefixIndex(cl.url, prefix, call_timeout_s=5.0)
+            try:
+                for t, c in enumerate(chains):
+                    assert (await fresh.overlaps(c))[f"w{t % 3}"].blocks == 40, t
+                assert (await fresh.overlaps(chain(99, 20)))["w9"].blocks == 20
+                assert fresh.fallback_lookups == 0
+            finally:
+                await fresh.close()
+        finally:
+            await idx.close()
