@@ -275,6 +275,9 @@ class IndexConfig(_Section):
     ingest_events: bool = Field(True, description="Subscribe to the engines' KV events and write them into "
                                 "the index; false on replicas that only read a shared index another replica "
                                 "fills (each writer multiplies the index's write load)")
+    ingest_shard: bool = Field(False, description="With redis / redis_cluster: replicas split the engines' KV "
+                               "event streams (each engine written by one live replica, rendezvous hashing; "
+                               "hand-over replays the engine's buffer) instead of every replica writing all")
 
 
 class DisaggConfig(_Section):

@@ -32,6 +32,7 @@ from orchestrator.kv.approximate import ApproximateRecorder
 from orchestrator.kv.events import IndexOp, KvEventMapper, KvEventSubscriber
 from orchestrator.kv.hashing import BlockHasher
 from orchestrator.kv.index import PrefixIndex, Tier
+from orchestrator.kv.ingest_shards import IngestShards
 from orchestrator.kv.memory_index import MemoryPrefixIndex
 from orchestrator.kv.tier_cost import effective_tier_weights
 from orchestrator.kv.tokenization import RequestTokenizer
@@ -58,6 +59,8 @@ class PrefixTracker:
         self.tier_weights = effective_tier_weights(config.router.kv_aware)
         # False: this replica reads a shared index that others fill from the engines' events
         self.ingest_events = config.index.ingest_events
+        self.shards: IngestShards | None = None  # set: replicas split the engines' event streams
+        self._shard_task: asyncio.Task[None] | None = None
         self.approx = ApproximateRecorder(index, config.index.approximate_ttl_s, config.index.max_blocks)
         self.mappers: dict[str, KvEventMapper] = {}
         self.subscribers: dict[str, KvEventSubscriber] = {}
@@ -140,7 +143,8 @@ class PrefixTracker:
         holders = [decision.worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
         if req.block_hashes:
             for w in holders:
-                if w.id in self.subscribers or (w.kv_events is not None and not self.ingest_events):
+                if w.id in self.subscribers or (w.kv_events is not None
+                                                and (not self.ingest_events or self.shards is not None)):
                     # Engines publish nothing on a cache hit: refresh the matched prefix's recency
                     # (at most once per TOUCH_INTERVAL_S per worker and prefix: a hot system prompt
                     # would otherwise be re-stored on every request).
@@ -250,6 +254,8 @@ class PrefixTracker:
     def _subscribe(self, w: Worker) -> None:
         if w.kv_events is None or w.id in self.subscribers or not self.ingest_events:
             return
+        if self.shards is not None and not self.shards.owns(w.id):
+            return  # another replica writes this engine's events
         self.mappers[w.id] = KvEventMapper(w.id, self._worker_namespace(w.id))
         gaps = self.metrics.kv_event_gaps if self.metrics is not None else None
         sub = KvEventSubscriber(
@@ -293,8 +299,43 @@ class PrefixTracker:
         self._spawn(coro)
 
     # --- lifecycle -----------------------------------------------------------------------------
+    async def rebalance(self) -> None:
+        """Ingest sharding: renew this replica's registration, then follow exactly the engines it
+        owns now (a gained engine starts with a full replay of its buffer)."""
+        if self.shards is None:
+            return
+        await self.shards.members()
+        for w in self.fleet.workers():
+            if w.kv_events is None:
+                continue
+            sub = self.subscribers.get(w.id)
+            if self.shards.owns(w.id):
+                if sub is None and w.state is not WorkerState.UNHEALTHY:
+                    self._subscribe(w)
+                    new = self.subscribers.get(w.id)
+                    if new is not None and self._started and new._task is None:
+                        new.start()
+            elif sub is not None:
+                del self.subscribers[w.id]
+                self.mappers.pop(w.id, None)
+                await sub.stop()
+
+    async def _shard_loop(self) -> None:
+        assert self.shards is not None
+        while True:
+            await asyncio.sleep(self.shards.interval_s)
+            try:
+                await self.rebalance()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep following; the next round retries
+                log.exception("ingest sharding: rebalance failed")
+
     async def start(self) -> None:
         self._started = True
+        if self.shards is not None:
+            await self.shards.members()
+            self._shard_task = asyncio.get_running_loop().create_task(self._shard_loop(), name="dyad-ingest-shards")
         for w in self.fleet.workers():
             self._subscribe(w)
         for sub in self.subscribers.values():
@@ -305,6 +346,13 @@ class PrefixTracker:
 
     async def stop(self) -> None:
         self._started = False
+        if self._shard_task is not None:
+            self._shard_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._shard_task
+            self._shard_task = None
+        if self.shards is not None:
+            await self.shards.leave()
         for sub in list(self.subscribers.values()):
             await sub.stop()
         if self.shared_load is not None:
@@ -359,4 +407,9 @@ def build_prefix_tracker(config: DyadConfig, fleet: FleetRegistry, metrics: Dyad
         assert isinstance(index, RedisPrefixIndex)
         shared = SharedLoad(index.client, config.index.key_prefix)
     tokenizer = RequestTokenizer(config, http, adapter_for)
-    return PrefixTracker(config, fleet, index, tokenizer, metrics, clock, shared)
+    tracker = PrefixTracker(config, fleet, index, tokenizer, metrics, clock, shared)
+    if config.index.ingest_shard and shared is not None and config.index.ingest_events:
+        from orchestrator.kv.redis_cluster_index import CLUSTER_DOWN_ERRORS
+        tracker.shards = IngestShards(index.client, config.index.key_prefix,  # type: ignore[attr-defined]
+                                      shared.replica_id, down_errors=CLUSTER_DOWN_ERRORS)
+    return tracker

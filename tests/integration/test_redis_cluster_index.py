@@ -207,6 +207,9 @@ async def test_replicas_share_in_flight_load_on_the_cluster(cluster):
 
     a, fa = replica()
     b, fb = replica()
+    for t in (a, b):  # the 0.5 s production bound guards routing latency; this shared machine can be slower
+        t.shared_load.call_timeout_s = 5.0
+        t.index._call_timeout_s = 5.0
     await a.start()
     await b.start()
     try:
@@ -270,3 +273,53 @@ async def test_primary_without_replica_dies_and_comes_back_empty_then_is_resynce
                 await fresh.close()
         finally:
             await idx.close()
+
+
+async def test_replicas_split_event_ingestion_and_take_over_a_stopped_one(cluster):
+    """``index.ingest_shard``: three replicas split 12 event-fed engines (each engine followed by
+    exactly one); when one stops, the others take its engines over."""
+    from orchestrator.config import load_config
+    from orchestrator.fleet.registry import FleetRegistry
+    from orchestrator.kv.ingest_shards import owner
+    from orchestrator.kv.tracker import build_prefix_tracker
+
+    prefix = unique_prefix("shard")
+    workers = [{"id": f"w{i}", "url": f"http://127.0.0.1:{9000 + i}", "engine": "sim", "models": ["m"],
+                "kv_events": {"endpoint": f"tcp://127.0.0.1:{20000 + i}"}} for i in range(12)]
+
+    def replica():
+        cfg = load_config({
+            "models": [{"name": "m", "tokenizer": "sim", "block_size": 32}], "workers": workers,
+            "router": {"policy": "kv_aware"},
+            "index": {"backend": "redis_cluster", "redis_url": cluster.url, "key_prefix": prefix,
+                      "ingest_shard": True},
+        }, environ={})
+        fleet = FleetRegistry.from_config(cfg)
+        for w in fleet.workers():
+            fleet.record_health(w, True, 0.0)
+        t = build_prefix_tracker(cfg, fleet)
+        t.shards.interval_s = 0.2
+        return t
+
+    reps = [replica() for _ in range(3)]
+    for r in reps:
+        await r.start()
+    try:
+        for r in reps:
+            await r.rebalance()  # every replica now knows the full replica set
+        ids = [r.shards.replica_id for r in reps]
+        assert sorted(reps[0].shards.replicas) == sorted(ids)
+        owned = [set(r.subscribers) for r in reps]
+        assert set().union(*owned) == {f"w{i}" for i in range(12)}
+        assert sum(len(o) for o in owned) == 12  # each engine followed once
+        for r, o in zip(reps, owned, strict=True):
+            assert o == {f"w{i}" for i in range(12) if owner(f"w{i}", ids) == r.shards.replica_id}
+        await reps[2].stop()  # leaves the replica set at once
+        deadline = time.monotonic() + 10
+        while set(reps[0].subscribers) | set(reps[1].subscribers) != {f"w{i}" for i in range(12)}:
+            assert time.monotonic() < deadline, "engines of the stopped replica were not taken over"
+            await asyncio.sleep(0.1)
+        assert not set(reps[0].subscribers) & set(reps[1].subscribers)
+    finally:
+        for r in reps[:2]:
+            await r.stop()

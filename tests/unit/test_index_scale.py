@@ -74,3 +74,17 @@ async def test_read_only_replica_neither_subscribes_nor_guesses_for_event_fed_wo
     assert isinstance(reader.index, MemoryPrefixIndex)
     assert await reader.index.worker_blocks("w0") == 0  # event-fed: the writers' events fill it
     assert await reader.index.worker_blocks("w1") == 2  # no events at all: approximate, as before
+
+
+def test_rendezvous_owner_moves_only_the_leaving_replicas_workers():
+    from orchestrator.kv.ingest_shards import owner
+
+    workers = [f"engine-{i}" for i in range(1000)]
+    four = ["r1", "r2", "r3", "r4"]
+    before = {w: owner(w, four) for w in workers}
+    counts = {r: sum(1 for o in before.values() if o == r) for r in four}
+    assert all(180 < c < 320 for c in counts.values()), counts  # spread evenly
+    after = {w: owner(w, ["r1", "r2", "r4"]) for w in workers}
+    moved = [w for w in workers if before[w] != after[w]]
+    assert moved and all(before[w] == "r3" for w in moved)  # only r3's workers move
+    assert owner("x", []) is None
