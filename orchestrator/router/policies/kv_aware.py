@@ -6,8 +6,10 @@ Per candidate the policy estimates, in KV blocks, the work the request would wai
     cost     = prefill_load_weight * (queued_prefill_blocks + recompute_weight * uncached)
              + decode_load_weight * (active_blocks + request_blocks)
 
-``credit`` is the worker's consecutive cached prefix, each block credited by its tier (device 1.0,
-host 0.75, disk 0.25 by default), or, when longer, the prefix a prefill this gateway already sent
+``credit`` is the worker's consecutive cached prefix, each block credited by its tier (device 1.0;
+a host or disk block at ``1 - reload time / prefill time`` from ``kv_aware.tier_cost`` — the share of
+computing it that reloading saves, ``orchestrator/kv/tier_cost.py`` — or, without it, the configured
+``tier_weights``, host 0.75 and disk 0.25 by default), or, when longer, the prefix a prefill this gateway already sent
 there is still computing (``RouteRequest.inflight_overlaps``, from ``router.inflight``): the engine
 admits in order and finds those blocks cached when it starts this one, so the request is charged
 only for the rest. ``queued_prefill_blocks`` is the uncached prompt work already dispatched to the
