@@ -71,6 +71,84 @@ class WorkerConfig(_Section):
         return v.rstrip("/")
 
 
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where a pod's service account is mounted
+
+
+class KubernetesApiConfig(_Section):
+    """How Dyad reaches the Kubernetes API server (discovery and the planner's actuator).
+
+    Empty = in-cluster: ``https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`` with the pod's
+    service-account token and CA. Set ``api_url`` (and ``token``) to point at another server."""
+
+    api_url: str | None = Field(None, description="API server URL (None: in-cluster from KUBERNETES_SERVICE_HOST)")
+    token: str | None = Field(None, description="Bearer token (overrides token_file; for tests and kubectl proxy)")
+    token_file: str | None = Field(f"{SA_DIR}/token", description="Bearer token file, re-read as it rotates "
+                                                                   "(None: no auth)")
+    ca_file: str | None = Field(f"{SA_DIR}/ca.crt", description="CA bundle of the API server (used when the "
+                                                                 "file exists; else the system CAs)")
+    namespace: str | None = Field(None, description="Namespace (None: the pod's own, else default)")
+
+
+class FileDiscoveryConfig(_Section):
+    """``discovery.source: file``: workers listed in a YAML/JSON file (a list of worker entries, or a
+    mapping with ``workers:``), re-read when it changes."""
+
+    path: str | None = Field(None, description="The workers file (same fields as `workers` entries)")
+    interval_s: float = Field(1.0, gt=0, description="Seconds between checks of the file for changes")
+
+
+class KubernetesDiscoveryConfig(_Section):
+    """``discovery.source: kubernetes``: engine pods found by a label selector per role (list + watch).
+
+    Only Ready pods become workers; a pod marked ``draining_annotation`` (by the planner's actuator)
+    or being deleted takes no new requests; its in-flight ones finish."""
+
+    api: KubernetesApiConfig = Field(default_factory=KubernetesApiConfig)
+    selectors: dict[Role, str] = Field(
+        default_factory=dict, description="Role → pod label selector, e.g. prefill: "
+                                          "'app.kubernetes.io/name=vllm,dyad.dev/pool=prefill'")
+    role_label: str | None = Field("dyad.dev/role", description="Pod label whose value (prefill/decode/both) "
+                                                                "overrides the selector's role")
+    port: int | str = Field("http", description="Engine HTTP port: a container port name or a number")
+    scheme: Literal["http", "https"] = Field("http", description="Engine URL scheme")
+    engine: EngineKind = Field(EngineKind.VLLM, description="Wire dialect of the discovered engines")
+    models: list[str] = Field(default_factory=list, description="Models they serve; empty = ask the engine")
+    kv_events_port: str | None = Field(None, description="Container port name of the engine's ZMQ KV-event "
+                                                          "PUB socket (e.g. kv-events); None = no KV events")
+    kv_replay_port: str | None = Field(None, description="Container port name of its replay socket")
+    kv_events_topic: str = Field("kv-events", description="KV-event topic")
+    draining_annotation: str = Field("dyad.dev/draining", description="Pod annotation that marks a pod "
+                                                                      "draining (value \"true\")")
+    watch_timeout_s: int = Field(300, ge=1, description="Server-side timeout of one watch request "
+                                                        "(the watch then resumes from its resourceVersion)")
+
+    @model_validator(mode="after")
+    def _port(self) -> KubernetesDiscoveryConfig:
+        if isinstance(self.port, str) and self.port.isdigit():
+            self.port = int(self.port)
+        return self
+
+
+class DiscoveryConfig(_Section):
+    """Where workers come from besides the static ``workers`` list (which always stays)."""
+
+    source: Literal["static", "file", "kubernetes"] = Field(
+        "static", description="static (the `workers` list only), file, or kubernetes")
+    file: FileDiscoveryConfig = Field(default_factory=FileDiscoveryConfig)
+    kubernetes: KubernetesDiscoveryConfig = Field(default_factory=KubernetesDiscoveryConfig)
+    remove_grace_s: float = Field(120.0, ge=0, description="A worker that left the source stops taking "
+                                                           "requests at once; it leaves the registry when "
+                                                           "its in-flight requests finish, or after this")
+
+    @model_validator(mode="after")
+    def _source(self) -> DiscoveryConfig:
+        if self.source == "file" and not self.file.path:
+            raise ValueError("file.path: required for discovery source file")
+        if self.source == "kubernetes" and not self.kubernetes.selectors:
+            raise ValueError("kubernetes.selectors: required for discovery source kubernetes (a selector per role)")
+        return self
+
+
 PolicyName = Literal["round_robin", "least_load", "power_of_two", "kv_aware", "random"]
 
 
@@ -344,6 +422,14 @@ class PlannerConfig(_Section):
         default_factory=dict, description="actuator kubernetes: role → deployments/<name> or statefulsets/<name>")
     kubernetes_token_file: str | None = Field(
         "/var/run/secrets/kubernetes.io/serviceaccount/token", description="Bearer token file (None: no auth)")
+    kubernetes_token: str | None = Field(None, description="actuator kubernetes: bearer token (overrides the file)")
+    kubernetes_ca_file: str | None = Field(f"{SA_DIR}/ca.crt", description="actuator kubernetes: API server CA "
+                                                                            "(used when the file exists)")
+    kubernetes_drain_settle_s: float = Field(
+        5.0, ge=0, description="Scale-in: after marking a pod draining, wait this long for every gateway's watch "
+                               "to see the mark before trusting the engine's idle reading")
+    kubernetes_drain_timeout_s: float = Field(
+        600.0, ge=0, description="Scale-in: reduce replicas after this long even if the engine is not idle")
 
     @model_validator(mode="after")
     def _limits(self) -> PlannerConfig:
@@ -392,6 +478,7 @@ class ResilienceConfig(_Section):
 class DyadConfig(_Section):
     models: list[ModelConfig] = Field(default_factory=list)
     workers: list[WorkerConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)

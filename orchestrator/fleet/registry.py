@@ -1,6 +1,6 @@
 """The fleet registry: which workers exist and whether they may receive requests.
 
-Workers come from the configuration and from the admin API. The registry owns the state machine
+Workers come from the configuration, the admin API and discovery sources (``fleet/discovery``). The registry owns the state machine
 (healthy / unhealthy / draining): the health loop and the gateway report probe results and failed
 attempts here, and the thresholds in ``HealthConfig`` decide when a worker flips. It does no I/O,
 so the same registry runs live and in the virtual-time simulator.
@@ -17,7 +17,7 @@ from adapters.base import Role
 from orchestrator.config import DyadConfig, HealthConfig, WorkerConfig
 from orchestrator.fleet.worker import Worker, WorkerState
 
-# Called with (event, worker) where event is "added", "removed" or "state".
+# Called with (event, worker) where event is "added", "removed", "state" or "role".
 FleetListener = Callable[[str, Worker], None]
 
 
@@ -164,6 +164,15 @@ class FleetRegistry:
         if worker.state is WorkerState.DRAINING:
             return
         self._set_state(worker, WorkerState.HEALTHY if worker.health_ok else WorkerState.UNHEALTHY)
+
+    def set_role(self, worker_id: str, role: Role) -> Worker:
+        """Change a worker's role in place (a discovery source reports the engine now serves ``role``);
+        listeners hear ``"role"``. Requests in flight finish as they started."""
+        worker = self._workers[worker_id]
+        if worker.role is not role:
+            worker.role = role
+            self._notify("role", worker)
+        return worker
 
     def drain(self, worker_id: str) -> Worker:
         worker = self._workers[worker_id]

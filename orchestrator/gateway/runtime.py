@@ -20,6 +20,7 @@ import httpx
 from adapters.base import EngineAdapter, EngineKind
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import DyadConfig
+from orchestrator.fleet.discovery import build_discovery
 from orchestrator.fleet.health import HealthChecker
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.scrape import MetricsScraper
@@ -85,6 +86,7 @@ class GatewayRuntime:
         self.pd_executor: Executor | None = None  # set by orchestrator.disagg when P/D is in use
         self._adapter_factory = adapter_for or default_adapter_for
         self._adapters: dict[EngineKind, EngineAdapter] = {}
+        self.discovery = build_discovery(config.discovery, self.fleet, self.clock)  # file / kubernetes workers
         self.health = HealthChecker(self.fleet, self.http, config.health, self.clock, self.adapter_for)
         self.scraper = MetricsScraper(self.fleet, self.http, config.scrape, self.clock, self.adapter_for,
                                       self.metrics)
@@ -125,6 +127,8 @@ class GatewayRuntime:
     async def start(self) -> None:
         """Probe every worker once (so a gateway that starts next to running engines is ready at
         once), then start the health and scrape loops."""
+        if self.discovery is not None:
+            await self.discovery.start()  # its first worker list, before the first probe round
         try:
             await asyncio.wait_for(self.health.check_all(), self.config.health.timeout_s + 1.0)
         except TimeoutError:
@@ -154,6 +158,8 @@ class GatewayRuntime:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self.discovery is not None:
+            await self.discovery.stop()
         stop_tracker = getattr(self.prefix_tracker, "stop", None)
         if stop_tracker is not None:
             with contextlib.suppress(Exception):

@@ -8,7 +8,8 @@ One interface, ``Actuator.apply(decision) -> list[str]`` (what was done, for log
   role (``{port}`` is filled with a free port); ``on_started``/``on_stopped`` hooks let the gateway
   add/remove the worker from its registry.
 - ``KubernetesActuator``: sets ``spec.replicas`` of one Deployment/StatefulSet per role through the
-  API server's ``scale`` subresource (a merge-patch), with a bearer token.
+  API server's ``scale`` subresource; scale-in marks the pods that will go draining and waits for
+  them to drain before the replicas go down (the gateways' pod discovery honours the mark).
 - ``RoleChangeActuator``: moves a worker between pools without a restart through a ``set_role``
   callable (the gateway's, from the P/D work); ``drain`` goes to a ``drain`` callable.
 Role changes are only emitted by the planner when ``PlannerSettings.role_change_s`` is set, i.e.
@@ -18,18 +19,22 @@ when this kind of actuator is in use and faster than starting an engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import shlex
 import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-import httpx
-
 from adapters.base import Role
+from orchestrator.clock import SYSTEM_CLOCK, Clock
+from orchestrator.fleet.kube_api import KubeApi
 from orchestrator.planner.core import PlanDecision
 from orchestrator.ports import free_port
 from orchestrator.telemetry.metrics import DyadMetrics
+
+log = logging.getLogger("dyad.planner")
 
 
 class Actuator(Protocol):
@@ -140,61 +145,218 @@ class LocalProcessActuator:
             await self.stop(wid)
 
 
+Pod = dict[str, Any]
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"  # ReplicaSets remove the lowest cost first
+
+
+def pod_ordinal(name: str) -> int | None:
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def scale_in_victims(kind: str, pods: list[Pod], target: int, annotation: str) -> list[str]:
+    """The pods a scale-in to ``target`` replicas removes, by name. A StatefulSet removes its highest
+    ordinals (no choice); a Deployment's ReplicaSet removes the pods with the lowest deletion cost, so
+    we choose: pods already marked draining first, then pods not Ready, then the highest names."""
+    if kind == "statefulsets":
+        return sorted((p["metadata"]["name"] for p in pods
+                       if (pod_ordinal(p["metadata"]["name"]) or 0) >= target), key=lambda n: pod_ordinal(n) or 0)
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    excess = max(0, len(live) - target)
+
+    def rank(p: Pod) -> tuple:
+        meta = p["metadata"]
+        marked = (meta.get("annotations") or {}).get(annotation) == "true"
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (p.get("status") or {}).get("conditions") or [])
+        return (not marked, ready, [-ord(ch) for ch in meta["name"]])
+
+    return sorted(p["metadata"]["name"] for p in sorted(live, key=rank)[:excess])
+
+
+@dataclass
+class DrainingScaleIn:
+    """A scale-in of one workload waiting for its victims to drain."""
+
+    target: int
+    marked_at: dict[str, float]  # victim pod → when we saw it marked
+    idle_reads: dict[str, int] = field(default_factory=dict)  # consecutive idle readings per victim
+
+
+def drain_finished(scale_in: DrainingScaleIn, idle: dict[str, bool | None], now: float, settle_s: float,
+                   timeout_s: float, reads: int = 2) -> tuple[bool, str]:
+    """Pure: may the replicas go down now? Every victim must have been marked for ``settle_s`` (every
+    gateway's watch has seen the mark) and read idle by its engine ``reads`` times in a row; past
+    ``timeout_s`` since marking, it may go regardless. Updates the idle-read counters."""
+    waiting = []
+    for pod, since in scale_in.marked_at.items():
+        if now - since >= timeout_s:
+            continue
+        if now - since < settle_s:
+            scale_in.idle_reads[pod] = 0
+            waiting.append(f"{pod} settling")
+            continue
+        scale_in.idle_reads[pod] = scale_in.idle_reads.get(pod, 0) + 1 if idle.get(pod) else 0
+        if scale_in.idle_reads[pod] < reads:
+            waiting.append(f"{pod} busy" if idle.get(pod) is False else f"{pod} not yet idle")
+    if waiting:
+        return False, ", ".join(waiting)
+    late = [p for p, since in scale_in.marked_at.items() if now - since >= timeout_s]
+    return True, (f"drain timeout for {', '.join(late)}" if late else "drained")
+
+
 @dataclass
 class KubernetesActuator:
-    """Scale one workload per role: ``workloads = {Role.PREFILL: "deployments/llm-prefill", ...}``.
+    """Scale one workload per role: ``workloads = {Role.PREFILL: "statefulsets/llm-prefill", ...}``,
+    through ``{api}/apis/apps/v1/namespaces/{ns}/{kind}/{name}/scale`` (merge-patch of spec.replicas).
 
-    Uses ``PATCH {api}/apis/apps/v1/namespaces/{ns}/{kind}/{name}/scale`` with
-    ``application/merge-patch+json`` ``{"spec": {"replicas": n}}``; pods drain through their own
-    termination grace period (the engine finishes in-flight requests on SIGTERM).
+    Scale-out patches the replicas up at once; the new pods join every gateway through discovery
+    when they turn Ready. Scale-in drains before anything is deleted:
+
+    1. the pods that will go (a StatefulSet's highest ordinals; for a Deployment, pods we choose and
+       give the lowest ``pod-deletion-cost``) are annotated ``draining_annotation: "true"``; every
+       gateway's pod watch sees it and stops sending them new requests (in-flight ones go on);
+    2. after ``settle_s`` (the watch has reached every gateway), the actuator reads each victim's
+       engine (``is_idle``: its own ``/metrics``, running + waiting = 0, the truth across all gateway
+       replicas) until it is idle twice in a row, or ``drain_timeout_s`` has passed;
+    3. only then is ``spec.replicas`` patched down, and Kubernetes deletes exactly the drained pods.
+
+    A later decision that wants the capacity back cancels the drain (the marks are removed). The
+    state is level-triggered: every ``apply`` re-reads the scale and the pods, so a restarted
+    planner finds marked pods and carries on.
     """
 
-    api_url: str
+    api: KubeApi
     namespace: str
     workloads: dict[Role, str]
-    token: str | None = None
-    verify: bool | str = True
-    client: httpx.AsyncClient | None = None
+    is_idle: Callable[[Pod], Awaitable[bool | None]] | None = None
+    draining_annotation: str = "dyad.dev/draining"
+    settle_s: float = 5.0
+    drain_timeout_s: float = 600.0
+    poll_s: float = 1.0
+    clock: Clock = SYSTEM_CLOCK
     name: str = "kubernetes"
+    pending: dict[Role, DrainingScaleIn] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)  # what the background finisher did (also logged)
+    _finisher: asyncio.Task | None = None
 
-    def _url(self, role: Role) -> str:
+    def _kind(self, role: Role) -> tuple[str, str]:
         kind, _, wname = self.workloads[role].partition("/")
         if kind not in ("deployments", "statefulsets") or not wname:
             raise ValueError(f"workload for {role.value} must be deployments/<name> or statefulsets/<name>")
-        return f"{self.api_url.rstrip('/')}/apis/apps/v1/namespaces/{self.namespace}/{kind}/{wname}/scale"
+        return kind, wname
+
+    def _scale_path(self, role: Role) -> str:
+        kind, wname = self._kind(role)
+        return f"/apis/apps/v1/namespaces/{self.namespace}/{kind}/{wname}/scale"
 
     async def replicas(self, role: Role) -> int:
-        c = self.client or httpx.AsyncClient(verify=self.verify)
-        try:
-            r = await c.get(self._url(role), headers=self._headers())
-            r.raise_for_status()
-            return int(r.json()["spec"].get("replicas", 0))
-        finally:
-            if self.client is None:
-                await c.aclose()
+        return int((await self.api.get(self._scale_path(role)))["spec"].get("replicas", 0))
 
-    def _headers(self) -> dict[str, str]:
-        h = {"Accept": "application/json"}
-        if self.token:
-            h["Authorization"] = f"Bearer {self.token}"
-        return h
+    async def _pods(self, scale: dict[str, Any]) -> list[Pod]:
+        selector = (scale.get("status") or {}).get("selector")
+        if not selector:
+            return []
+        body = await self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", {"labelSelector": selector})
+        return list(body.get("items") or [])
+
+    def _marked(self, pod: Pod) -> bool:
+        return (pod["metadata"].get("annotations") or {}).get(self.draining_annotation) == "true"
+
+    async def _mark(self, role: Role, pod: str, on: bool) -> None:
+        ann: dict[str, Any] = {self.draining_annotation: "true" if on else None}
+        if self._kind(role)[0] == "deployments":
+            ann[DELETION_COST] = "-1000" if on else None
+        await self.api.merge_patch(f"/api/v1/namespaces/{self.namespace}/pods/{pod}", {"metadata": {"annotations": ann}})
+
+    async def _set_replicas(self, role: Role, n: int) -> None:
+        await self.api.merge_patch(self._scale_path(role), {"spec": {"replicas": n}})
+
+    async def reconcile(self, role: Role, target: int) -> list[str]:
+        """Move one workload towards ``target`` replicas (scale-out now, scale-in by draining first)."""
+        done: list[str] = []
+        scale = await self.api.get(self._scale_path(role))
+        replicas = int(scale["spec"].get("replicas", 0))
+        pods = await self._pods(scale)
+        kind = self._kind(role)[0]
+        victims = set(scale_in_victims(kind, pods, target, self.draining_annotation)) if target < replicas else set()
+        for p in pods:
+            name = p["metadata"]["name"]
+            if self._marked(p) and name not in victims and not p["metadata"].get("deletionTimestamp"):
+                await self._mark(role, name, False)
+                done.append(f"cancelled the drain of {name}")
+        if target >= replicas:
+            self.pending.pop(role, None)
+            if target > replicas:
+                await self._set_replicas(role, target)
+                done.append(f"scaled {self.workloads[role]} to {target}")
+            return done
+        now = self.clock.now()
+        prev = self.pending.get(role)
+        marked_at = {}
+        for name in sorted(victims):
+            pod = next(p for p in pods if p["metadata"]["name"] == name)
+            if not self._marked(pod):
+                await self._mark(role, name, True)
+                done.append(f"marked {name} draining")
+            marked_at[name] = prev.marked_at.get(name, now) if prev is not None else now
+        self.pending[role] = DrainingScaleIn(target, marked_at, dict(prev.idle_reads) if prev else {})
+        if not victims:  # nothing to drain (pods already gone): scale now
+            return done + await self._finish(role)
+        self._ensure_finisher()
+        return done
+
+    async def _finish(self, role: Role) -> list[str]:
+        s = self.pending.pop(role)
+        await self._set_replicas(role, s.target)
+        return [f"scaled {self.workloads[role]} to {s.target}"]
+
+    async def check_drains(self) -> list[str]:
+        """One round of the finisher: scale down the workloads whose victims have drained."""
+        done: list[str] = []
+        for role in list(self.pending):
+            s = self.pending[role]
+            idle: dict[str, bool | None] = {}
+            now = self.clock.now()
+            if self.is_idle is not None and any(now - t >= self.settle_s for t in s.marked_at.values()):
+                pods = {p["metadata"]["name"]: p for p in await self._pods(await self.api.get(self._scale_path(role)))}
+                for name in s.marked_at:
+                    idle[name] = True if name not in pods else await self.is_idle(pods[name])
+            elif self.is_idle is None:
+                idle = dict.fromkeys(s.marked_at, True)  # no way to ask: settle time only
+            ok, why = drain_finished(s, idle, now, self.settle_s, self.drain_timeout_s)
+            if ok:
+                done += [f"{why}: " + x for x in await self._finish(role)]
+        for line in done:
+            log.info("kubernetes actuator: %s", line)
+        self.events += done
+        return done
+
+    def _ensure_finisher(self) -> None:
+        if self._finisher is None or self._finisher.done():
+            self._finisher = asyncio.create_task(self._finish_loop(), name="dyad-k8s-drain")
+
+    async def _finish_loop(self) -> None:
+        while self.pending:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self.check_drains()
+            except Exception as e:  # the API server is briefly away: try again next round
+                log.warning("kubernetes actuator: drain check failed: %s: %s", type(e).__name__, e)
 
     async def apply(self, decision: PlanDecision) -> list[str]:
-        c = self.client or httpx.AsyncClient(verify=self.verify)
         done = []
-        try:
-            for role in (Role.PREFILL, Role.DECODE):
-                if role not in self.workloads or role.value not in decision.desired:
-                    continue
-                n = decision.desired[role.value]
-                headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}
-                r = await c.patch(self._url(role), json={"spec": {"replicas": n}}, headers=headers)
-                r.raise_for_status()
-                done.append(f"scaled {self.workloads[role]} to {n}")
-        finally:
-            if self.client is None:
-                await c.aclose()
+        for role in (Role.PREFILL, Role.DECODE):
+            if role in self.workloads and role.value in decision.desired:
+                done += await self.reconcile(role, decision.desired[role.value])
         return done
+
+    async def close(self) -> None:
+        if self._finisher is not None:
+            self._finisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._finisher
+        await self.api.aclose()
 
 
 @dataclass

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+import httpx
 
 from adapters.base import Role
 from orchestrator.config import PlannerConfig
@@ -76,11 +77,7 @@ def actuator_from_config(cfg: PlannerConfig, runtime: Any) -> Actuator:
     if cfg.actuator == "recommend":
         return RecommendOnly(runtime.metrics)
     if cfg.actuator == "kubernetes":
-        token = None
-        if cfg.kubernetes_token_file and Path(cfg.kubernetes_token_file).exists():
-            token = Path(cfg.kubernetes_token_file).read_text().strip()
-        return KubernetesActuator(cfg.kubernetes_api, cfg.kubernetes_namespace, dict(cfg.kubernetes_workloads),
-                                  token=token)
+        return kubernetes_actuator(cfg, runtime)
     roles = getattr(runtime, "roles", None)
 
     def set_role(worker_id: str, role: Role) -> None:
@@ -96,6 +93,40 @@ def actuator_from_config(cfg: PlannerConfig, runtime: Any) -> Actuator:
     if cfg.role_change_s is not None and cfg.role_change_s < cfg.start_s:
         return RoleChangeActuator(set_role, drain=lambda wid: runtime.fleet.drain(wid), fallback=local)
     return _DrainingLocal(local, runtime)
+
+
+def kubernetes_actuator(cfg: PlannerConfig, runtime: Any) -> KubernetesActuator:
+    """The k8s actuator, with the drain protocol of ``discovery.kubernetes`` (same annotation) and an
+    idleness check that reads the victim pod's engine ``/metrics`` (running + waiting = 0)."""
+    from orchestrator.fleet.discovery.kubernetes import container_port
+    from orchestrator.fleet.kube_api import KubeApi
+
+    disc = runtime.config.discovery.kubernetes
+    api = KubeApi(cfg.kubernetes_api, token=cfg.kubernetes_token, token_file=cfg.kubernetes_token_file,
+                  ca_file=cfg.kubernetes_ca_file)
+
+    async def engine_idle(pod: dict[str, Any]) -> bool | None:
+        ip = (pod.get("status") or {}).get("podIP")
+        port = container_port(pod, disc.port)
+        if not ip or port is None:
+            return True  # never got an address: nothing can be running there
+        worker = runtime.fleet.get(pod["metadata"]["name"])
+        if worker is not None and worker.inflight > 0:
+            return False  # this process itself still has requests there
+        host = f"[{ip}]" if ":" in ip else ip
+        try:
+            load = await runtime.adapter_for(disc.engine).scrape(runtime.http, f"{disc.scheme}://{host}:{port}",
+                                                                 runtime.config.scrape.timeout_s,
+                                                                 runtime.clock.now(), None)
+        except httpx.ConnectError:
+            return True  # the engine is not listening: nothing to finish
+        except Exception:
+            return None  # cannot tell: wait (bounded by the drain timeout)
+        return load.running == 0 and load.waiting == 0
+
+    return KubernetesActuator(api, cfg.kubernetes_namespace, dict(cfg.kubernetes_workloads), is_idle=engine_idle,
+                              draining_annotation=disc.draining_annotation, settle_s=cfg.kubernetes_drain_settle_s,
+                              drain_timeout_s=cfg.kubernetes_drain_timeout_s, clock=runtime.clock)
 
 
 def _registrar(runtime: Any, cfg: PlannerConfig) -> Callable[[LocalProcess], None]:

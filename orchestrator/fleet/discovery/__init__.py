@@ -1,0 +1,101 @@
+"""Discovery: where workers come from besides the static ``workers`` list.
+
+``discovery.source`` picks one source: ``static`` (the list only: nothing runs), ``file`` (a
+YAML/JSON workers file, ``file.py``) or ``kubernetes`` (pods by label selector, ``kubernetes.py``).
+A source reports the workers it sees; the ``Reconciler`` (``reconcile.py``) turns each report into
+registry changes: new workers are added unhealthy (the health loop brings them into rotation),
+departed ones are drained and removed once idle, draining marks are honoured. Static workers are
+never touched.
+
+``Discovery(fleet, source, ...)`` is the component the gateway runs: ``start()`` waits (briefly) for
+the source's first report so a gateway starts with its fleet, ``stop()`` ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Protocol
+
+from orchestrator.clock import SYSTEM_CLOCK, Clock
+from orchestrator.config import DiscoveryConfig
+from orchestrator.fleet.discovery.reconcile import Change, Reconciler, WorkerSpec
+from orchestrator.fleet.registry import FleetRegistry
+
+log = logging.getLogger("dyad.discovery")
+
+SWEEP_S = 0.5  # how often withdrawn workers are checked for idleness
+
+
+class Source(Protocol):
+    name: str
+
+    async def run(self, report: Any) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+def _log_change(c: Change) -> None:
+    level = logging.WARNING if c.kind == "conflict" else logging.INFO
+    log.log(level, "discovery: %s %s%s", c.kind, c.worker_id, f" ({c.reason})" if c.reason else "")
+
+
+class Discovery:
+    def __init__(self, fleet: FleetRegistry, source: Source, grace_s: float, clock: Clock | None = None,
+                 start_timeout_s: float = 5.0) -> None:
+        self.fleet = fleet
+        self.source = source
+        self.clock = clock or SYSTEM_CLOCK
+        self.start_timeout_s = start_timeout_s
+        self.reconciler = Reconciler(fleet, source.name, grace_s, on_change=_log_change)
+        self.reports = 0
+        self._first = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    def report(self, desired: dict[str, WorkerSpec]) -> None:
+        self.reports += 1
+        self.reconciler.update(desired, self.clock.now())
+        self._first.set()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            if self.reconciler.owned:
+                self.reconciler.sweep(self.clock.now())
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self.source.run(self.report), name=f"dyad-discovery-{self.source.name}"),
+                       asyncio.create_task(self._sweep(), name="dyad-discovery-sweep")]
+        try:
+            await asyncio.wait_for(self._first.wait(), self.start_timeout_s)
+        except TimeoutError:
+            log.warning("discovery (%s): no worker list within %.0fs; continuing, it will join when it comes",
+                        self.source.name, self.start_timeout_s)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+
+    def status(self) -> dict[str, Any]:
+        return {**self.source.status(), "reports": self.reports,
+                "workers": sorted(self.reconciler.owned),
+                "withdrawn": sorted(w for w, o in self.reconciler.owned.items() if o.withdrawn_at is not None)}
+
+
+def build_discovery(config: DiscoveryConfig, fleet: FleetRegistry, clock: Clock | None = None) -> Discovery | None:
+    """The configured source as a component (None for ``static``: the workers list is all there is)."""
+    source: Source
+    if config.source == "file":
+        from orchestrator.fleet.discovery.file import FileSource
+        source = FileSource(config.file)
+    elif config.source == "kubernetes":
+        from orchestrator.fleet.discovery.kubernetes import KubernetesSource
+        source = KubernetesSource(config.kubernetes)
+    else:
+        return None
+    return Discovery(fleet, source, config.remove_grace_s, clock)

@@ -1,0 +1,108 @@
+"""File source: workers listed in a YAML or JSON file, re-read when it changes.
+
+The file holds a list of worker entries (the fields of the config's ``workers`` entries), or a
+mapping with a ``workers:`` list. A worker's id defaults to its URL, so editing one entry never
+renames another. Adding an entry adds a worker; deleting it withdraws the worker (drained, then
+removed when idle); editing its role switches the role in place; ``draining: true`` on an entry
+drains it without removing it. A file that does not parse or validate is reported once and ignored:
+the last good list stays in force (a half-written file never empties the fleet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from orchestrator.config import FileDiscoveryConfig, WorkerConfig
+from orchestrator.fleet.discovery.reconcile import WorkerSpec
+
+log = logging.getLogger("dyad.discovery")
+
+
+class WorkersFileError(ValueError):
+    pass
+
+
+def parse_workers_file(text: str, origin: str = "workers file") -> dict[str, WorkerSpec]:
+    """The file's text → workers by id. Raises ``WorkersFileError`` naming the bad entry and field."""
+    try:
+        raw = yaml.safe_load(text)  # JSON is YAML
+    except yaml.YAMLError as e:
+        raise WorkersFileError(f"{origin}: not valid YAML/JSON: {e}") from e
+    if raw is None:
+        raw = []
+    if isinstance(raw, dict):
+        raw = raw.get("workers", [])
+    if not isinstance(raw, list):
+        raise WorkersFileError(f"{origin}: expected a list of workers or a mapping with 'workers'")
+    out: dict[str, WorkerSpec] = {}
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise WorkersFileError(f"{origin}: workers.{i}: expected a mapping")
+        entry = dict(entry)
+        draining = bool(entry.pop("draining", False))
+        try:
+            wc = WorkerConfig.model_validate(entry)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise WorkersFileError(f"{origin}: workers.{i}.{loc}: {first['msg']}") from e
+        if wc.id is None:
+            wc.id = wc.url
+        if wc.id in out:
+            raise WorkersFileError(f"{origin}: workers.{i}.id: duplicate worker id '{wc.id}'")
+        out[wc.id] = WorkerSpec(wc, draining=draining)
+    return out
+
+
+class FileSource:
+    name = "file"
+
+    def __init__(self, cfg: FileDiscoveryConfig) -> None:
+        assert cfg.path
+        self.path = Path(cfg.path)
+        self.interval_s = cfg.interval_s
+        self._digest: str | None = None
+        self.loads = 0
+        self.last_error: str | None = None
+
+    def poll(self) -> dict[str, WorkerSpec] | None:
+        """The workers when the file changed since the last poll, else None."""
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            err = f"cannot read {self.path}: {e.strerror}"
+            if err != self.last_error:
+                log.warning("discovery: %s (keeping the last good list)", err)
+            self.last_error = err
+            return None
+        digest = hashlib.sha256(data).hexdigest()
+        if digest == self._digest:
+            return None
+        self._digest = digest
+        try:
+            workers = parse_workers_file(data.decode(errors="replace"), str(self.path))
+        except WorkersFileError as e:
+            self.last_error = str(e)
+            log.warning("discovery: %s (keeping the last good list)", e)
+            return None
+        self.last_error = None
+        self.loads += 1
+        return workers
+
+    async def run(self, report: Callable[[dict[str, WorkerSpec]], None]) -> None:
+        while True:
+            workers = await asyncio.to_thread(self.poll)
+            if workers is not None:
+                report(workers)
+            await asyncio.sleep(self.interval_s)
+
+    def status(self) -> dict[str, Any]:
+        return {"source": self.name, "path": str(self.path), "loads": self.loads, "last_error": self.last_error}

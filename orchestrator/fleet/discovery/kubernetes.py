@@ -1,0 +1,217 @@
+"""Kubernetes source: engine pods by label selector, one selector per role, kept by list + watch.
+
+Pods, not EndpointSlices: the drain protocol lives on the pod (the planner's actuator annotates the
+pod it is about to remove, ``discovery.kubernetes.draining_annotation``), and the role label and
+named ports are on the pod too; EndpointSlices carry neither. The watch is the API server's usual
+contract:
+
+- list (``resourceVersion`` of the list), then watch from it with ``allowWatchBookmarks``;
+- ``ADDED``/``MODIFIED``/``DELETED`` update the cache, ``BOOKMARK`` only advances the
+  resourceVersion (so a resumed watch starts from a recent point and is rarely too old);
+- a watch that ends (server timeout, dropped connection) resumes from the last resourceVersion;
+- ``410 Gone`` (that version is compacted away) means re-list: the list replaces the whole cache,
+  so deletions missed while disconnected are noticed.
+
+``pod_to_spec`` is the mapping, pure: only a Ready pod with an IP becomes a routable worker; a pod
+marked draining or being deleted (``deletionTimestamp``) is a worker that takes nothing new; role
+from ``role_label`` (else the selector's role), URL from the pod IP and a named or numbered port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from adapters.base import Role
+from orchestrator.config import KubernetesDiscoveryConfig, KvEventsConfig, WorkerConfig
+from orchestrator.fleet.discovery.reconcile import WorkerSpec
+from orchestrator.fleet.kube_api import Gone, KubeApi, KubeApiError, pod_namespace
+
+log = logging.getLogger("dyad.discovery")
+
+Pod = dict[str, Any]
+
+
+def pod_ready(pod: Pod) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def container_port(pod: Pod, port: int | str) -> int | None:
+    """A numbered port as is; a named one looked up in the pod's containers."""
+    if isinstance(port, int):
+        return port
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        for p in c.get("ports") or []:
+            if p.get("name") == port and p.get("containerPort"):
+                return int(p["containerPort"])
+    return None
+
+
+def pod_role(pod: Pod, selector_role: Role, role_label: str | None) -> Role:
+    value = ((pod.get("metadata") or {}).get("labels") or {}).get(role_label or "")
+    try:
+        return Role(value) if value else selector_role
+    except ValueError:
+        return selector_role
+
+
+def pod_to_spec(pod: Pod, selector_role: Role, cfg: KubernetesDiscoveryConfig) -> WorkerSpec | None:
+    """The worker a pod stands for, or None when it must not be a worker (not Ready, no IP, no port)."""
+    meta = pod.get("metadata") or {}
+    ip = (pod.get("status") or {}).get("podIP")
+    name = meta.get("name")
+    if not name or not ip or not pod_ready(pod):
+        return None
+    port = container_port(pod, cfg.port)
+    if port is None:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    kv_events = None
+    ev = container_port(pod, cfg.kv_events_port) if cfg.kv_events_port else None
+    if ev is not None:
+        replay = container_port(pod, cfg.kv_replay_port) if cfg.kv_replay_port else None
+        kv_events = KvEventsConfig(endpoint=f"tcp://{host}:{ev}", topic=cfg.kv_events_topic,
+                                   replay_endpoint=f"tcp://{host}:{replay}" if replay else None)
+    labels = {"pod": name}
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node:
+        labels["node"] = node
+    config = WorkerConfig(id=name, url=f"{cfg.scheme}://{host}:{port}", engine=cfg.engine,
+                          role=pod_role(pod, selector_role, cfg.role_label), models=list(cfg.models),
+                          labels=labels, kv_events=kv_events)
+    marked = (meta.get("annotations") or {}).get(cfg.draining_annotation, "").lower() == "true"
+    return WorkerSpec(config, draining=marked or meta.get("deletionTimestamp") is not None)
+
+
+def desired_from_pods(caches: list[tuple[Role, dict[str, Pod]]],
+                      cfg: KubernetesDiscoveryConfig) -> dict[str, WorkerSpec]:
+    """Every selector's pods → workers (a pod two selectors match counts once, for the first)."""
+    out: dict[str, WorkerSpec] = {}
+    for role, pods in caches:
+        for name in sorted(pods):
+            if name in out:
+                continue
+            spec = pod_to_spec(pods[name], role, cfg)
+            if spec is not None:
+                out[name] = spec
+    return out
+
+
+def apply_event(cache: dict[str, Pod], event: dict[str, Any]) -> str | None:
+    """One watch event into ``cache``; returns the resourceVersion to resume from (None: unchanged).
+    Pure: the watch loop and the tests share it."""
+    kind = event.get("type")
+    obj = event.get("object") or {}
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
+    if kind in ("ADDED", "MODIFIED") and name:
+        cache[name] = obj
+    elif kind == "DELETED" and name:
+        cache.pop(name, None)
+    elif kind != "BOOKMARK":
+        return None
+    return meta.get("resourceVersion")
+
+
+class PodListWatch:
+    """The pods one label selector matches, kept current by list + watch (see the module doc)."""
+
+    def __init__(self, api: KubeApi, namespace: str, selector: str, on_change: Callable[[], None],
+                 watch_timeout_s: int = 300, backoff_max_s: float = 10.0) -> None:
+        self.api = api
+        self.path = f"/api/v1/namespaces/{namespace}/pods"
+        self.selector = selector
+        self.on_change = on_change
+        self.watch_timeout_s = watch_timeout_s
+        self.backoff_max_s = backoff_max_s
+        self.pods: dict[str, Pod] = {}
+        self.resource_version: str | None = None
+        self.synced = asyncio.Event()  # set after the first successful list
+        # what happened, for /admin and the tests
+        self.lists = 0
+        self.gone = 0
+        self.bookmarks = 0
+        self.resumes = 0
+        self.errors = 0
+        self.last_error: str | None = None
+
+    async def relist(self) -> None:
+        body = await self.api.get(self.path, {"labelSelector": self.selector})
+        self.pods = {p["metadata"]["name"]: p for p in body.get("items") or []}
+        self.resource_version = (body.get("metadata") or {}).get("resourceVersion")
+        self.lists += 1
+        self.synced.set()
+        self.on_change()
+
+    async def watch_once(self) -> None:
+        """One watch request from the current resourceVersion, until the server ends it."""
+        params = {"labelSelector": self.selector, "allowWatchBookmarks": "true",
+                  "resourceVersion": self.resource_version or ""}
+        async for event in self.api.watch(self.path, params, self.watch_timeout_s):
+            rv = apply_event(self.pods, event)
+            if rv is not None:
+                self.resource_version = rv
+            if event.get("type") == "BOOKMARK":
+                self.bookmarks += 1
+            else:
+                self.on_change()
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                if self.resource_version is None:
+                    await self.relist()
+                else:
+                    self.resumes += 1
+                await self.watch_once()
+                failures = 0
+            except Gone:
+                self.gone += 1
+                self.resource_version = None  # too old: list again
+                log.info("pod watch (%s): resourceVersion expired, re-listing", self.selector)
+            except (httpx.HTTPError, KubeApiError, ValueError) as e:
+                self.errors += 1
+                failures += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+                delay = min(self.backoff_max_s, 0.2 * 2 ** min(failures, 8)) * random.uniform(0.5, 1.0)
+                log.warning("pod watch (%s) failed: %s; retrying in %.1fs", self.selector, self.last_error, delay)
+                await asyncio.sleep(delay)
+
+    def status(self) -> dict[str, Any]:
+        return {"selector": self.selector, "pods": len(self.pods), "resource_version": self.resource_version,
+                "lists": self.lists, "gone": self.gone, "bookmarks": self.bookmarks, "resumes": self.resumes,
+                "errors": self.errors, "last_error": self.last_error}
+
+
+class KubernetesSource:
+    name = "kubernetes"
+
+    def __init__(self, cfg: KubernetesDiscoveryConfig, api: KubeApi | None = None) -> None:
+        self.cfg = cfg
+        self.api = api or KubeApi.from_config(cfg.api)
+        self.namespace = pod_namespace(cfg.api.namespace)
+        self._report: Callable[[dict[str, WorkerSpec]], None] | None = None
+        self.watches = [(role, PodListWatch(self.api, self.namespace, sel, self._changed, cfg.watch_timeout_s))
+                        for role, sel in cfg.selectors.items()]
+
+    def _changed(self) -> None:
+        if self._report is not None and all(w.synced.is_set() for _, w in self.watches):
+            self._report(desired_from_pods([(role, w.pods) for role, w in self.watches], self.cfg))
+
+    async def run(self, report: Callable[[dict[str, WorkerSpec]], None]) -> None:
+        self._report = report
+        try:
+            await asyncio.gather(*(w.run() for _, w in self.watches))
+        finally:
+            await self.api.aclose()
+
+    def status(self) -> dict[str, Any]:
+        return {"source": self.name, "namespace": self.namespace,
+                "watches": {role.value: w.status() for role, w in self.watches}}
