@@ -11,7 +11,8 @@ server's semantics for them:
 - statefulsets: ``get``, and the ``scale`` subresource (``get``/``patch``, ``status.selector``);
 - bearer-token auth (401), 404/405/415 Status objects for everything else.
 
-Every call is recorded as (verb, resource) in ``requests`` so a test can hold it against the RBAC
+Every call is recorded as (user, verb, resource) in ``requests`` (the user is the name ``tokens``
+gives the bearer token) so a test can hold it against the RBAC
 rules in ``deploy/kubernetes``.
 
 A minimal controller turns a StatefulSet's replicas into pods ``<name>-<ordinal>``: a new pod is
@@ -87,10 +88,10 @@ def _now_iso() -> str:
 
 
 class FakeKubeApiServer:
-    def __init__(self, token: str | None = "fake-token", bookmark_interval_s: float = 1.0, history: int = 10_000,
+    def __init__(self, tokens: dict[str, str] | None = None, bookmark_interval_s: float = 1.0, history: int = 10_000,
                  start_engine: Callable[[str], int] | None = None, stop_engine: Callable[[str], None] | None = None,
                  ready_delay_s: float = 0.5, controller_interval_s: float = 0.1) -> None:
-        self.token = token
+        self.tokens = {"fake-token": "tester"} if tokens is None else tokens  # bearer token → user ({}: no auth)
         self.bookmark_interval_s = bookmark_interval_s
         self.history = history
         self.start_engine = start_engine
@@ -102,7 +103,7 @@ class FakeKubeApiServer:
         self.statefulsets: dict[tuple[str, str], Obj] = {}
         self.events: list[tuple[int, str, Obj, Obj | None]] = []  # (rv, type, pod, pod before)
         self.compacted_rv = 0  # watches from a version below this get 410
-        self.requests: list[tuple[str, str]] = []  # (verb, resource)
+        self.requests: list[tuple[str, str, str]] = []  # (user, verb, resource)
         self.patches: list[tuple[float, str, Obj]] = []  # (monotonic time, path, body)
         self._forced_ready: dict[tuple[str, str], bool] = {}
         self._created_at: dict[tuple[str, str], float] = {}
@@ -344,7 +345,9 @@ class FakeKubeApiServer:
                 n = int(self.headers.get("Content-Length") or 0)
                 if n:
                     body = json.loads(self.rfile.read(n))
-                if fake.token is not None and self.headers.get("Authorization") != f"Bearer {fake.token}":
+                auth = self.headers.get("Authorization", "")
+                self.user = fake.tokens.get(auth.removeprefix("Bearer "), "") if fake.tokens else "anonymous"
+                if not self.user:
                     return self._status(401, "Unauthorized", "Unauthorized")
                 if method == "PATCH" and self.headers.get("Content-Type") != "application/merge-patch+json":
                     return self._status(415, "UnsupportedMediaType", "only application/merge-patch+json here")
@@ -353,9 +356,9 @@ class FakeKubeApiServer:
                     ns = parts[3]
                     if len(parts) == 5 and method == "GET":
                         if q.get("watch") in ("true", "1"):
-                            fake.requests.append(("watch", "pods"))
+                            fake.requests.append((self.user, "watch", "pods"))
                             return self._watch(ns, q)
-                        fake.requests.append(("list", "pods"))
+                        fake.requests.append((self.user, "list", "pods"))
                         return self._list(ns, q)
                     if len(parts) == 6:
                         return self._pod(method, ns, parts[5], body)
@@ -395,10 +398,10 @@ class FakeKubeApiServer:
                     if pod is None:
                         return self._status(404, "NotFound", f'pods "{name}" not found')
                     if method == "GET":
-                        fake.requests.append(("get", "pods"))
+                        fake.requests.append((self.user, "get", "pods"))
                         return self._send(200, copy.deepcopy(pod))
                     if method == "PATCH":
-                        fake.requests.append(("patch", "pods"))
+                        fake.requests.append((self.user, "patch", "pods"))
                         fake.patches.append((time.monotonic(), self.path, body or {}))
                         patched = merge_patch(pod, body or {})
                         return self._send(200, copy.deepcopy(fake._put_pod(ns, patched, "MODIFIED")))
@@ -410,11 +413,11 @@ class FakeKubeApiServer:
                     if sts is None:
                         return self._status(404, "NotFound", f'statefulsets.apps "{name}" not found')
                     if sub is None and method == "GET":
-                        fake.requests.append(("get", "statefulsets"))
+                        fake.requests.append((self.user, "get", "statefulsets"))
                         return self._send(200, copy.deepcopy(sts))
                     if sub != "scale" or method not in ("GET", "PATCH"):
                         return self._status(405, "MethodNotAllowed", "only get/patch of statefulsets/scale")
-                    fake.requests.append(("get" if method == "GET" else "patch", "statefulsets/scale"))
+                    fake.requests.append((self.user, "get" if method == "GET" else "patch", "statefulsets/scale"))
                     if method == "PATCH":
                         fake.patches.append((time.monotonic(), self.path, body or {}))
                         n = (body or {}).get("spec", {}).get("replicas")

@@ -1,0 +1,262 @@
+"""The P/D loop through the Kubernetes actuator and pod discovery, against ``FakeKubeApiServer``.
+
+No kube-apiserver can run here, so the API server is a fake written for the tests
+(``tests/fakes/kube_apiserver.py``: real HTTP on loopback, list/watch with resourceVersion,
+bookmarks and 410, a StatefulSet controller and a kubelet-like readiness probe). Everything else is
+real: two gateways as in ``deploy/kubernetes`` (one serving clients, one running the planner with the
+Kubernetes actuator, each discovering the engine pods through its own watch), and the pods' engines
+are real ``dyad sim-engine`` processes (the simulator stands in for vLLM: GPU timing on a CPU box).
+
+Streamed chat load runs throughout; the decode pool is scaled out (the new pod must get traffic),
+then in (the pod that goes must be drained: no request starts on it once the gateway saw the mark,
+every request on it finishes before the replicas go down), and not one request may fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from orchestrator.planner.core import PlanDecision
+from orchestrator.ports import free_port
+from tests.fakes.kube_apiserver import FakeKubeApiServer
+
+pytestmark = [pytest.mark.timeout(240)]
+
+MODEL = "sim"
+ROOT = Path(__file__).resolve().parents[2]
+GATEWAY_TOKEN, PLANNER_TOKEN = "gateway-sa-token", "planner-sa-token"
+
+
+class SimPods:
+    """The fake kubelet's container runtime: one ``dyad sim-engine`` process per pod."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, pod: str) -> int:
+        port = free_port()
+        self.procs[pod] = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "sim-engine", "--port", str(port), "--model", MODEL,
+             "--profile", "gpu-like", "--no-kv-events", "--engine-id", pod],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        return port
+
+    def stop(self, pod: str) -> None:
+        p = self.procs.pop(pod, None)
+        if p is not None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def close(self) -> None:
+        for pod in list(self.procs):
+            self.stop(pod)
+
+
+def discovery_config(fake: FakeKubeApiServer, token: str) -> dict:
+    return {"source": "kubernetes", "remove_grace_s": 60, "kubernetes": {
+        "api": {"api_url": fake.url, "token": token, "namespace": "dyad"},
+        "selectors": {"prefill": "app=sim,dyad.dev/pool=prefill", "decode": "app=sim,dyad.dev/pool=decode"},
+        "port": "http", "engine": "sim", "models": [MODEL], "watch_timeout_s": 5}}
+
+
+def base_config(fake: FakeKubeApiServer, token: str, **extra) -> dict:
+    return {"models": [{"name": MODEL, "block_size": 32}],
+            "discovery": discovery_config(fake, token),
+            "router": {"policy": "least_load", "debug_headers": True},
+            "health": {"interval_s": 0.2, "timeout_s": 1.0},
+            "scrape": {"interval_s": 0.3},
+            "disagg": {"min_prefill_tokens": 16, "prefill_timeout_s": 10},
+            **extra}
+
+
+def decision(prefill: int, decode: int) -> PlanDecision:
+    return PlanDecision(at=0.0, observation=None, forecast=None, sizing=None,
+                        desired={"prefill": prefill, "decode": decode}, current={}, actions=[], correction={},
+                        predictors={}, reasons=["test"])
+
+
+@dataclass
+class Result:
+    start: float
+    end: float
+    worker: str | None
+    ok: bool
+    detail: str = ""
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, i: int) -> Result:
+    body = {"model": MODEL, "stream": True, "max_tokens": 24,
+            "messages": [{"role": "user", "content": f"request {i}: " + "tell me about pods " * 12}]}
+    start = time.monotonic()
+    worker, text, done, finish = None, [], False, None
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            worker = r.headers.get("x-dyad-worker")
+            if r.status_code != 200:
+                return Result(start, time.monotonic(), worker, False, f"HTTP {r.status_code}: {await r.aread()!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return Result(start, time.monotonic(), worker, False, f"error event {chunk['error']}")
+                for c in chunk.get("choices", []):
+                    text.append(c.get("delta", {}).get("content") or "")
+                    finish = c.get("finish_reason") or finish
+    except httpx.HTTPError as e:
+        return Result(start, time.monotonic(), worker, False, f"{type(e).__name__}: {e}")
+    ok = done and finish is not None and bool("".join(text))
+    return Result(start, time.monotonic(), worker, ok, "" if ok else f"done={done} finish={finish}")
+
+
+async def steady_load(url: str, stop: asyncio.Event, results: list[Result], concurrency: int = 4) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+        n = 0
+
+        async def loop() -> None:
+            nonlocal n
+            while not stop.is_set():
+                n += 1
+                results.append(await one_stream(client, url, n))
+
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+
+
+async def wait_for(pred, timeout: float, what: str, step: float = 0.02) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return time.monotonic()
+        await asyncio.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def state(gw: GatewayThread, wid: str) -> str | None:
+    w = gw.runtime.fleet.get(wid)
+    return None if w is None else w.state.value
+
+
+@pytest.fixture
+def cluster():
+    pods = SimPods()
+    fake = FakeKubeApiServer(tokens={GATEWAY_TOKEN: "system:serviceaccount:dyad:dyad-gateway",
+                                     PLANNER_TOKEN: "system:serviceaccount:dyad:dyad-planner"},
+                             start_engine=pods.start, stop_engine=pods.stop, ready_delay_s=0.3,
+                             bookmark_interval_s=0.5)
+    for pool in ("prefill", "decode"):
+        fake.add_statefulset(f"sim-{pool}", 1, {"app": "sim", "dyad.dev/pool": pool, "dyad.dev/role": pool})
+    gateways: list[GatewayThread] = []
+    try:
+        yield fake, gateways
+    finally:
+        for gw in gateways:
+            with contextlib.suppress(Exception):
+                gw.stop()
+        fake.close()
+        pods.close()
+
+
+def test_scale_out_pod_gets_traffic_scale_in_pod_drains_first_and_no_request_is_lost(cluster):
+    fake, gateways = cluster
+    gw = GatewayThread(load_config(base_config(fake, GATEWAY_TOKEN), environ={})).start()
+    gateways.append(gw)
+    planner_cfg = base_config(fake, PLANNER_TOKEN, planner={
+        "enabled": True, "interval_s": 3600, "actuator": "kubernetes", "kubernetes_api": fake.url,
+        "kubernetes_token": PLANNER_TOKEN, "kubernetes_token_file": None, "kubernetes_namespace": "dyad",
+        "kubernetes_workloads": {"prefill": "statefulsets/sim-prefill", "decode": "statefulsets/sim-decode"},
+        "kubernetes_drain_settle_s": 1.0, "kubernetes_drain_timeout_s": 60})
+    planner_gw = GatewayThread(load_config(planner_cfg, environ={})).start()
+    gateways.append(planner_gw)
+    actuator = planner_gw.runtime.planner.actuator
+    assert actuator.name == "kubernetes"
+
+    async def scenario() -> tuple[list[Result], dict[str, float]]:
+        t: dict[str, float] = {}
+        await wait_for(lambda: state(gw, "sim-prefill-0") == "healthy" and state(gw, "sim-decode-0") == "healthy",
+                       60, "the first pods to serve")
+        results: list[Result] = []
+        stop = asyncio.Event()
+        load = asyncio.create_task(steady_load(gw.url, stop, results))
+        await asyncio.sleep(2.0)
+        # scale-out: the planner gateway's actuator raises the decode StatefulSet's replicas
+        done = planner_gw.call(actuator.apply(decision(1, 2)))
+        assert done == ["scaled statefulsets/sim-decode to 2"], done
+        t["scaled_out"] = time.monotonic()
+        t["ready"] = await wait_for(lambda: state(gw, "sim-decode-1") == "healthy", 60, "the new pod to serve")
+        await wait_for(lambda: any(r.worker == "sim-decode-1" and r.ok for r in results), 30,
+                       "a request served by the new pod")
+        t["served"] = time.monotonic()
+        await asyncio.sleep(2.0)
+        # scale-in: the pod that goes is marked draining, drained, and only then are replicas reduced
+        done = planner_gw.call(actuator.apply(decision(1, 1)))
+        assert done == ["marked sim-decode-1 draining"], done
+        assert fake.replicas("sim-decode") == 2  # not yet: it is draining
+        t["seen_draining"] = await wait_for(lambda: state(gw, "sim-decode-1") == "draining", 10,
+                                            "the serving gateway to see the mark")
+        await wait_for(lambda: fake.replicas("sim-decode") == 1, 60, "the drained scale-in")
+        await wait_for(lambda: "sim-decode-1" not in fake.pod_names(), 30, "the pod to be deleted")
+        await wait_for(lambda: gw.runtime.fleet.get("sim-decode-1") is None, 10, "the gateway to forget the pod")
+        await asyncio.sleep(1.5)
+        stop.set()
+        await load
+        return results, t
+
+    results, t = asyncio.run(scenario())
+    print(f"requests {len(results)}, on the new pod {sum(r.worker == 'sim-decode-1' for r in results)}, "
+          f"times {({k: round(v - t['scaled_out'], 2) for k, v in t.items()})}, actuator {actuator.events}")
+    failed = [r for r in results if not r.ok]
+    assert not failed, failed[:5]
+    assert len(results) > 40
+    # scale-out: the new pod served within 30 s of becoming Ready
+    on_new = [r for r in results if r.worker == "sim-decode-1"]
+    assert on_new and t["served"] - t["ready"] < 30
+    # scale-in: the mark came before the replicas went down ...
+    mark_at = next(at for at, path, body in fake.patches if path.endswith("/pods/sim-decode-1")
+                   and body["metadata"]["annotations"].get("dyad.dev/draining") == "true")
+    scale_in_at = next(at for at, path, body in fake.patches if path.endswith("/sim-decode/scale")
+                       and body["spec"]["replicas"] == 1)
+    assert mark_at < t["seen_draining"] < scale_in_at
+    # ... no request started on the pod once the gateway saw the mark ...
+    late = [r for r in on_new if r.start > t["seen_draining"]]
+    assert not late, late
+    # ... and every request it had finished before Kubernetes was told to delete it.
+    assert max(r.end for r in on_new) < scale_in_at
+    assert scale_in_at - mark_at >= 1.0  # the settle time was respected
+    assert any("drained: scaled statefulsets/sim-decode to 1" in e for e in actuator.events), actuator.events
+    # traffic went on through the remaining pod after the scale-in
+    assert any(r.worker == "sim-decode-0" and r.start > scale_in_at for r in results)
+    # each service account used exactly what its RBAC Role in deploy/kubernetes grants
+    for user, role in (("system:serviceaccount:dyad:dyad-gateway", "dyad-gateway"),
+                       ("system:serviceaccount:dyad:dyad-planner", "dyad-planner")):
+        used = {(verb, res) for u, verb, res in fake.requests if u == user}
+        assert used, user
+        assert used <= rbac_grants(role), (role, used - rbac_grants(role))
+
+
+def rbac_grants(role_name: str) -> set[tuple[str, str]]:
+    for path in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "Role" and doc["metadata"]["name"] == role_name:
+                return {(v, r) for rule in doc["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    raise AssertionError(f"no Role {role_name} in deploy/kubernetes")
