@@ -102,7 +102,7 @@ class FakeKubeApiServer:
         self.pods: dict[tuple[str, str], Obj] = {}
         self.statefulsets: dict[tuple[str, str], Obj] = {}
         self.events: list[tuple[int, str, Obj, Obj | None]] = []  # (rv, type, pod, pod before)
-        self.compacted_rv = 0  # watches from a version below this get 410
+        self.compacted_rv = 0  # the oldest version a watch may resume from (events after it are kept)
         self.requests: list[tuple[str, str, str]] = []  # (user, verb, resource)
         self.patches: list[tuple[float, str, Obj]] = []  # (monotonic time, path, body)
         self._forced_ready: dict[tuple[str, str], bool] = {}
@@ -128,7 +128,7 @@ class FakeKubeApiServer:
         self.events.append((self.rv, kind, copy.deepcopy(pod), copy.deepcopy(before) if before else None))
         if len(self.events) > self.history:
             drop = len(self.events) - self.history
-            self.compacted_rv = self.events[drop - 1][0] + 1
+            self.compacted_rv = self.events[drop - 1][0]
             del self.events[:drop]
         self.cond.notify_all()
 
@@ -204,12 +204,14 @@ class FakeKubeApiServer:
             pod["status"]["conditions"][0]["status"] = want
             self._put_pod(key[0], pod, "MODIFIED")
 
-    def compact(self) -> None:
-        """Forget the event history: a watch resumed from any version seen so far gets 410 Gone."""
+    def compact(self, upto: int | None = None) -> None:
+        """Forget the events up to version ``upto`` (default: all of them): a watch resumed from a version
+        older than ``upto`` gets 410 Gone."""
         with self.cond:
-            self._bump()
-            self.compacted_rv = self.rv
-            self.events.clear()
+            if upto is None:
+                upto = self._bump()
+            self.compacted_rv = max(self.compacted_rv, upto)
+            self.events = [e for e in self.events if e[0] > upto]
 
     def drop_watches(self) -> None:
         """Cut every open watch connection mid-stream (as a restarting API server or a proxy would)."""

@@ -1,19 +1,16 @@
-"""Actuators and metric sources: a fake Kubernetes API server (written here, named as such), real
-child processes for the local actuator, the gateway-metrics arithmetic of the direct source."""
+"""Actuators and metric sources: real child processes for the local actuator, the gateway-metrics
+arithmetic of the direct source. (The Kubernetes actuator is tested against FakeKubeApiServer in
+tests/integration/test_kubernetes_actuator.py and test_kubernetes_loop.py.)"""
 
 from __future__ import annotations
 
-import json
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from adapters.base import Role
 from orchestrator.planner.actuators import (
-    KubernetesActuator,
     LocalProcessActuator,
     RecommendOnly,
     RoleChangeActuator,
@@ -28,91 +25,6 @@ def decision(actions=(), desired=None) -> PlanDecision:
     return PlanDecision(at=0.0, observation=None, forecast=LoadForecast(3.0, 1000, 100), sizing=None,
                         desired=desired or {"prefill": 2, "decode": 3}, current={"prefill": 1, "decode": 1},
                         actions=list(actions), correction={}, predictors={}, reasons=[])
-
-
-class FakeKubeApi:
-    """A FAKE Kubernetes API server for this test: just the apps/v1 scale subresource, with auth."""
-
-    def __init__(self, token: str) -> None:
-        self.replicas = {("deployments", "llm-prefill"): 1, ("statefulsets", "llm-decode"): 1}
-        self.requests: list[tuple[str, str, str, dict | None]] = []
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _target(self):
-                parts = self.path.strip("/").split("/")
-                # apis/apps/v1/namespaces/{ns}/{kind}/{name}/scale
-                if len(parts) != 8 or parts[:4] != ["apis", "apps", "v1", "namespaces"] or parts[7] != "scale":
-                    return None
-                return parts[4], (parts[5], parts[6])
-
-            def _reply(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _handle(self, method):
-                body = None
-                n = int(self.headers.get("Content-Length") or 0)
-                if n:
-                    body = json.loads(self.rfile.read(n))
-                api.requests.append((method, self.path, self.headers.get("Content-Type", ""), body))
-                if self.headers.get("Authorization") != f"Bearer {token}":
-                    return self._reply(401, {"kind": "Status", "code": 401})
-                t = self._target()
-                if t is None or t[1] not in api.replicas:
-                    return self._reply(404, {"kind": "Status", "code": 404})
-                if method == "PATCH":
-                    if self.headers.get("Content-Type") != "application/merge-patch+json":
-                        return self._reply(415, {"kind": "Status", "code": 415})
-                    api.replicas[t[1]] = int(body["spec"]["replicas"])
-                return self._reply(200, {"kind": "Scale", "metadata": {"name": t[1][1], "namespace": t[0]},
-                                         "spec": {"replicas": api.replicas[t[1]]}})
-
-            def do_GET(self):
-                self._handle("GET")
-
-            def do_PATCH(self):
-                self._handle("PATCH")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def kube():
-    api = FakeKubeApi("s3cret")
-    yield api
-    api.close()
-
-
-async def test_kubernetes_actuator_scales_each_role_through_the_scale_subresource(kube):
-    act = KubernetesActuator(kube.url, "serving", {Role.PREFILL: "deployments/llm-prefill",
-                                                   Role.DECODE: "statefulsets/llm-decode"}, token="s3cret")
-    done = await act.apply(decision(desired={"prefill": 2, "decode": 5}))
-    assert kube.replicas == {("deployments", "llm-prefill"): 2, ("statefulsets", "llm-decode"): 5}
-    assert done == ["scaled deployments/llm-prefill to 2", "scaled statefulsets/llm-decode to 5"]
-    assert await act.replicas(Role.DECODE) == 5
-    patches = [r for r in kube.requests if r[0] == "PATCH"]
-    assert patches[0][1] == "/apis/apps/v1/namespaces/serving/deployments/llm-prefill/scale"
-
-
-async def test_kubernetes_actuator_surfaces_auth_errors(kube):
-    act = KubernetesActuator(kube.url, "serving", {Role.PREFILL: "deployments/llm-prefill"}, token="wrong")
-    with pytest.raises(httpx.HTTPStatusError):
-        await act.apply(decision())
-    assert kube.replicas[("deployments", "llm-prefill")] == 1
 
 
 async def test_local_process_actuator_starts_and_stops_real_processes():
