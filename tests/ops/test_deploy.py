@@ -139,24 +139,38 @@ def test_referenced_objects_exist_and_probes_use_declared_ports():
         assert _find("Service", sts["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
 
 
-def test_gateway_config_is_valid_and_names_every_engine_pod():
+def _selector_terms(selector: str) -> dict[str, str]:
+    terms = dict(t.split("=", 1) for t in selector.split(","))
+    assert all("!" not in k for k in terms), selector
+    return terms
+
+
+def test_gateway_config_is_valid_and_discovers_every_engine_pod():
     cm = _find("ConfigMap", "dyad-gateway-config")
     config = load_config(yaml.safe_load(cm["data"]["dyad.yaml"]), environ={})
     assert config.index.backend == "redis" and "dyad-redis" in config.index.redis_url
-    expected = {}
-    for sts in [w for w in _workloads() if w["kind"] == "StatefulSet"]:
-        role = sts["spec"]["template"]["metadata"]["labels"]["dyad.dev/role"]
-        svc = sts["spec"]["serviceName"]
-        port = next(p["containerPort"] for p in _container(sts)["ports"] if p["name"] == "http")
-        ev = next(p["containerPort"] for p in _container(sts)["ports"] if p["name"] == "kv-events")
-        for i in range(sts["spec"]["replicas"]):
-            host = f"{sts['metadata']['name']}-{i}.{svc}.dyad.svc"
-            expected[f"http://{host}:{port}"] = (role, f"tcp://{host}:{ev}")
-    got = {w.url: (w.role.value, w.kv_events.endpoint if w.kv_events else None) for w in config.workers}
-    assert got == expected
+    # Engines are discovered (list + watch of pods), not listed: each role's selector finds exactly
+    # the pods of that role's StatefulSet, whose named ports the worker URL and KV events use.
+    disc = config.discovery
+    assert disc.source == "kubernetes" and not config.workers
+    k8s = disc.kubernetes
+    engines = [w for w in _workloads() if w["kind"] == "StatefulSet"]
+    for role, selector in k8s.selectors.items():
+        terms = _selector_terms(selector)
+        found = [w for w in engines if terms.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(found) == 1, (role, selector)
+        sts = found[0]
+        assert sts["spec"]["template"]["metadata"]["labels"][k8s.role_label] == role.value
+        ports = {p["name"] for p in _container(sts)["ports"]}
+        assert {k8s.port, k8s.kv_events_port, k8s.kv_replay_port} <= ports
+        assert config.planner.kubernetes_workloads[role] == f"statefulsets/{sts['metadata']['name']}"
+    assert set(k8s.models) <= {m.name for m in config.models}
+    for sts in engines:  # every engine pod is someone's
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert any(_selector_terms(sel).items() <= labels.items() for sel in k8s.selectors.values())
+    # the drain mark the planner writes is the one the gateways watch (same config, same default)
+    assert k8s.draining_annotation == "dyad.dev/draining"
     served = {m.name for m in config.models}
-    for w in config.workers:
-        assert set(w.models) <= served
     for sts in [w for w in _workloads() if w["kind"] == "StatefulSet"]:
         assert _args(sts)["--served-model-name"] in served
         assert int(_args(sts)["--block-size"]) == config.models[0].block_size
@@ -211,17 +225,25 @@ def test_scrape_annotations_point_at_metrics_ports():
     assert {"dyad-gateway", "dyad-planner", "vllm-prefill", "vllm-decode"} <= set(annotated)
 
 
-def test_planner_rbac_can_scale_and_patch_pods_and_nothing_cluster_wide():
-    role = _find("Role", "dyad-planner")
-    allowed = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
-    for need in [("statefulsets/scale", "patch"), ("deployments/scale", "patch"), ("pods", "patch"),
-                 ("statefulsets", "get"), ("pods", "list")]:
-        assert need in allowed, need
-    assert not any(v in ("*", "delete") for _, v in allowed)
-    binding = _find("RoleBinding", "dyad-planner")
-    assert binding["roleRef"]["name"] == "dyad-planner"
-    assert binding["subjects"][0]["name"] == _find("Deployment", "dyad-planner")["spec"]["template"]["spec"][
-        "serviceAccountName"]
+def _grants(role_name: str) -> set[tuple[str, str]]:
+    role = _find("Role", role_name)
+    return {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_rbac_grants_exactly_what_the_code_uses_and_nothing_cluster_wide():
+    # Exactly the calls Dyad makes (tests/integration/test_kubernetes_loop.py holds the calls a real
+    # gateway and planner make against these Roles): the planner reads and patches */scale, lists the
+    # pods a scale-in removes, watches pods (its own discovery) and patches the drain annotation;
+    # a gateway only lists and watches pods.
+    assert _grants("dyad-planner") == {("statefulsets/scale", "get"), ("statefulsets/scale", "patch"),
+                                       ("deployments/scale", "get"), ("deployments/scale", "patch"),
+                                       ("pods", "list"), ("pods", "watch"), ("pods", "patch")}
+    assert _grants("dyad-gateway") == {("pods", "list"), ("pods", "watch")}
+    for name in ("dyad-planner", "dyad-gateway"):
+        binding = _find("RoleBinding", name)
+        assert binding["roleRef"]["name"] == name
+        assert binding["subjects"][0]["name"] == _find("Deployment", name)["spec"]["template"]["spec"][
+            "serviceAccountName"]
     assert not [d for _, d in DOCS if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
 
 
