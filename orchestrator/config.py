@@ -75,7 +75,8 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where a pod's servic
 
 
 class KubernetesApiConfig(_Section):
-    """How Dyad reaches the Kubernetes API server (discovery and the planner's actuator).
+    """How discovery reaches the Kubernetes API server (the planner's actuator has its own
+    ``planner.kubernetes_*`` settings).
 
     Empty = in-cluster: ``https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`` with the pod's
     service-account token and CA. Set ``api_url`` (and ``token``) to point at another server."""
