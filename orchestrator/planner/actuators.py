@@ -174,6 +174,21 @@ def scale_in_victims(kind: str, pods: list[Pod], target: int, annotation: str) -
     return sorted(p["metadata"]["name"] for p in sorted(live, key=rank)[:excess])
 
 
+def replica_change(desired: int, current: int | None) -> str:
+    """How a planner decision moves a workload: "grow", "shrink", "hold" or "set" (absolute).
+
+    The planner counts the workers that serve (``current``), not pods still starting or being
+    drained, so its ``desired`` is compared with that count, never used blindly as a replica count:
+    a hold (desired == current) must not remove pods that are still starting, and a growth is
+    ``max(replicas asked for, desired)`` so asking again while pods start does not overshoot.
+    Without a count (``current`` None), ``desired`` is the replica count."""
+    if current is None:
+        return "set"
+    if desired > current:
+        return "grow"
+    return "shrink" if desired < current else "hold"
+
+
 @dataclass
 class DrainingScaleIn:
     """A scale-in of one workload waiting for its victims to drain."""
@@ -272,11 +287,15 @@ class KubernetesActuator:
     async def _set_replicas(self, role: Role, n: int) -> None:
         await self.api.merge_patch(self._scale_path(role), {"spec": {"replicas": n}})
 
-    async def reconcile(self, role: Role, target: int) -> list[str]:
-        """Move one workload towards ``target`` replicas (scale-out now, scale-in by draining first)."""
+    async def reconcile(self, role: Role, target: int, grow_only: bool = False) -> list[str]:
+        """Move one workload towards ``target`` replicas (scale-out now, scale-in by draining first).
+        ``grow_only``: never fewer than the replicas already asked for (pods still starting count)."""
         done: list[str] = []
         scale = await self.api.get(self._scale_path(role))
         replicas = int(scale["spec"].get("replicas", 0))
+        if grow_only:
+            pending = self.pending.get(role)
+            target = max(target, pending.target if pending is not None else replicas)
         pods = await self._pods(scale)
         kind = self._kind(role)[0]
         victims = set(scale_in_victims(kind, pods, target, self.draining_annotation)) if target < replicas else set()
@@ -347,8 +366,13 @@ class KubernetesActuator:
     async def apply(self, decision: PlanDecision) -> list[str]:
         done = []
         for role in (Role.PREFILL, Role.DECODE):
-            if role in self.workloads and role.value in decision.desired:
-                done += await self.reconcile(role, decision.desired[role.value])
+            if role not in self.workloads or role.value not in decision.desired:
+                continue
+            want, seen = decision.desired[role.value], decision.current.get(role.value)
+            direction = replica_change(want, seen)
+            if direction == "hold":
+                continue  # a drain in progress goes on
+            done += await self.reconcile(role, want, grow_only=direction == "grow")
         return done
 
     async def close(self) -> None:

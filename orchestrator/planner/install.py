@@ -173,6 +173,11 @@ def stoppable_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
         return lambda w: w.id in local.processes
     if isinstance(actuator, RoleChangeActuator):
         return lambda w: False
+    if isinstance(actuator, KubernetesActuator):
+        # Kubernetes decides which pods a scale-in removes (a StatefulSet's highest ordinals): the
+        # actuator marks and drains those itself from ``desired``; a worker the planner picked would
+        # be drained for nothing.
+        return lambda w: False
     return None
 
 

@@ -260,3 +260,119 @@ def rbac_grants(role_name: str) -> set[tuple[str, str]]:
             if doc and doc.get("kind") == "Role" and doc["metadata"]["name"] == role_name:
                 return {(v, r) for rule in doc["rules"] for r in rule["resources"] for v in rule["verbs"]}
     raise AssertionError(f"no Role {role_name} in deploy/kubernetes")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The planner itself in the loop: it sizes the pools from the traffic the gateway sees, and the
+# Kubernetes actuator + discovery carry its decisions out.
+
+
+async def prefill_request(client: httpx.AsyncClient, url: str, i: int) -> Result:
+    """A prefill-heavy chat request (long unique prompt, short answer): odd ones streamed, even ones
+    not. (Until streamed requests count their tokens, issue 14 item 1, only the non-streamed half
+    tells the planner the prompt length; both halves must arrive whole.)"""
+    words = " ".join(f"w{i}x{k}" for k in range(1500))  # unique from the first token: no prefix hits
+    stream = i % 2 == 1
+    body = {"model": MODEL, "stream": stream, "max_tokens": 4, "messages": [{"role": "user", "content": words}]}
+    start = time.monotonic()
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            worker = r.headers.get("x-dyad-prefill-worker") or r.headers.get("x-dyad-worker")
+            if r.status_code != 200:
+                return Result(start, time.monotonic(), worker, False, f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            if stream:
+                lines = [line async for line in r.aiter_lines()]
+                ok = "data: [DONE]" in lines and not any('"error"' in x for x in lines) \
+                    and any('"content"' in x for x in lines)
+            else:
+                answer = json.loads(await r.aread())
+                ok = bool(answer["choices"][0]["message"]["content"]) and answer["choices"][0]["finish_reason"]
+    except httpx.HTTPError as e:
+        return Result(start, time.monotonic(), None, False, f"{type(e).__name__}: {e}")
+    return Result(start, time.monotonic(), worker, bool(ok), "" if ok else "incomplete answer")
+
+
+async def open_loop(url: str, rate: float, until, max_s: float, results: list[Result], start_id: int) -> None:
+    """Streamed requests at ``rate`` per second until ``until()`` or ``max_s``; waits for all of them."""
+    tasks: set[asyncio.Task] = set()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+        t0, i = time.monotonic(), start_id
+
+        async def one(n: int) -> None:
+            results.append(await prefill_request(client, url, n))
+
+        while time.monotonic() - t0 < max_s and not until():
+            i += 1
+            task = asyncio.create_task(one(i))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            await asyncio.sleep(1 / rate)
+        if tasks:
+            await asyncio.wait(tasks, timeout=60)
+
+
+def test_the_planner_grows_and_shrinks_the_prefill_pool_through_kubernetes(cluster, tmp_path):
+    from orchestrator.sim.profiles import load_profile  # the simulator's GPU-like timing stands in
+    from orchestrator.sim.virtual_time import sweep_profile
+
+    fake, gateways = cluster
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(sweep_profile(load_profile("gpu-like"))))  # what `dyad profile` writes
+    cfg = base_config(fake, PLANNER_TOKEN, planner={
+        "enabled": True, "interval_s": 1.0, "actuator": "kubernetes", "kubernetes_api": fake.url,
+        "kubernetes_token": PLANNER_TOKEN, "kubernetes_token_file": None, "kubernetes_namespace": "dyad",
+        "kubernetes_workloads": {"prefill": "statefulsets/sim-prefill", "decode": "statefulsets/sim-decode"},
+        "kubernetes_drain_settle_s": 1.0, "kubernetes_drain_timeout_s": 60, "profile": str(profile),
+        "ttft_target_s": 0.3, "itl_target_s": 0.05, "max_workers": 3, "max_decode": 1, "predictor": "constant",
+        "scale_in_intervals": 1, "scale_in_margin": 0.0, "correct_from_latency": False})
+    # one gateway serving clients with the planner inside (its own metrics are the planner's input)
+    gw = GatewayThread(load_config(cfg, environ={})).start()
+    gateways.append(gw)
+    actuator = gw.runtime.planner.actuator
+
+    async def scenario() -> tuple[list[Result], dict[str, float]]:
+        t: dict[str, float] = {}
+        await wait_for(lambda: state(gw, "sim-prefill-0") == "healthy" and state(gw, "sim-decode-0") == "healthy",
+                       60, "the first pods to serve")
+        results: list[Result] = []
+        await open_loop(gw.url, 1.0, lambda: False, 3.0, results, 0)  # low
+        # high: until the planner has grown the prefill pool and the new pod has served
+        watcher = asyncio.create_task(wait_for(lambda: state(gw, "sim-prefill-1") == "healthy", 90, "a 2nd prefill pod"))  # noqa: E501
+        await open_loop(gw.url, 6.0, lambda: watcher.done() and any(r.worker == "sim-prefill-1" and r.ok
+                                                                      for r in results), 90, results, 10_000)
+        try:
+            t["ready"] = await watcher
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {gw.runtime.planner.status()['last']}") from None
+        t["served"] = min(r.end for r in results if r.worker == "sim-prefill-1" and r.ok)
+        await open_loop(gw.url, 6.0, lambda: False, 3.0, results, 15_000)  # the high load goes on a little
+        # low again: until the pod is drained and gone
+        seen: dict[str, float] = {}
+
+        def shrunk() -> bool:
+            if "draining" not in seen and state(gw, "sim-prefill-1") == "draining":
+                seen["draining"] = time.monotonic()
+            return fake.replicas("sim-prefill") == 1 and "sim-prefill-1" not in fake.pod_names()
+
+        await open_loop(gw.url, 0.5, shrunk, 90, results, 20_000)
+        await open_loop(gw.url, 0.5, lambda: False, 2.0, results, 30_000)  # served by what is left
+        assert shrunk(), gw.runtime.planner.status()["last"]
+        t.update(seen)
+        return results, t
+
+    results, t = asyncio.run(scenario())
+    print(f"requests {len(results)}, on sim-prefill-1 {sum(r.worker == 'sim-prefill-1' for r in results)}, "
+          f"served {t['served'] - t['ready']:.1f}s after ready, actuator {actuator.events}")
+    failed = [r for r in results if not r.ok]
+    assert not failed, (failed[:5], t, [(at, path, body) for at, path, body in fake.patches])
+    assert t["served"] - t["ready"] < 30  # the started pod served within 30 s of being Ready
+    scale_in_at = next(at for at, path, body in fake.patches if path.endswith("/sim-prefill/scale")
+                       and body["spec"]["replicas"] == 1)
+    on_new = [r for r in results if r.worker == "sim-prefill-1"]
+    assert "draining" in t and not [r for r in on_new if r.start > t["draining"]]
+    assert max(r.end for r in on_new) < scale_in_at
+    assert any(e.startswith("drained: scaled statefulsets/sim-prefill to 1") for e in actuator.events), actuator.events
+    # the planner's holds (nothing serving yet at start, pods still starting) never removed a pod
+    scales = [(path.rsplit("/", 2)[-2], body["spec"]["replicas"]) for _, path, body in fake.patches
+              if path.endswith("/scale")]
+    assert all(n >= 1 for _, n in scales) and ("sim-prefill", 2) in scales, scales

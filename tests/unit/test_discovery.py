@@ -13,7 +13,7 @@ from orchestrator.fleet.discovery.kubernetes import apply_event, desired_from_po
 from orchestrator.fleet.discovery.reconcile import Owned, Reconciler, WorkerSpec, plan_changes
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker, WorkerState
-from orchestrator.planner.actuators import DrainingScaleIn, drain_finished, scale_in_victims
+from orchestrator.planner.actuators import DrainingScaleIn, drain_finished, replica_change, scale_in_victims
 
 
 def spec(wid: str, url: str | None = None, role: str = "both", draining: bool = False, **kw) -> WorkerSpec:
@@ -207,3 +207,10 @@ def test_drain_is_over_after_settling_and_two_idle_reads_or_the_timeout():
     stuck = DrainingScaleIn(target=1, marked_at={"d-1": 0.0})
     assert drain_finished(stuck, {"d-1": None}, 30.0, 1.0, 60) == (False, "d-1 not yet idle")
     assert drain_finished(stuck, {"d-1": False}, 61.0, 1.0, 60) == (True, "drain timeout for d-1")
+
+
+def test_planner_counts_are_compared_not_used_as_replica_counts():
+    assert replica_change(2, None) == "set"  # no count: desired is the replica count
+    assert replica_change(0, 0) == "hold"  # nothing serving yet (pods starting): never scale to 0
+    assert replica_change(1, 1) == "hold"  # a starting pod is not counted: holding must not remove it
+    assert replica_change(3, 2) == "grow" and replica_change(1, 2) == "shrink"
