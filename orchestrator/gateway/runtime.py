@@ -86,7 +86,7 @@ class GatewayRuntime:
         self.pd_executor: Executor | None = None  # set by orchestrator.disagg when P/D is in use
         self._adapter_factory = adapter_for or default_adapter_for
         self._adapters: dict[EngineKind, EngineAdapter] = {}
-        self.discovery = build_discovery(config.discovery, self.fleet, self.clock)  # file / kubernetes workers
+        self.discovery = build_discovery(config.discovery, self.fleet, self.clock, self.metrics)  # file / kubernetes workers
         self.health = HealthChecker(self.fleet, self.http, config.health, self.clock, self.adapter_for)
         self.scraper = MetricsScraper(self.fleet, self.http, config.scrape, self.clock, self.adapter_for,
                                       self.metrics)

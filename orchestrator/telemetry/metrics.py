@@ -93,6 +93,14 @@ class DyadMetrics:
                                                  ["worker"], registry=r)
         self.scrape_errors = Counter("dyad_worker_scrape_errors_total", "Failed metric scrapes", ["worker"],
                                      registry=r)
+        # --- discovery (orchestrator/fleet/discovery)
+        self.discovery_changes = Counter("dyad_discovery_changes_total",
+                                         "Registry changes made by a discovery source (add, withdraw, remove, drain, "
+                                         "undrain, set_role, ...)", ["source", "change"], registry=r)
+        self.discovery_errors = Counter("dyad_discovery_errors_total",
+                                        "Failed reads of a discovery source (API list/watch errors, unreadable or "
+                                        "invalid workers file); the last good worker list stays", ["source"],
+                                        registry=r)
         # --- prefix index
         self.index_blocks = Gauge("dyad_index_blocks", "(worker, block) entries in the prefix index",
                                   ["backend"], registry=r)

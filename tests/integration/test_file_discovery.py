@@ -99,6 +99,10 @@ def test_file_source_adds_drains_removes_and_switches_roles(tmp_path):
         write(path, [])
         until(lambda: fleet.get("f1") is None, what="f1 withdrawn")
         assert [w.id for w in fleet.workers()] == ["static"]
+        sample = gw.runtime.metrics.registry.get_sample_value
+        assert sample("dyad_discovery_changes_total", {"source": "file", "change": "add"}) == 2
+        assert sample("dyad_discovery_changes_total", {"source": "file", "change": "remove"}) == 2
+        assert sample("dyad_discovery_errors_total", {"source": "file"}) == 1
     finally:
         if gw is not None:
             gw.stop()

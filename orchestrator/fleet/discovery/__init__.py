@@ -22,6 +22,7 @@ from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.config import DiscoveryConfig
 from orchestrator.fleet.discovery.reconcile import Change, Reconciler, WorkerSpec
 from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.telemetry.metrics import DyadMetrics
 
 log = logging.getLogger("dyad.discovery")
 
@@ -43,15 +44,21 @@ def _log_change(c: Change) -> None:
 
 class Discovery:
     def __init__(self, fleet: FleetRegistry, source: Source, grace_s: float, clock: Clock | None = None,
-                 start_timeout_s: float = 5.0) -> None:
+                 start_timeout_s: float = 5.0, metrics: DyadMetrics | None = None) -> None:
         self.fleet = fleet
         self.source = source
         self.clock = clock or SYSTEM_CLOCK
         self.start_timeout_s = start_timeout_s
-        self.reconciler = Reconciler(fleet, source.name, grace_s, on_change=_log_change)
+        self.metrics = metrics
+        self.reconciler = Reconciler(fleet, source.name, grace_s, on_change=self._changed)
         self.reports = 0
         self._first = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
+
+    def _changed(self, c: Change) -> None:
+        _log_change(c)
+        if self.metrics is not None:
+            self.metrics.discovery_changes.labels(self.source.name, c.kind).inc()
 
     def report(self, desired: dict[str, WorkerSpec]) -> None:
         self.reports += 1
@@ -87,15 +94,21 @@ class Discovery:
                 "withdrawn": sorted(w for w, o in self.reconciler.owned.items() if o.withdrawn_at is not None)}
 
 
-def build_discovery(config: DiscoveryConfig, fleet: FleetRegistry, clock: Clock | None = None) -> Discovery | None:
+def build_discovery(config: DiscoveryConfig, fleet: FleetRegistry, clock: Clock | None = None,
+                    metrics: DyadMetrics | None = None) -> Discovery | None:
     """The configured source as a component (None for ``static``: the workers list is all there is)."""
     source: Source
+
+    def on_error() -> None:
+        if metrics is not None:
+            metrics.discovery_errors.labels(config.source).inc()
+
     if config.source == "file":
         from orchestrator.fleet.discovery.file import FileSource
-        source = FileSource(config.file)
+        source = FileSource(config.file, on_error=on_error)
     elif config.source == "kubernetes":
         from orchestrator.fleet.discovery.kubernetes import KubernetesSource
-        source = KubernetesSource(config.kubernetes)
+        source = KubernetesSource(config.kubernetes, on_error=on_error)
     else:
         return None
-    return Discovery(fleet, source, config.remove_grace_s, clock)
+    return Discovery(fleet, source, config.remove_grace_s, clock, metrics=metrics)

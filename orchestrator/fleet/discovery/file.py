@@ -65,8 +65,9 @@ def parse_workers_file(text: str, origin: str = "workers file") -> dict[str, Wor
 class FileSource:
     name = "file"
 
-    def __init__(self, cfg: FileDiscoveryConfig) -> None:
+    def __init__(self, cfg: FileDiscoveryConfig, on_error: Callable[[], None] | None = None) -> None:
         assert cfg.path
+        self.on_error = on_error
         self.path = Path(cfg.path)
         self.interval_s = cfg.interval_s
         self._digest: str | None = None
@@ -81,6 +82,7 @@ class FileSource:
             err = f"cannot read {self.path}: {e.strerror}"
             if err != self.last_error:
                 log.warning("discovery: %s (keeping the last good list)", err)
+                self._error()
             self.last_error = err
             return None
         digest = hashlib.sha256(data).hexdigest()
@@ -92,10 +94,15 @@ class FileSource:
         except WorkersFileError as e:
             self.last_error = str(e)
             log.warning("discovery: %s (keeping the last good list)", e)
+            self._error()
             return None
         self.last_error = None
         self.loads += 1
         return workers
+
+    def _error(self) -> None:
+        if self.on_error is not None:
+            self.on_error()
 
     async def run(self, report: Callable[[dict[str, WorkerSpec]], None]) -> None:
         while True:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from orchestrator.fleet.kube_api import Gone, KubeApi, KubeApiError, pod_namespa
 log = logging.getLogger("dyad.discovery")
 
 Pod = dict[str, Any]
+MIN_WATCH_S = 0.5  # a watch the server ends sooner than this is followed by a pause before the next
 
 
 def pod_ready(pod: Pod) -> bool:
@@ -123,7 +125,9 @@ class PodListWatch:
     """The pods one label selector matches, kept current by list + watch (see the module doc)."""
 
     def __init__(self, api: KubeApi, namespace: str, selector: str, on_change: Callable[[], None],
-                 watch_timeout_s: int = 300, backoff_max_s: float = 10.0) -> None:
+                 watch_timeout_s: int = 300, backoff_max_s: float = 10.0,
+                 on_error: Callable[[], None] | None = None) -> None:
+        self.on_error = on_error
         self.api = api
         self.path = f"/api/v1/namespaces/{namespace}/pods"
         self.selector = selector
@@ -170,14 +174,19 @@ class PodListWatch:
                     await self.relist()
                 else:
                     self.resumes += 1
+                began = time.monotonic()
                 await self.watch_once()
                 failures = 0
+                if time.monotonic() - began < MIN_WATCH_S:  # a server ending watches at once: no hot loop
+                    await asyncio.sleep(MIN_WATCH_S)
             except Gone:
                 self.gone += 1
                 self.resource_version = None  # too old: list again
                 log.info("pod watch (%s): resourceVersion expired, re-listing", self.selector)
             except (httpx.HTTPError, KubeApiError, ValueError) as e:
                 self.errors += 1
+                if self.on_error is not None:
+                    self.on_error()
                 failures += 1
                 self.last_error = f"{type(e).__name__}: {e}"
                 delay = min(self.backoff_max_s, 0.2 * 2 ** min(failures, 8)) * random.uniform(0.5, 1.0)
@@ -193,12 +202,14 @@ class PodListWatch:
 class KubernetesSource:
     name = "kubernetes"
 
-    def __init__(self, cfg: KubernetesDiscoveryConfig, api: KubeApi | None = None) -> None:
+    def __init__(self, cfg: KubernetesDiscoveryConfig, api: KubeApi | None = None,
+                 on_error: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.api = api or KubeApi.from_config(cfg.api)
         self.namespace = pod_namespace(cfg.api.namespace)
         self._report: Callable[[dict[str, WorkerSpec]], None] | None = None
-        self.watches = [(role, PodListWatch(self.api, self.namespace, sel, self._changed, cfg.watch_timeout_s))
+        self.watches = [(role, PodListWatch(self.api, self.namespace, sel, self._changed, cfg.watch_timeout_s,
+                                            on_error=on_error))
                         for role, sel in cfg.selectors.items()]
 
     def _changed(self) -> None:
