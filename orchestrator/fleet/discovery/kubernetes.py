@@ -36,6 +36,7 @@ from orchestrator.fleet.kube_api import Gone, KubeApi, KubeApiError, pod_namespa
 log = logging.getLogger("dyad.discovery")
 
 Pod = dict[str, Any]
+COALESCE_S = 0.05  # events within this long after a change are reported together
 MIN_WATCH_S = 0.5  # a watch the server ends sooner than this is followed by a pause before the next
 
 
@@ -91,17 +92,32 @@ def pod_to_spec(pod: Pod, selector_role: Role, cfg: KubernetesDiscoveryConfig) -
     return WorkerSpec(config, draining=marked or meta.get("deletionTimestamp") is not None)
 
 
-def desired_from_pods(caches: list[tuple[Role, dict[str, Pod]]],
-                      cfg: KubernetesDiscoveryConfig) -> dict[str, WorkerSpec]:
-    """Every selector's pods → workers (a pod two selectors match counts once, for the first)."""
+def desired_from_pods(caches: list[tuple[Role, dict[str, Pod]]], cfg: KubernetesDiscoveryConfig,
+                      memo: dict[tuple[Role, str], tuple[str | None, WorkerSpec | None]] | None = None,
+                      ) -> dict[str, WorkerSpec]:
+    """Every selector's pods → workers (a pod two selectors match counts once, for the first).
+    ``memo`` keeps each pod's mapping by resourceVersion, so a report after one event maps one pod."""
     out: dict[str, WorkerSpec] = {}
+    seen: set[tuple[Role, str]] = set()
     for role, pods in caches:
         for name in sorted(pods):
             if name in out:
                 continue
-            spec = pod_to_spec(pods[name], role, cfg)
+            pod = pods[name]
+            rv = (pod.get("metadata") or {}).get("resourceVersion")
+            hit = memo.get((role, name)) if memo is not None else None
+            if hit is not None and rv is not None and hit[0] == rv:
+                spec = hit[1]
+            else:
+                spec = pod_to_spec(pod, role, cfg)
+            if memo is not None:
+                memo[(role, name)] = (rv, spec)
+                seen.add((role, name))
             if spec is not None:
                 out[name] = spec
+    if memo is not None:
+        for key in [k for k in memo if k not in seen]:
+            del memo[key]
     return out
 
 
@@ -208,13 +224,29 @@ class KubernetesSource:
         self.api = api or KubeApi.from_config(cfg.api)
         self.namespace = pod_namespace(cfg.api.namespace)
         self._report: Callable[[dict[str, WorkerSpec]], None] | None = None
+        self._reported = False
+        self._flush_pending = False
+        self._memo: dict[tuple[Role, str], tuple[str | None, WorkerSpec | None]] = {}
         self.watches = [(role, PodListWatch(self.api, self.namespace, sel, self._changed, cfg.watch_timeout_s,
                                             on_error=on_error))
                         for role, sel in cfg.selectors.items()]
 
     def _changed(self) -> None:
-        if self._report is not None and all(w.synced.is_set() for _, w in self.watches):
-            self._report(desired_from_pods([(role, w.pods) for role, w in self.watches], self.cfg))
+        """A watch changed its cache: report (the first time at once, then coalesced: a burst of
+        events, e.g. a rolling restart, costs one report per ``COALESCE_S``)."""
+        if self._report is None or not all(w.synced.is_set() for _, w in self.watches) or self._flush_pending:
+            return
+        if not self._reported:
+            self._flush()
+            return
+        self._flush_pending = True
+        asyncio.get_running_loop().call_later(COALESCE_S, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._report is not None:
+            self._reported = True
+            self._report(desired_from_pods([(role, w.pods) for role, w in self.watches], self.cfg, self._memo))
 
     async def run(self, report: Callable[[dict[str, WorkerSpec]], None]) -> None:
         self._report = report

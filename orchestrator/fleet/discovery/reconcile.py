@@ -81,6 +81,8 @@ def plan_changes(desired: Mapping[str, WorkerSpec], owned: Mapping[str, Owned], 
             elif not spec.draining:
                 out.append(Change("add", wid, spec))
             continue
+        if o.config is spec.config and o.withdrawn_at is None and o.marked == spec.draining:
+            continue  # the same report object as last time (sources memoize): nothing to compare
         if _identity(o.config) != _identity(spec.config):
             out.append(Change("replace", wid, spec, f"{o.config.url} -> {spec.config.url}"))
             continue
