@@ -237,6 +237,8 @@ def test_scale_out_pod_gets_traffic_scale_in_pod_drains_first_and_no_request_is_
     scale_in_at = next(at for at, path, body in fake.patches if path.endswith("/sim-decode/scale")
                        and body["spec"]["replicas"] == 1)
     assert mark_at < t["seen_draining"] < scale_in_at
+    print(f"mark seen by the serving gateway {1000 * (t['seen_draining'] - mark_at):.0f} ms after the patch; "
+          f"replicas lowered {scale_in_at - mark_at:.1f} s after it")
     # ... no request started on the pod once the gateway saw the mark ...
     late = [r for r in on_new if r.start > t["seen_draining"]]
     assert not late, late
