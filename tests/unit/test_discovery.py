@@ -214,3 +214,28 @@ def test_planner_counts_are_compared_not_used_as_replica_counts():
     assert replica_change(0, 0) == "hold"  # nothing serving yet (pods starting): never scale to 0
     assert replica_change(1, 1) == "hold"  # a starting pod is not counted: holding must not remove it
     assert replica_change(3, 2) == "grow" and replica_change(1, 2) == "shrink"
+
+
+# ------------------------------------------------------------------ reaching the API server
+
+
+def test_in_cluster_address_and_the_rotating_token(tmp_path, monkeypatch):
+    from orchestrator.fleet import kube_api
+
+    assert kube_api.in_cluster_url({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}) \
+        == "https://10.96.0.1:443"
+    assert kube_api.in_cluster_url({"KUBERNETES_SERVICE_HOST": "fd00::1"}) == "https://[fd00::1]:443"
+    assert kube_api.in_cluster_url({}) == "https://kubernetes.default.svc"
+    assert kube_api.pod_namespace("serving") == "serving"
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    api = kube_api.KubeApi("https://api.example:6443/", token_file=str(token), ca_file=str(tmp_path / "missing"))
+    assert api.base_url == "https://api.example:6443"
+    assert api._headers()["Authorization"] == "Bearer first"
+    token.write_text("second")
+    assert api._headers()["Authorization"] == "Bearer first"  # re-read on a period, not per call
+    monkeypatch.setattr(kube_api, "TOKEN_REREAD_S", 0.0)
+    assert api._headers()["Authorization"] == "Bearer second"
+    assert api._headers("application/merge-patch+json")["Content-Type"] == "application/merge-patch+json"
+    fixed = kube_api.KubeApi("http://127.0.0.1:1", token="t", token_file=str(token))
+    assert fixed._headers()["Authorization"] == "Bearer t"  # an explicit token wins over the file
