@@ -254,6 +254,7 @@ class KubernetesActuator:
     pending: dict[Role, DrainingScaleIn] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)  # what the background finisher did (also logged)
     _finisher: asyncio.Task | None = None
+    _lock: asyncio.Lock | None = None
 
     def _kind(self, role: Role) -> tuple[str, str]:
         kind, _, wname = self.workloads[role].partition("/")
@@ -330,8 +331,19 @@ class KubernetesActuator:
         await self._set_replicas(role, s.target)
         return [f"scaled {self.workloads[role]} to {s.target}"]
 
+    def _serialized(self) -> asyncio.Lock:
+        """``apply`` and the drain finisher never interleave (a decision changing a scale-in while the
+        finisher reads engines would otherwise lower the replicas over a victim not yet drained)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
     async def check_drains(self) -> list[str]:
         """One round of the finisher: scale down the workloads whose victims have drained."""
+        async with self._serialized():
+            return await self._check_drains()
+
+    async def _check_drains(self) -> list[str]:
         done: list[str] = []
         for role in list(self.pending):
             s = self.pending[role]
@@ -364,6 +376,10 @@ class KubernetesActuator:
                 log.warning("kubernetes actuator: drain check failed: %s: %s", type(e).__name__, e)
 
     async def apply(self, decision: PlanDecision) -> list[str]:
+        async with self._serialized():
+            return await self._apply(decision)
+
+    async def _apply(self, decision: PlanDecision) -> list[str]:
         done = []
         for role in (Role.PREFILL, Role.DECODE):
             if role not in self.workloads or role.value not in decision.desired:
