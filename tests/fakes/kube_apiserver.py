@@ -108,6 +108,7 @@ class FakeKubeApiServer:
         self._forced_ready: dict[tuple[str, str], bool] = {}
         self._created_at: dict[tuple[str, str], float] = {}
         self._drop_generation = 0
+        self.active_watches = 0  # watch connections open now
         self._deleting: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -470,6 +471,8 @@ class FakeKubeApiServer:
                                 "code": 410, "message": f"too old resource version: {cursor} ({fake.compacted_rv})"}})
                             self.wfile.write(b"0\r\n\r\n")
                             return
+                with fake.cond:
+                    fake.active_watches += 1
                 try:
                     for p in initial:
                         emit({"type": "ADDED", "object": p})
@@ -509,5 +512,8 @@ class FakeKubeApiServer:
                             return
                 except (BrokenPipeError, ConnectionResetError, OSError):
                     self.close_connection = True
+                finally:
+                    with fake.cond:
+                        fake.active_watches -= 1
 
         return Handler

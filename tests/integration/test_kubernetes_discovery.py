@@ -112,7 +112,9 @@ async def test_bookmarks_keep_the_resume_point_fresh_so_a_resume_after_compactio
         await until(lambda: int(w.resource_version) == fake.rv, what="a bookmark at the current version")
         assert w.bookmarks >= 1 and int(w.resource_version) > listed_rv
         fake.compact(upto=fake.rv)  # history before the bookmark is gone
+        await until(lambda: fake.active_watches == 1, what="the watch connected")
         fake.drop_watches()
+        await until(lambda: fake.active_watches == 0, what="the watch cut")
         fake.add_pod("e-1", SEL, 8002)
         await until(lambda: fleet.get("e-1") is not None, what="e-1 after the resume")
         assert w.gone == 0 and w.lists == 1 and w.resumes >= 1
@@ -128,7 +130,9 @@ async def test_410_gone_relists_and_notices_what_was_missed(fake):
         # while the watch is cut: a pod goes, another comes, and the history is compacted
         fake.bookmark_interval_s = 60  # no bookmark may rescue the resume point
         await asyncio.sleep(0.3)
+        await until(lambda: fake.active_watches == 1, what="the watch connected")
         fake.drop_watches()
+        await until(lambda: fake.active_watches == 0, what="the watch cut")
         fake.delete_pod("e-0")
         fake.add_pod("e-2", SEL, 8003)
         fake.compact()
@@ -141,11 +145,13 @@ async def test_a_dropped_watch_resumes_from_its_version_and_replays_the_gap(fake
     fleet, d = discovery(fake)
     async with running(d):
         w = watch(d)
-        for _ in range(3):
+        for i in range(3):
+            await until(lambda: fake.active_watches == 1, what="the watch connected")
             fake.drop_watches()
-            fake.add_pod(f"e-{fake.rv}", SEL, 8000 + fake.rv % 1000)
-        await until(lambda: len(fleet.workers()) == 4, what="the pods added around the drops")
-        assert w.lists == 1 and w.gone == 0 and w.errors >= 1 and w.resumes >= 1
+            await until(lambda: fake.active_watches == 0, what="the watch cut")
+            fake.add_pod(f"e-{i + 1}", SEL, 8001 + i)  # while disconnected: only a resume from the version sees it
+        await until(lambda: len(fleet.workers()) == 4, what="the pods added during the gaps")
+        assert w.lists == 1 and w.gone == 0 and w.errors == 3 and w.resumes >= 3
 
 
 async def test_wrong_token_is_an_error_that_retries_not_a_crash(fake):
