@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any, get_args
 
 from orchestrator.config import ConfigError, PolicyName, load_config
@@ -40,11 +41,37 @@ def run(args: argparse.Namespace) -> int:
             bad += 1
             print(f"{path}: {e}", file=sys.stderr)
             continue
-        print(f"{path}: ok: {len(cfg.workers)} worker(s), policy {cfg.router.policy}, index {cfg.index.backend}")
+        try:
+            extra = _discovered(cfg)
+        except ConfigError as e:
+            bad += 1
+            print(f"{path}: {e}", file=sys.stderr)
+            continue
+        print(f"{path}: ok: {len(cfg.workers)} worker(s){extra}, policy {cfg.router.policy}, "
+              f"index {cfg.index.backend}")
     if len(args.config) > 1:
         print(f"{len(args.config) - bad} of {len(args.config)} configuration(s) valid",
               file=sys.stderr if bad else sys.stdout)
     return 2 if bad else 0
+
+
+def _discovered(cfg: Any) -> str:
+    """What ``discovery`` adds to the static workers, for the summary line. A workers file is
+    checked too (a typo there would otherwise surface only at run time)."""
+    if cfg.discovery.source == "file":
+        from orchestrator.fleet.discovery.file import WorkersFileError, parse_workers_file
+        path = cfg.discovery.file.path
+        try:
+            n = len(parse_workers_file(Path(path).read_text(), path))
+        except OSError as e:
+            raise ConfigError(f"discovery.file.path: cannot read {path}: {e.strerror}") from e
+        except WorkersFileError as e:
+            raise ConfigError(f"discovery.file.path: {e}") from e
+        return f" + {n} from {path}"
+    if cfg.discovery.source == "kubernetes":
+        sel = ", ".join(f"{r.value}: {s}" for r, s in cfg.discovery.kubernetes.selectors.items())
+        return f" + Kubernetes pods ({sel})"
+    return ""
 
 
 # --- dyad serve flags -------------------------------------------------------------------------------

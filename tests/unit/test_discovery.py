@@ -239,3 +239,21 @@ def test_in_cluster_address_and_the_rotating_token(tmp_path, monkeypatch):
     assert api._headers("application/merge-patch+json")["Content-Type"] == "application/merge-patch+json"
     fixed = kube_api.KubeApi("http://127.0.0.1:1", token="t", token_file=str(token))
     assert fixed._headers()["Authorization"] == "Bearer t"  # an explicit token wins over the file
+
+
+def test_check_config_checks_the_workers_file_too(tmp_path, capsys):
+    from orchestrator.cli import main as dyad
+
+    workers = tmp_path / "workers.yaml"
+    workers.write_text("- {url: 'http://a:1', role: prefill}\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"discovery:\n  source: file\n  file: {{path: '{workers}'}}\n")
+    assert dyad(["check-config", str(cfg)]) == 0
+    assert f"+ 1 from {workers}" in capsys.readouterr().out
+    workers.write_text("- {url: 'ftp://a:1'}\n")
+    assert dyad(["check-config", str(cfg)]) == 2
+    assert "workers.0.url" in capsys.readouterr().err
+    missing = tmp_path / "k.yaml"
+    missing.write_text("discovery: {source: kubernetes}\n")
+    assert dyad(["check-config", str(missing)]) == 2
+    assert "kubernetes.selectors" in capsys.readouterr().err

@@ -115,7 +115,10 @@ def test_example_configs_validate():
     assert {p.name for p in configs} >= {"aggregated.yaml", "pd-1p2d.yaml"}
     for path in configs:
         cfg = load_config(path, environ={})
-        assert cfg.workers, path
+        assert cfg.workers or cfg.discovery.source != "static", path
+        if cfg.discovery.source == "file":  # the workers file it names ships too, and parses
+            from orchestrator.fleet.discovery.file import parse_workers_file
+            assert parse_workers_file((ROOT / cfg.discovery.file.path).read_text()), path
     pd = load_config(ROOT / "examples" / "pd-1p2d.yaml", environ={})
     assert sorted(w.role.value for w in pd.workers) == ["decode", "decode", "prefill"]
 
