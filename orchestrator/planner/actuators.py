@@ -316,7 +316,8 @@ class KubernetesActuator:
         marked_at = {}
         for name in sorted(victims):
             pod = next(p for p in pods if p["metadata"]["name"] == name)
-            if not self._marked(pod):
+            costed = kind != "deployments" or (pod["metadata"].get("annotations") or {}).get(DELETION_COST) == "-1000"
+            if not self._marked(pod) or not costed:
                 await self._mark(role, name, True)
                 done.append(f"marked {name} draining")
             marked_at[name] = prev.marked_at.get(name, now) if prev is not None else now

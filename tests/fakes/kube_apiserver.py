@@ -8,14 +8,16 @@ server's semantics for them:
   a version older than the kept history answers an ``ERROR`` event with code 410 "Expired"; a pod
   that stops/starts matching the selector arrives as ``DELETED``/``ADDED``), ``get``, and
   ``patch`` (``application/merge-patch+json``, RFC 7386);
-- statefulsets: ``get``, and the ``scale`` subresource (``get``/``patch``, ``status.selector``);
+- statefulsets and deployments: ``get``, and the ``scale`` subresource (``get``/``patch``,
+  ``status.selector``);
 - bearer-token auth (401), 404/405/415 Status objects for everything else.
 
 Every call is recorded as (user, verb, resource) in ``requests`` (the user is the name ``tokens``
 gives the bearer token) so a test can hold it against the RBAC
 rules in ``deploy/kubernetes``.
 
-A minimal controller turns a StatefulSet's replicas into pods ``<name>-<ordinal>``: a new pod is
+A minimal controller turns a StatefulSet's replicas into pods ``<name>-<ordinal>`` (a Deployment's
+into ``<name>-<n>``; its scale-in deletes the lowest ``pod-deletion-cost`` first, as a ReplicaSet does): a new pod is
 created not Ready with ``podIP`` 127.0.0.1 and its ``http`` port from ``start_engine(pod_name)``
 (the tests start a real ``dyad sim-engine`` process there); a kubelet-like loop marks it Ready once
 ``ready_delay_s`` has passed and its ``/health`` answers. Scale-in deletes the highest ordinals
@@ -101,6 +103,8 @@ class FakeKubeApiServer:
         self.rv = 100
         self.pods: dict[tuple[str, str], Obj] = {}
         self.statefulsets: dict[tuple[str, str], Obj] = {}
+        self.deployments: dict[tuple[str, str], Obj] = {}
+        self._serial = 0  # Deployment pod name suffixes
         self.events: list[tuple[int, str, Obj, Obj | None]] = []  # (rv, type, pod, pod before)
         self.compacted_rv = 0  # the oldest version a watch may resume from (events after it are kept)
         self.requests: list[tuple[str, str, str]] = []  # (user, verb, resource)
@@ -161,6 +165,17 @@ class FakeKubeApiServer:
                 "spec": {"replicas": replicas, "serviceName": name, "selector": {"matchLabels": dict(labels)},
                          "template": {"metadata": {"labels": dict(labels)},
                                       "spec": {"containers": [{"name": "engine", "ports": ports or []}]}}},
+            }
+
+    def add_deployment(self, name: str, replicas: int, labels: dict[str, str], namespace: str = "dyad") -> None:
+        """A Deployment (its ReplicaSet folded in): pods ``<name>-<n>``; scale-in deletes the pods with the
+        lowest ``controller.kubernetes.io/pod-deletion-cost`` first, then not-Ready ones, then the newest."""
+        with self.cond:
+            self.deployments[(namespace, name)] = {
+                "apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": name, "namespace": namespace, "resourceVersion": str(self._bump())},
+                "spec": {"replicas": replicas, "selector": {"matchLabels": dict(labels)},
+                         "template": {"metadata": {"labels": dict(labels)}}},
             }
 
     def add_pod(self, name: str, labels: dict[str, str], port: int, ready: bool = True, namespace: str = "dyad",
@@ -231,7 +246,8 @@ class FakeKubeApiServer:
 
     def replicas(self, name: str, namespace: str = "dyad") -> int:
         with self.cond:
-            return int(self.statefulsets[(namespace, name)]["spec"]["replicas"])
+            w = self.statefulsets.get((namespace, name)) or self.deployments[(namespace, name)]
+            return int(w["spec"]["replicas"])
 
     def close(self) -> None:
         self._stop.set()
@@ -266,6 +282,23 @@ class FakeKubeApiServer:
                     if pns == ns and owner == name and int(pname.rsplit("-", 1)[1]) >= n \
                             and (pns, pname) not in self._deleting:
                         to_delete.append((pns, pname))
+            for (ns, name), dep in self.deployments.items():
+                owned = sorted(((pname, pod) for (pns, pname), pod in self.pods.items() if pns == ns
+                                and pod["metadata"]["labels"].get("fake.dyad/deployment") == name
+                                and (pns, pname) not in self._deleting), key=lambda x: int(x[0].rsplit("-", 1)[1]))
+                n = int(dep["spec"]["replicas"])
+                for _ in range(n - len(owned)):
+                    self._serial += 1
+                    to_create.append((ns, f"{name}-{self._serial}", dep))
+
+                def cost(item: tuple[str, Obj]) -> tuple:
+                    pname, pod = item
+                    ann = pod["metadata"].get("annotations") or {}
+                    ready = pod["status"]["conditions"][0]["status"] == "True"
+                    return (int(ann.get("controller.kubernetes.io/pod-deletion-cost", "0")), ready,
+                            -int(pname.rsplit("-", 1)[1]))
+
+                to_delete += [(ns, pname) for pname, _ in sorted(owned, key=cost)[:max(0, len(owned) - n)]]
             now = time.monotonic()
             for key, pod in self.pods.items():
                 if key in self._forced_ready or key in self._deleting or key not in self._created_at:
@@ -295,12 +328,14 @@ class FakeKubeApiServer:
 
     def _create_pod(self, ns: str, name: str, sts: Obj) -> None:
         port = self.start_engine(name) if self.start_engine is not None else 0
-        labels = {**sts["spec"]["template"]["metadata"]["labels"], "statefulset.kubernetes.io/pod-name": name,
-                  "statefulset.kubernetes.io/owner": sts["metadata"]["name"]}
+        kind = sts["kind"]
+        labels = {**sts["spec"]["template"]["metadata"]["labels"],
+                  **({"statefulset.kubernetes.io/pod-name": name, "statefulset.kubernetes.io/owner": sts["metadata"]["name"]}
+                     if kind == "StatefulSet" else {"fake.dyad/deployment": sts["metadata"]["name"]})}
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "namespace": ns, "labels": labels, "annotations": {},
                             "creationTimestamp": _now_iso(),
-                            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
+                            "ownerReferences": [{"apiVersion": "apps/v1", "kind": kind,
                                                  "name": sts["metadata"]["name"], "controller": True}]},
                "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": port}]}]},
                "status": {"phase": "Running", "podIP": "127.0.0.1",
@@ -367,8 +402,9 @@ class FakeKubeApiServer:
                         return self._pod(method, ns, parts[5], body)
                 # /apis/apps/v1/namespaces/{ns}/statefulsets/{name}[/scale]
                 if parts[:4] == ["apis", "apps", "v1", "namespaces"] and len(parts) in (7, 8) \
-                        and parts[5] == "statefulsets":
-                    return self._statefulset(method, parts[4], parts[6], parts[7] if len(parts) == 8 else None, body)
+                        and parts[5] in ("statefulsets", "deployments"):
+                    return self._workload(parts[5], method, parts[4], parts[6], parts[7] if len(parts) == 8 else None,
+                                          body)
                 return self._status(404, "NotFound", f"the fake API server does not serve {url.path}")
 
             def do_GET(self) -> None:
@@ -410,17 +446,17 @@ class FakeKubeApiServer:
                         return self._send(200, copy.deepcopy(fake._put_pod(ns, patched, "MODIFIED")))
                 return self._status(405, "MethodNotAllowed", f"{method} pods is not served by the fake")
 
-            def _statefulset(self, method: str, ns: str, name: str, sub: str | None, body: Obj | None) -> None:
+            def _workload(self, kind: str, method: str, ns: str, name: str, sub: str | None, body: Obj | None) -> None:
                 with fake.cond:
-                    sts = fake.statefulsets.get((ns, name))
+                    sts = (fake.statefulsets if kind == "statefulsets" else fake.deployments).get((ns, name))
                     if sts is None:
-                        return self._status(404, "NotFound", f'statefulsets.apps "{name}" not found')
+                        return self._status(404, "NotFound", f'{kind}.apps "{name}" not found')
                     if sub is None and method == "GET":
-                        fake.requests.append((self.user, "get", "statefulsets"))
+                        fake.requests.append((self.user, "get", kind))
                         return self._send(200, copy.deepcopy(sts))
                     if sub != "scale" or method not in ("GET", "PATCH"):
-                        return self._status(405, "MethodNotAllowed", "only get/patch of statefulsets/scale")
-                    fake.requests.append((self.user, "get" if method == "GET" else "patch", "statefulsets/scale"))
+                        return self._status(405, "MethodNotAllowed", f"only get/patch of {kind}/scale")
+                    fake.requests.append((self.user, "get" if method == "GET" else "patch", f"{kind}/scale"))
                     if method == "PATCH":
                         fake.patches.append((time.monotonic(), self.path, body or {}))
                         n = (body or {}).get("spec", {}).get("replicas")
@@ -429,8 +465,9 @@ class FakeKubeApiServer:
                         sts["spec"]["replicas"] = n
                         sts["metadata"]["resourceVersion"] = str(fake._bump())
                     labels = sts["spec"]["selector"]["matchLabels"]
+                    owner_label = "statefulset.kubernetes.io/owner" if kind == "statefulsets" else "fake.dyad/deployment"
                     current = sum(1 for (pns, _), p in fake.pods.items() if pns == ns
-                                  and p["metadata"]["labels"].get("statefulset.kubernetes.io/owner") == name)
+                                  and p["metadata"]["labels"].get(owner_label) == name)
                     scale = {"kind": "Scale", "apiVersion": "autoscaling/v1",
                              "metadata": {"name": name, "namespace": ns,
                                           "resourceVersion": sts["metadata"]["resourceVersion"]},

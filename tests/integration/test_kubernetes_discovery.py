@@ -232,3 +232,20 @@ async def test_actuator_surfaces_auth_errors(fake):
         assert fake.replicas("d") == 1
     finally:
         await act.close()
+
+
+async def test_deployment_scale_in_steers_the_replicaset_to_the_drained_pods(fake):
+    fake.add_deployment("x", 3, SEL)
+    await until(lambda: fake.pod_names() == ["x-1", "x-2", "x-3"], what="the Deployment's pods")
+    fake.patch_pod("x-1", {"metadata": {"annotations": {"dyad.dev/draining": "true"}}})  # a drain left from before
+    act = KubernetesActuator(KubeApi(fake.url, token="fake-token"), "dyad", {Role.DECODE: "deployments/x"},
+                             settle_s=0.2, poll_s=0.05)
+    try:
+        assert await act.apply(decision(None, 1)) == ["marked x-1 draining", "marked x-3 draining"]
+        for name in ("x-1", "x-3"):
+            assert fake.pod(name)["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] == "-1000"
+        await until(lambda: act.events, what="the scale-in")
+        # a ReplicaSet alone would remove the newest pods (x-3, x-2); the deletion cost makes it the drained ones
+        await until(lambda: fake.pod_names() == ["x-2"], what="the drained pods deleted")
+    finally:
+        await act.close()
