@@ -107,9 +107,13 @@ def kubernetes_actuator(cfg: PlannerConfig, runtime: Any) -> KubernetesActuator:
 
     async def engine_idle(pod: dict[str, Any]) -> bool | None:
         ip = (pod.get("status") or {}).get("podIP")
-        port = container_port(pod, disc.port)
-        if not ip or port is None:
+        if not ip:
             return True  # never got an address: nothing can be running there
+        port = container_port(pod, disc.port)
+        if port is None:
+            log.warning("scale-in: pod %s has no container port %r (discovery.kubernetes.port): cannot read its "
+                        "engine; waiting for planner.kubernetes_drain_timeout_s", pod["metadata"]["name"], disc.port)
+            return None
         worker = runtime.fleet.get(pod["metadata"]["name"])
         if worker is not None and worker.inflight > 0:
             return False  # this process itself still has requests there
