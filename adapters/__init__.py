@@ -30,6 +30,7 @@ __all__ = [
     "UnsupportedByEngine",
     "VllmAdapter",
     "get_adapter",
+    "internal_fields",
 ]
 
 _shared: dict[EngineKind, EngineAdapter] = {}
@@ -47,3 +48,8 @@ def get_adapter(kind: EngineKind | str) -> EngineAdapter:
             _shared[EngineKind.VLLM] = adapter
         _shared[kind] = adapter
     return adapter
+
+
+def internal_fields() -> frozenset[str]:
+    """Every body field some adapter declares as Dyad's own (``EngineAdapter.internal_fields``)."""
+    return VllmAdapter.internal_fields | SglangAdapter.internal_fields

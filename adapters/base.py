@@ -136,6 +136,9 @@ class EngineAdapter(ABC):
     """One engine dialect. Stateless apart from caches; safe to share between workers of a kind."""
 
     kind: EngineKind
+    # Body fields this dialect's Dyad code sets to steer an engine or a P/D hand-off. They are Dyad's
+    # alone: a client body carrying one is refused with a 400 (``orchestrator.gateway.request``).
+    internal_fields: frozenset[str] = frozenset()
 
     @abstractmethod
     async def health(self, client: httpx.AsyncClient, base_url: str, timeout: float) -> bool:

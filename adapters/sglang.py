@@ -36,6 +36,15 @@ from adapters.vllm import select_model
 
 P = "sglang:"
 
+# Fields Dyad sets on SGLang bodies: the dual-dispatch bootstrap (orchestrator/disagg/sglang_flow.py:
+# which prefill server a decode server pulls KV from, and the pair's room) and the request id
+# (``shape_request``; SGLang aborts and de-duplicates by it). Only Dyad may set them.
+BOOTSTRAP_HOST = "bootstrap_host"
+BOOTSTRAP_PORT = "bootstrap_port"
+BOOTSTRAP_ROOM = "bootstrap_room"
+RID = "rid"
+INTERNAL_FIELDS = frozenset({BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, RID})
+
 _RAW_SUMS = {
     "gen_throughput": "gen_throughput",
     "num_used_tokens": "num_used_tokens",
@@ -98,6 +107,7 @@ class SglangAdapter(EngineAdapter):
     """SGLang's HTTP server (``python -m sglang.launch_server``)."""
 
     kind = EngineKind.SGLANG
+    internal_fields = INTERNAL_FIELDS
 
     def __init__(self, cache: TokenizeCache | None = None, deep_health: bool = False) -> None:
         """``deep_health`` probes ``/health_generate`` (runs a one-token generation) instead of ``/health``."""
@@ -142,14 +152,13 @@ class SglangAdapter(EngineAdapter):
     def shape_request(self, endpoint: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """SGLang reads the request id from the body field ``rid`` (not from X-Request-Id).
 
-        Set only for one-prompt requests: a batch of prompts would need one id per prompt.
+        Set only for one-prompt requests: a batch of prompts would need one id per prompt. A client
+        ``rid`` never gets here (it is an internal field, refused at intake).
         """
-        if "rid" in body:
-            return body
         prompt = body.get("prompt")
         is_batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         if is_batch:
             return body
         shaped = dict(body)
-        shaped["rid"] = request_id
+        shaped[RID] = request_id
         return shaped

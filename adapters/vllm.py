@@ -27,6 +27,12 @@ from adapters.tokenize_cache import TokenizeCache, content_key
 
 P = "vllm:"
 
+# The NIXL hand-off object (orchestrator/disagg/vllm_flow.py): the prefill step asks for it, the
+# decode step carries the prefill's answer. It names the host and port the engine pulls KV from, so
+# only Dyad may set it.
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+INTERNAL_FIELDS = frozenset({KV_TRANSFER_PARAMS})
+
 # Chat request fields that change the prompt vLLM renders (TokenizeChatRequest accepts them all).
 CHAT_TEMPLATE_FIELDS = (
     "add_generation_prompt",
@@ -120,6 +126,7 @@ class VllmAdapter(EngineAdapter):
     """vLLM's OpenAI server (also the project's simulator, which speaks the same dialect)."""
 
     kind = EngineKind.VLLM
+    internal_fields = INTERNAL_FIELDS
 
     def __init__(self, cache: TokenizeCache | None = None) -> None:
         self.cache = cache if cache is not None else TokenizeCache()

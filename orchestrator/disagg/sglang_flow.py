@@ -15,6 +15,8 @@ import random
 from typing import Any
 from urllib.parse import urlsplit
 
+from adapters.sglang import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, INTERNAL_FIELDS
+
 DEFAULT_BOOTSTRAP_PORT = 8998
 ROOM_BITS = 63
 
@@ -28,8 +30,8 @@ def new_room(rng: random.Random | None = None) -> int:
 
 def bootstrap_fields(prefill_url: str, bootstrap_port: int | None, room: int) -> dict[str, Any]:
     host = urlsplit(prefill_url).hostname or "127.0.0.1"
-    return {"bootstrap_host": host, "bootstrap_port": bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
-            "bootstrap_room": room}
+    return {BOOTSTRAP_HOST: host, BOOTSTRAP_PORT: bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
+            BOOTSTRAP_ROOM: room}
 
 
 def dual_bodies(body: dict[str, Any], prefill_url: str, bootstrap_port: int | None,
@@ -37,8 +39,9 @@ def dual_bodies(body: dict[str, Any], prefill_url: str, bootstrap_port: int | No
     """(prefill body, decode body). The decode body is the client's request (streamed if asked);
     the prefill body is the same request, never streamed (nobody reads its tokens)."""
     fields = bootstrap_fields(prefill_url, bootstrap_port, room)
-    decode = {**body, **fields}
-    prefill = {k: v for k, v in body.items() if k != "stream_options"}
+    decode = {k: v for k, v in body.items() if k not in INTERNAL_FIELDS}
+    decode.update(fields)
+    prefill = {k: v for k, v in body.items() if k != "stream_options" and k not in INTERNAL_FIELDS}
     prefill.update(fields)
     prefill["stream"] = False
     return prefill, decode

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from adapters.vllm import INTERNAL_FIELDS, KV_TRANSFER_PARAMS
+
 Connector = Literal["nixl", "example"]
 
 # What the prefill step asks of a NIXL producer: keep the blocks for a remote decode.
@@ -30,8 +32,8 @@ NIXL_PREFILL_PARAMS: dict[str, Any] = {
 }
 
 # Fields that make no sense (or are rejected) for a one-token, non-streamed prefill step.
-_PREFILL_DROP = ("stream_options", "min_tokens", "n", "best_of", "logprobs", "top_logprobs", "echo",
-                 "kv_transfer_params")
+_PREFILL_DROP = frozenset({"stream_options", "min_tokens", "n", "best_of", "logprobs", "top_logprobs", "echo"}
+                         | INTERNAL_FIELDS)
 
 
 def prefill_body(endpoint: str, body: dict[str, Any], connector: Connector = "nixl") -> dict[str, Any]:
@@ -44,7 +46,7 @@ def prefill_body(endpoint: str, body: dict[str, Any], connector: Connector = "ni
         out.pop("max_completion_tokens", None)
     out["stream"] = False
     if connector == "nixl":
-        out["kv_transfer_params"] = dict(NIXL_PREFILL_PARAMS)
+        out[KV_TRANSFER_PARAMS] = dict(NIXL_PREFILL_PARAMS)
     return out
 
 
@@ -53,17 +55,19 @@ def handoff_params(prefill_response: Any) -> dict[str, Any] | None:
     the answer has none (the engine has no connector, or refused to keep the blocks)."""
     if not isinstance(prefill_response, dict):
         return None
-    params = prefill_response.get("kv_transfer_params")
+    params = prefill_response.get(KV_TRANSFER_PARAMS)
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):
         return None
     return params
 
 
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode step's body: the client's request, plus the prefill's hand-off when there is one."""
-    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    """The decode step's body: the client's request, plus the prefill's hand-off when there is one.
+    (Client bodies never carry internal fields — intake refuses them — but a body built here only
+    ever holds Dyad's own.)"""
+    out = {k: v for k, v in body.items() if k not in INTERNAL_FIELDS}
     if params is not None:
-        out["kv_transfer_params"] = params
+        out[KV_TRANSFER_PARAMS] = params
     return out
 
 

@@ -6,6 +6,7 @@ path); the heavy lifting is in ``ProxyResponse``.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -24,6 +25,17 @@ from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry.logging import bind_request_id
 
 MAX_REQUEST_ID = 128
+SESSION_KEY_BYTES = 16  # affinity keys are stored as a 32-hex-digit digest, whatever the client sent
+
+
+def session_key_of(header: str | None, body: dict[str, Any]) -> str | None:
+    """The request's affinity key (the session header, else the body's ``user``), hashed to a fixed
+    size: clients choose these values, and the router keeps them (session affinity) for a while."""
+    raw = header if header else body.get("user")
+    if not isinstance(raw, str) or not raw:
+        return None
+    kind = b"h:" if header else b"u:"
+    return hashlib.blake2b(kind + raw.encode("utf-8", "surrogatepass"), digest_size=SESSION_KEY_BYTES).hexdigest()
 
 
 def request_id_of(request: Request) -> str:
@@ -68,7 +80,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     session_header = rt.config.router.kv_aware.session_header
     route_req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
                              max_tokens=max_tokens, block_size=block_size,
-                             session_key=request.headers.get(session_header))
+                             session_key=session_key_of(request.headers.get(session_header), body))
     # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
     slot = await intake.admit(client, route_req, request.headers, request.receive)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)

@@ -4,6 +4,19 @@ The body is read once (counting bytes against ``gateway.max_body_bytes`` even wh
 sends no Content-Length), parsed once with orjson, and checked field by field. Everything the
 gateway does not look at is forwarded to the engine untouched, so new OpenAI/vLLM fields work
 without a Dyad release. Each failure names the offending field in ``param``.
+
+Three classes of body are refused although they parse:
+
+* **internal fields** — a field some adapter declares as Dyad's own (``EngineAdapter.internal_fields``:
+  vLLM's ``kv_transfer_params``, SGLang's ``bootstrap_host/port/room`` and ``rid``) steers an
+  engine or a P/D hand-off (which host the engine pulls KV from). They are refused with a 400 naming
+  the field rather than silently stripped: a client that sends one expects it to act, and a quiet
+  drop would hide that it does not. The check runs once here, so every path (aggregated, split,
+  local prefill, retries, failover continuations, all built from this body) is covered;
+* **bodies that do not re-serialize** — orjson reads 1024 levels of nesting but writes only
+  254; the gateway writes every body again for the engine, so deeper nesting is refused here
+  (400 naming the limit) instead of failing later as a 500;
+* anything orjson itself rejects (lone surrogates, numbers out of double range) is invalid JSON.
 """
 
 from __future__ import annotations
@@ -13,7 +26,12 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
+from adapters import internal_fields
 from orchestrator.errors import InvalidRequest, PayloadTooLarge
+
+INTERNAL_FIELDS = internal_fields()
+# orjson.dumps refuses deeper nesting than this (the body object itself is level 1).
+MAX_NESTING = 254
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -50,7 +68,22 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"Request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING:  # (cheap: only such bodies can be too deep)
+        try:
+            orjson.dumps(body)
+        except TypeError:
+            raise InvalidRequest(f"Request body nests JSON deeper than {MAX_NESTING} levels, the most the "
+                                 "gateway can forward.", code="nesting_too_deep") from None
     return body
+
+
+def check_internal_fields(body: dict[str, Any]) -> None:
+    """Refuse a body that carries a field only Dyad may set (see the module docstring)."""
+    if INTERNAL_FIELDS.isdisjoint(body):
+        return
+    name = min(INTERNAL_FIELDS.intersection(body))
+    raise InvalidRequest(f"'{name}' is set by the gateway (it steers engines and prefill/decode hand-offs); "
+                         "a request must not carry it.", param=name, code="internal_field")
 
 
 def _type_name(v: Any) -> str:
@@ -171,6 +204,7 @@ def _check_prompt(body: dict[str, Any]) -> None:
 
 def validate(endpoint: str, body: dict[str, Any]) -> str:
     """Check the fields Dyad relies on; returns the requested model name."""
+    check_internal_fields(body)
     model = _check_model(body)
     if endpoint == CHAT:
         _check_messages(body)

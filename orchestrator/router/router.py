@@ -105,6 +105,7 @@ class Router:
             "policy": decision.policy,
             "reason": decision.reason,
             "prompt_tokens": req.prompt_tokens,
+            "session_key": req.session_key,
             "predicted_cached_tokens": decision.predicted_cached_tokens,
         })
         return decision

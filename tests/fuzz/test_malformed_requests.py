@@ -77,6 +77,29 @@ CASES = [
     ("unknown model", post("/v1/completions", b'{"model": "nope", "prompt": "x"}'), {404}),
     ("deep nesting", post("/v1/completions", b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
      {400, 413}),
+    # within the byte cap, parsable (orjson reads 1024 levels) but not re-serializable (it writes 254)
+    ("deep nesting under the cap", post("/v1/completions", b'{"model": "m", "prompt": "x", "x": '
+                                        + b"[" * 600 + b"]" * 600 + b"}"), {400}),
+    ("deep object nesting", post("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", '
+                                 b'"content": "x"}], "x": ' + b'{"a":' * 300 + b"1" + b"}" * 300 + b"}"), {400}),
+    ("nesting at the parser limit", post("/v1/completions", b'{"model": "m", "prompt": "x", "x": '
+                                         + b"[" * 1100 + b"]" * 1100 + b"}"), {400}),
+    ("lone surrogate", post("/v1/completions", b'{"model": "m", "prompt": "\\ud800"}'),
+     {400}),
+    ("number beyond double", post("/v1/completions", b'{"model": "m", "prompt": "x", "temperature": 1e999}'), {400}),
+    ("huge key", post("/v1/completions", b'{"model": "m", "prompt": "x", "' + b"k" * 60_000 + b'": 1, "max_tokens": 1}'),
+     {200}),
+    ("huge value", post("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": 1, "v": "'
+                        + b"v" * 60_000 + b'"}'), {200}),
+    ("huge session header", (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-session-id: " + b"s" * 50_000
+                             + b'\r\ncontent-length: 46\r\n\r\n{"model": "m", "prompt": "x", "max_tokens": 1}'),
+     {200}),
+    ("internal field kv_transfer_params", post("/v1/completions", b'{"model": "m", "prompt": "x", '
+                                               b'"kv_transfer_params": {"remote_host": "10.1.1.1", "remote_port": 22}}'),
+     {400}),
+    ("internal field bootstrap_host", post("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", '
+                                           b'"content": "x"}], "bootstrap_host": "10.1.1.1"}'), {400}),
+    ("internal field rid", post("/v1/completions", b'{"model": "m", "prompt": "x", "rid": "someone-else"}'), {400}),
     ("huge number", post("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
      {400}),
     ("declared huge body", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000000\r\n\r\n{", {413}),

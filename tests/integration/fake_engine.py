@@ -1,0 +1,189 @@
+"""A fake OpenAI engine for failure tests: a small real HTTP server (stdlib, its own thread, a free port).
+
+It is a test double, named so: it answers vLLM's wire shapes (completions and chat, streamed and not,
+the NIXL prefill hand-off) well enough for the gateway, and misbehaves on demand in the ways real
+engines do but cannot be made to on cue here — a stream that ends without ``[DONE]``, a connection
+reset mid-stream, a 200 JSON error body to a stream request, garbage bytes, an ``error`` event, a
+request that hangs while ``/health`` answers, a 500 for one kind of request only. Every body it
+receives is recorded (``bodies``), so tests can check what the gateway forwarded.
+
+``mode`` (settable while running): ok | eof | reset | json_error_200 | garbage | error_event | hang |
+status | poison (500 when the prompt contains ``POISON``, else ok). ``status`` answers ``status_code``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class FakeEngine:
+    def __init__(self, mode: str = "ok", tokens: int = 5, usage: bool = True, status_code: int = 500,
+                 kv_producer: bool = True) -> None:
+        self.mode = mode
+        self.tokens = tokens
+        self.usage = usage  # answers usage (non-streamed always; streamed when include_usage is asked)
+        self.status_code = status_code
+        self.kv_producer = kv_producer
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.release = threading.Event()  # set to let hung requests go (they then drop the connection)
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def start(self) -> FakeEngine:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def generation_bodies(self) -> list[dict[str, Any]]:
+        return list(self.bodies)
+
+    # --- the handler -------------------------------------------------------------------------------
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._send(200, b"")
+                elif self.path == "/v1/models":
+                    self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model",
+                                                                            "max_model_len": 4096}]}).encode())
+                elif self.path == "/metrics":
+                    self._send(200, b"", "text/plain")
+                else:
+                    self._send(404, b'{"error": {"message": "no route"}}')
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+                body = json.loads(raw or b"{}")
+                engine.bodies.append(body)
+                engine.headers.append(dict(self.headers))
+                chat = self.path.endswith("/chat/completions")
+                mode = engine.mode
+                text = json.dumps(body.get("messages") if chat else body.get("prompt"))
+                if mode == "poison":
+                    mode = "status" if "POISON" in text else "ok"
+                if mode == "hang":
+                    engine.release.wait(120)
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if mode == "status":
+                    self._send(engine.status_code, json.dumps(
+                        {"error": {"message": f"fake engine says {engine.status_code}", "type": "BadRequestError",
+                                   "param": None, "code": engine.status_code}}).encode())
+                    return
+                if mode == "garbage" and not body.get("stream"):
+                    self._send(200, b"<html>502 upstream garbage</html>", "text/html")
+                    return
+                if mode == "json_error_200":
+                    self._send(200, json.dumps({"error": {"message": "engine failed quietly", "type": "InternalError",
+                                                          "param": None, "code": 500}}).encode())
+                    return
+                kvp = body.get("kv_transfer_params")
+                if isinstance(kvp, dict) and kvp.get("do_remote_decode") and not body.get("stream"):
+                    out = self._completion(chat, body, 1)
+                    if engine.kv_producer:
+                        out["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                                     "remote_engine_id": "fake", "remote_block_ids": [1],
+                                                     "remote_host": "127.0.0.1", "remote_port": 1}
+                    self._send(200, json.dumps(out).encode())
+                    return
+                n = body.get("max_tokens") or body.get("max_completion_tokens") or engine.tokens
+                n = min(int(n), engine.tokens)
+                if not body.get("stream"):
+                    self._send(200, json.dumps(self._completion(chat, body, n)).encode())
+                    return
+                self._stream(chat, body, n, mode)
+
+            def _completion(self, chat: bool, body: dict[str, Any], n: int) -> dict[str, Any]:
+                words = " ".join(f"w{i}" for i in range(n))
+                choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": words}
+                else:
+                    choice["text"] = words
+                out: dict[str, Any] = {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
+                                       "created": 1, "model": body.get("model"), "choices": [choice]}
+                if engine.usage:
+                    out["usage"] = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
+                return out
+
+            def _chunk(self, data: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+
+            def _stream(self, chat: bool, body: dict[str, Any], n: int, mode: str) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                if mode == "garbage":
+                    self._chunk(b"this is not server-sent events\n\nnor is this\n\n")
+                    self._chunk(b"")
+                    return
+                if mode == "error_event":
+                    self._chunk(b'data: {"error": {"message": "engine error mid-stream", "type": "InternalError", '
+                                b'"param": null, "code": 500}}\n\n')
+                    self._chunk(b"data: [DONE]\n\n")
+                    self._chunk(b"")
+                    return
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                if chat:
+                    self._chunk(b"data: " + json.dumps({"id": "c", "object": obj, "created": 1, "choices": [
+                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}).encode()
+                                + b"\n\n")
+                cut = 2 if mode in ("eof", "reset") else n
+                for i in range(min(n, cut)):
+                    piece = f"w{i} "
+                    choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
+                    if chat:
+                        choice["delta"] = {"content": piece}
+                    else:
+                        choice["text"] = piece
+                    self._chunk(b"data: " + json.dumps({"id": "c", "object": obj, "created": 1,
+                                                        "choices": [choice]}).encode() + b"\n\n")
+                    time.sleep(0.005)
+                if mode == "eof":
+                    self._chunk(b"")  # a clean end of the HTTP body, without data: [DONE]
+                    return
+                if mode == "reset":
+                    self.close_connection = True
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    self.connection.close()
+                    return
+                so = body.get("stream_options") or {}
+                if so.get("include_usage") and engine.usage:
+                    self._chunk(b"data: " + json.dumps({"id": "c", "object": obj, "created": 1, "choices": [],
+                                                        "usage": {"prompt_tokens": 7, "completion_tokens": n,
+                                                                  "total_tokens": 7 + n}}).encode() + b"\n\n")
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+
+        return Handler

@@ -1,0 +1,106 @@
+"""Client input on the request path (issue 13): internal fields, bounded keys, re-serializable bodies.
+
+Real gateway over real sockets in front of ``FakeEngine`` (tests/integration/fake_engine.py, a test
+double: a small HTTP server that records every body it receives), so each test can check what reached
+an engine on every path: aggregated (vLLM and SGLang dialects), P/D split, a short prompt prefilled
+locally on its decode worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+import pytest
+
+from adapters import internal_fields
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from tests.integration.fake_engine import FakeEngine
+
+MODEL = "m"
+LONG = "Explain the plan: " + " ".join(f"step{i} then" for i in range(150))
+
+
+@contextlib.contextmanager
+def fleet(roles: list[tuple[str, str]], **disagg):
+    engines = [FakeEngine().start() for _ in roles]
+    config = load_config({
+        "models": [{"name": MODEL, "block_size": 16}],
+        "workers": [{"id": f"w{i}", "url": e.url, "engine": kind, "role": role, "models": [MODEL]}
+                    for i, (e, (kind, role)) in enumerate(zip(engines, roles, strict=True))],
+        "router": {"policy": "least_load"},
+        "health": {"interval_s": 30},
+        "disagg": {"enabled": bool(disagg), "min_prefill_tokens": 64, **disagg},
+    })
+    gw = GatewayThread(config).start()
+    try:
+        yield gw, engines
+    finally:
+        gw.stop()
+        for e in engines:
+            e.stop()
+
+
+PATHS = {
+    "aggregated-vllm": ([("vllm", "both")], LONG),
+    "aggregated-sglang": ([("sglang", "both")], LONG),
+    "pd-split": ([("vllm", "prefill"), ("vllm", "decode")], LONG),
+    "pd-local-prefill": ([("vllm", "prefill"), ("vllm", "decode")], "short prompt"),
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_internal_field_is_refused_on_every_path(path, stream):
+    roles, prompt = PATHS[path]
+    disagg = {"connector": "nixl"} if any(r == "prefill" for _, r in roles) else {}
+    with fleet(roles, **disagg) as (gw, engines):
+        base = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "stream": stream}
+        r = httpx.post(f"{gw.url}/v1/completions", json=base, timeout=10)
+        assert r.status_code == 200, r.text  # the path itself works
+        seen = sum(len(e.bodies) for e in engines)
+        assert seen >= 1
+        for name in sorted(internal_fields()):
+            for endpoint, body in (("/v1/completions", dict(base)),
+                                   ("/v1/chat/completions", {"model": MODEL, "stream": stream, "max_tokens": 3,
+                                                             "messages": [{"role": "user", "content": prompt}]})):
+                body[name] = {"remote_host": "10.0.0.1", "remote_port": 22} if name == "kv_transfer_params" else "x"
+                r = httpx.post(gw.url + endpoint, json=body, timeout=10)
+                assert r.status_code == 400, (name, r.text)
+                err = r.json()["error"]
+                assert err["param"] == name and err["code"] == "internal_field"
+                assert name in err["message"]
+        assert sum(len(e.bodies) for e in engines) == seen  # nothing more reached an engine
+        # and what Dyad itself sent carries only Dyad's values (the prefill hand-off when split)
+        for e in engines:
+            for b in e.bodies:
+                kvp = b.get("kv_transfer_params")
+                assert kvp is None or kvp.get("remote_host") != "10.0.0.1"
+
+
+def test_session_keys_are_stored_bounded():
+    with fleet([("vllm", "both"), ("vllm", "both")]) as (gw, engines):
+        router = gw.runtime.router
+        huge = "s" * 30_000  # (headers are capped at 64 KiB in total)
+        for i in range(20):
+            r = httpx.post(f"{gw.url}/v1/completions", timeout=10, headers={"x-session-id": huge + str(i)},
+                           json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": huge + str(i)})
+            assert r.status_code == 200, r.text
+        keys = [d.get("session_key") for d in router.recent_decisions]
+        assert keys and all(k is not None and len(k) <= 32 for k in keys)
+
+
+def test_deep_nesting_is_refused_naming_the_limit_and_shallow_nesting_forwarded():
+    with fleet([("vllm", "both")]) as (gw, engines):
+        deep = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "extra": {}}
+        x = deep["extra"]
+        for _ in range(600):
+            x["a"] = {}
+            x = x["a"]
+        r = httpx.post(f"{gw.url}/v1/completions", json=deep, timeout=10)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "nesting_too_deep" and "254" in r.json()["error"]["message"]
+        ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "extra": [[[[["fine"]]]]]}
+        r = httpx.post(f"{gw.url}/v1/completions", json=ok, timeout=10)
+        assert r.status_code == 200 and engines[0].bodies[-1]["extra"] == [[[[["fine"]]]]]
