@@ -468,6 +468,14 @@ class ResilienceConfig(_Section):
         True, description="When a worker dies mid-stream, continue the stream on another worker (prompt + text "
                           "sent so far); when impossible, end it with an SSE error event")
     max_failovers: int = Field(2, ge=0, description="Continuations per stream before giving up with an error event")
+    stall_timeout_s: float = Field(
+        15.0, gt=0, description="A request waiting for its first byte on a worker that did no work at all "
+                                "(no first token or answer for any request, no generated tokens in its "
+                                "metrics) for this long, plus the prompt's and queue's prefill time at "
+                                "stall_prefill_tokens_per_s, is moved to another worker; the breaker counts it")
+    stall_prefill_tokens_per_s: float = Field(
+        500.0, gt=0, description="Slowest prefill rate assumed when sizing the stall budget (CPU-class: "
+                                 "GPU engines are 10-100x faster, so the budget is generous there)")
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="On SIGTERM: longest wait for in-flight requests before exiting")
     header_timeout_s: float = Field(

@@ -43,6 +43,7 @@ class Worker:
     consecutive_successes: int = 0
     last_health_at: float | None = None
     last_served_at: float | None = None  # when a request last completed successfully (passive health)
+    last_progress_at: float | None = None  # a first token or a whole answer came back (tells stalls from slow requests)
     last_error: str | None = None
     health_ok: bool | None = None  # last verdict of the health thresholds; None = never probed
     # A pending role change (applied once the worker has drained its old-role work):

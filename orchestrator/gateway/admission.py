@@ -355,7 +355,9 @@ class Intake:
         best: float | None = None
         for w in self.runtime.router.candidates(req.model):
             peer = req.peer_load.get(w.id)
-            ttft = self.predictor.predict(w, req.prompt_tokens, peer.prefill_tokens if peer else 0)
+            overlap = req.overlaps.get(w.id)  # the prefix this worker holds is not prefilled again
+            uncached = req.prompt_tokens - (min(overlap.blocks * req.block_size, req.prompt_tokens) if overlap else 0)
+            ttft = self.predictor.predict(w, uncached, peer.prefill_tokens if peer else 0)
             if ttft is None:
                 return  # no basis for a prediction on this worker: let it try
             best = ttft if best is None else min(best, ttft)

@@ -38,6 +38,7 @@ import orjson
 
 from adapters.base import EngineKind
 from orchestrator.errors import ApiError
+from orchestrator.gateway.attempt import aborted_by_gateway
 from orchestrator.gateway.executor import UpstreamCall
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ DONE_EVENT = b"data: [DONE]\n\n"
 # Defaults the engine applies when max_tokens is absent (OpenAI and vLLM: 16 for completions).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _CHAT_CONTINUABLE = frozenset({EngineKind.VLLM, EngineKind.SIM})
+# How a server-sent event may start (data, comment, event, id, retry); anything else is not SSE.
+_SSE_STARTS = frozenset({b"d", b":", b"e", b"i", b"r"})
+MAX_PENDING_EVENT = 1 << 20  # an incomplete event longer than this is not SSE either
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
@@ -62,21 +66,21 @@ def error_event(message: str, code: str | int = "upstream_stream_failed", type_:
 class SseRecorder:
     """Forwards whole SSE events only and remembers every byte forwarded (for a continuation)."""
 
-    __slots__ = ("_pending", "sent", "done")
+    __slots__ = ("pending", "sent", "done")
 
     def __init__(self) -> None:
-        self._pending = b""
+        self.pending = b""
         self.sent: list[bytes] = []
         self.done = False  # saw data: [DONE]
 
     def split(self, chunk: bytes) -> bytes:
-        """The complete events in ``_pending + chunk``; keeps the incomplete tail."""
-        data = self._pending + chunk if self._pending else chunk
+        """The complete events in ``pending + chunk``; keeps the incomplete tail."""
+        data = self.pending + chunk if self.pending else chunk
         cut = data.rfind(b"\n\n")
         if cut < 0:
-            self._pending = data
+            self.pending = data
             return b""
-        self._pending = data[cut + 2:]
+        self.pending = data[cut + 2:]
         return data[:cut + 2]
 
     def record(self, out: bytes) -> None:
@@ -276,7 +280,17 @@ def _final_length_event(sent: SentStream, chat: bool) -> bytes:
 
 
 class StreamRelay:
-    """Relays one stream to the client, continuing it on another worker when its worker fails."""
+    """Relays one stream to the client, continuing it on another worker when its worker fails.
+
+    Every way a stream can end is either complete (the engine's ``data: [DONE]``) or an SSE error
+    event followed by ``[DONE]``: an upstream that ends without ``[DONE]``, resets, goes silent,
+    sends bytes that are not server-sent events, or is pulled by the gateway (its worker was marked
+    down, or stalled) is a failure, continued elsewhere when the tokens can be replayed.
+
+    Usage: a final usage chunk (asked for by the gateway when the client did not: ``strip_usage``)
+    is read into ``proxy.usage`` and not relayed unless the client asked for it; without one, the
+    content events relayed are the generated-token count.
+    """
 
     def __init__(self, proxy: ProxyResponse) -> None:
         self.proxy = proxy
@@ -284,7 +298,7 @@ class StreamRelay:
         self.recorder = SseRecorder()
         self.chat = proxy.call.endpoint == CHAT
         self.failovers = 0
-        self.tail = b""
+        self.events = 0  # data: events relayed
 
     async def run(self, send: Any, response: httpx.Response) -> None:
         p = self.proxy
@@ -293,7 +307,7 @@ class StreamRelay:
             failure = await self._pump(send, response, rewriter)
             if failure is None:
                 break
-            ending, next_response, rewriter = await self._recover(failure)
+            ending, next_response, rewriter = await self._recover(*failure)
             await response.aclose()
             if next_response is None:
                 if ending:
@@ -301,54 +315,99 @@ class StreamRelay:
                 break
             response = next_response
             p.upstream = response  # the proxy closes whatever is current when it is done
-        p._done = True  # from here a disconnect is the end of our own response, not the client leaving
+        p.done = True  # from here a disconnect is the end of our own response, not the client leaving
+        content = self.events - (1 if self.recorder.done else 0) - (1 if self.chat else 0)
+        p.relayed_tokens = max(0, content)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _emit(self, send: Any, out: bytes) -> None:
         self.recorder.record(out)
-        self.tail = out
         await send({"type": "http.response.body", "body": out, "more_body": True})
 
-    async def _pump(self, send: Any, response: httpx.Response, rewriter: ContinuationRewriter | None) -> str | None:
-        """Forward until the upstream ends (None) or fails (a description of the failure)."""
+    def _take_usage(self, out: bytes) -> bytes:
+        """Read the usage object(s) in ``out``; drop usage-only events the client did not ask for."""
+        p = self.proxy
+        kept = []
+        for event in out.split(b"\n\n"):
+            if not event:
+                continue
+            if b'"usage"' in event and event.startswith(b"data:"):
+                try:
+                    obj = orjson.loads(event[5:].strip())
+                except orjson.JSONDecodeError:
+                    obj = None
+                if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                    p.usage = obj["usage"]
+                    if p.strip_usage and not obj.get("choices"):
+                        continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+    async def _pump(self, send: Any, response: httpx.Response,
+                    rewriter: ContinuationRewriter | None) -> tuple[str, str] | None:
+        """Forward until the upstream completes (None) or fails: (kind, description)."""
         p = self.proxy
         res = self.rt.config.resilience
         loop = asyncio.get_running_loop()
         idle = res.stream_idle_timeout_s
         first_wait = self.rt.config.gateway.first_byte_timeout_s if not self.recorder.sent else idle
         chunks = response.aiter_raw()
+        recorder = self.recorder
         try:
             async with asyncio.timeout(loop.time() + first_wait) as deadline:
                 async for chunk in chunks:
                     deadline.reschedule(None)  # a slow client is not an idle engine
-                    if p._first_token_at is None:
-                        p._mark_first_token()
-                    elif rewriter is not None and p._attempt is not None:
-                        self.rt.router.first_token(p._attempt.decision, p.req)
-                    out = self.recorder.split(chunk) if rewriter is None else rewriter.feed(self.recorder.split(chunk))
+                    p.mark_first_token()
+                    out = recorder.split(chunk) if rewriter is None else rewriter.feed(recorder.split(chunk))
                     if out:
-                        await self._emit(send, out)
+                        if out[:1] not in _SSE_STARTS:
+                            return "garbage", f"the engine sent bytes that are not server-sent events: {out[:60]!r}"
+                        if b'"usage"' in out:
+                            out = self._take_usage(out)
+                        self.events += out.count(b"data:")
+                        if out:
+                            await self._emit(send, out)
+                    elif len(recorder.pending) > MAX_PENDING_EVENT:
+                        return "garbage", f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
                     deadline.reschedule(loop.time() + idle)
         except TimeoutError:
-            return f"no data from the engine for {first_wait if not self.recorder.sent else idle:g} s"
+            return "idle", f"no data from the engine for {first_wait if not recorder.sent else idle:g} s"
         except httpx.HTTPError as e:
-            return f"{type(e).__name__}: {e}"
+            return "reset", f"{type(e).__name__}: {e}"
+        except asyncio.CancelledError:
+            if not aborted_by_gateway(p.attempt):
+                raise
+            return "aborted", p.attempt.aborted if p.attempt is not None and p.attempt.aborted else "aborted"
+        if recorder.done and p.attempt is not None:
+            p.attempt.abortable = False
+        if not recorder.done:
+            if recorder.pending.strip():
+                return "garbage", f"the engine stream ended inside an event: {recorder.pending[:60]!r}"
+            return "eof", "the engine ended the stream without data: [DONE]"
         return None
 
-    async def _recover(self, failure: str) -> tuple[bytes, httpx.Response | None, ContinuationRewriter | None]:
+    def _blame(self, kind: str, failure: str) -> None:
+        """End the failed attempt with its classified outcome (classify.py)."""
+        attempt = self.proxy.attempt
+        assert attempt is not None
+        if kind == "idle" and attempt.worker_progressed():
+            attempt.request_failed()  # the worker serves others: this stream is slow, not the worker
+        elif kind == "aborted":
+            attempt.worker_failed("stalled" if attempt.stalled else "down", failure)
+        else:
+            attempt.worker_failed("stream" if kind != "garbage" else "garbage", f"stream broke: {failure}",
+                                  down=kind == "reset")
+
+    async def _recover(self, kind: str, failure: str) -> tuple[bytes, httpx.Response | None,
+                                                             ContinuationRewriter | None]:
         """After a broken upstream: the bytes that end the stream, or a continuation response to relay."""
         p = self.proxy
         rt = self.rt
-        attempt = p._attempt
+        attempt = p.attempt
         assert attempt is not None
         worker = attempt.decision.worker
-        now = rt.clock.now()
-        rt.metrics.upstream_errors.labels(worker.id, "stream").inc()
-        rt.breakers.record_failure(worker.id, now)
-        if "no data" not in failure:  # the connection broke: the engine is gone or going
-            rt.fleet.mark_failed(worker, now, f"stream broke: {failure}")
-        rt.router.finish(attempt.decision, p.req, ok=False)
-        p._attempt = None
+        self._blame(kind, failure)
+        p.attempt = None
         if self.recorder.done:
             return b"", None, None
         sent = parse_sent(self.recorder.sent, self.chat)
@@ -378,22 +437,19 @@ class StreamRelay:
         call = UpstreamCall(endpoint=p.call.endpoint, body=body, request_id=p.call.request_id, model=p.call.model,
                             stream=True, headers=p.call.headers)
         try:
-            attempt = await p._open(call)
+            next_attempt, _ = await p.open_attempt(call)
         except ApiError as e:
             return self._give_up(message, f"no worker could continue it: {e.message}")
-        if attempt.response.status_code >= 400:
-            raw = await attempt.response.aread()
-            await attempt.response.aclose()
-            return self._give_up(message, f"the continuation was refused with HTTP {attempt.response.status_code}: "
-                                          f"{raw[:300].decode('utf-8', 'replace')}")
         log.warning("request %s: stream on %s broke after %d tokens (%s); continuing on %s", p.call.request_id,
-                    worker.id, sent.tokens, failure, attempt.decision.worker.id)
+                    worker.id, sent.tokens, failure, next_attempt.worker_id)
         rt.metrics.stream_failovers.labels("continued").inc()
-        return b"", attempt.response, ContinuationRewriter(sent, self.chat)
+        assert next_attempt.response is not None
+        return b"", next_attempt.response, ContinuationRewriter(sent, self.chat)
 
     def _give_up(self, message: str, reason: str) -> tuple[bytes, None, None]:
         self.rt.metrics.stream_failovers.labels("error_event").inc()
         self.proxy.status = 502
+        self.proxy.error_class = "stream_failed"
         log.warning("request %s: %s; not continued: %s", self.proxy.call.request_id, message, reason)
         return error_event(f"{message}; it could not be continued on another worker ({reason}).",
                            code="upstream_stream_failed"), None, None

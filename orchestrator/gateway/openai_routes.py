@@ -14,7 +14,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from orchestrator.errors import ModelNotFound
+from orchestrator.errors import ApiError, ModelNotFound
 from orchestrator.gateway import request as rq
 from orchestrator.gateway.executor import UpstreamCall
 from orchestrator.gateway.fastpath import child, new_request_id
@@ -22,6 +22,8 @@ from orchestrator.gateway.proxy import ProxyResponse
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.router.estimate import estimate_prompt_tokens
 from orchestrator.router.types import RouteRequest
+from orchestrator.telemetry import tracing
+from orchestrator.telemetry.access_log import AccessRecord
 from orchestrator.telemetry.logging import bind_request_id
 
 MAX_REQUEST_ID = 128
@@ -65,27 +67,62 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
                     started: float) -> Any:
     gw = rt.config.gateway
     intake = rt.intake  # orchestrator.gateway.admission: auth, rate limits, admission control, queue
-    client = intake.authenticate(request)
-    body = rq.parse_json_object(await rq.read_body(request, gw.max_body_bytes))
-    model = rq.validate(endpoint, body)
-    canonical = rt.config.model(model)
-    client.check_model(model, (canonical.name, *canonical.aliases) if canonical is not None else ())
-    if canonical is not None and canonical.name != model:
-        model = body["model"] = canonical.name  # an alias: the engines know the model by its name
-    if not rt.fleet.knows_model(model):
-        raise ModelNotFound(model)
-    stream = body.get("stream") is True
-    block_size = canonical.block_size if canonical is not None else 32
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    session_header = rt.config.router.kv_aware.session_header
-    route_req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
-                             max_tokens=max_tokens, block_size=block_size,
-                             session_key=session_key_of(request.headers.get(session_header), body))
-    # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
-    slot = await intake.admit(client, route_req, request.headers, request.receive)
+    record = AccessRecord(request_id=rid, endpoint=endpoint)
+    try:
+        client = intake.authenticate(request)
+        record.client_key_id = client.name
+        body = rq.parse_json_object(await rq.read_body(request, gw.max_body_bytes))
+        model = rq.validate(endpoint, body)
+        canonical = rt.config.model(model)
+        client.check_model(model, (canonical.name, *canonical.aliases) if canonical is not None else ())
+        if canonical is not None and canonical.name != model:
+            model = body["model"] = canonical.name  # an alias: the engines know the model by its name
+        if not rt.fleet.knows_model(model):
+            raise ModelNotFound(model)
+        record.model = model
+        stream = record.stream = body.get("stream") is True
+        route_req = await annotate(rt, request, rid, endpoint, model, body)
+        # Demand, counted before admission: queued, refused and failed requests are demand too (the planner).
+        child(rt.metrics.arrivals, model).inc()
+        child(rt.metrics.arrival_prompt_tokens, model).inc(route_req.prompt_tokens)
+        # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
+        with tracing.span("dyad.admission", model=model):
+            slot = await intake.admit(client, route_req, request.headers, request.receive)
+    except ApiError as err:
+        record.status = err.status
+        record.error_class = err.code if isinstance(err.code, str) else type(err).__name__
+        record.total_s = time.perf_counter() - started
+        rt.access_log.emit(record)
+        raise
+    strip_usage = stream and ask_for_usage(body)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
     child(rt.metrics.inflight, model).inc()
-    return intake.wrap(ProxyResponse(rt, call, route_req, label, started), model, rid, slot)
+    return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record, strip_usage), model, rid, slot)
+
+
+async def annotate(rt: GatewayRuntime, request: Request, rid: str, endpoint: str, model: str,
+                   body: dict[str, Any]) -> RouteRequest:
+    """The request as routing and admission see it, built once: the prompt's length (the model's
+    tokenizer through the prefix tracker when there is one, else ``estimate_prompt_tokens``), block
+    hashes, cached-prefix overlap per worker, other replicas' load, the hashed session key."""
+    canonical = rt.config.model(model)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    session_header = rt.config.router.kv_aware.session_header
+    req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
+                       max_tokens=max_tokens, block_size=canonical.block_size if canonical is not None else 32,
+                       session_key=session_key_of(request.headers.get(session_header), body))
+    await rt.router.annotate(req, body, endpoint)
+    return req
+
+
+def ask_for_usage(body: dict[str, Any]) -> bool:
+    """Make a stream end with the engine's usage chunk (``stream_options.include_usage``), so its
+    tokens are counted; True when the client did not ask for it (then it is not relayed)."""
+    so = body.get("stream_options")
+    if isinstance(so, dict) and so.get("include_usage") is True:
+        return False
+    body["stream_options"] = {**so, "include_usage": True} if isinstance(so, dict) else {"include_usage": True}
+    return True
 
 
 async def chat_completions(request: Request) -> ProxyResponse:

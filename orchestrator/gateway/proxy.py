@@ -1,15 +1,19 @@
 """One client request, from routing to the last byte: attempts, retries, streaming, cancellation.
 
-``ProxyResponse`` is an ASGI response. It routes the request, opens the upstream response
-through an executor, and passes the engine's bytes to the client unchanged (SSE included: no
-re-encoding). Until the first byte of a successful answer nothing has reached the client, so a
-worker that cannot be reached, or answers 5xx, is left out and the request is routed again (up to
-``gateway.max_attempts``). A watcher on the client connection cancels everything if the client
-goes away: the upstream connection is closed, which makes vLLM abort the request.
+``ProxyResponse`` is an ASGI response. For each try it routes the annotated request, opens an
+``Attempt`` (``attempt.py``: the try's accounting, from start to its classified end) and asks the
+executor to open the upstream response. Until the first byte of a good answer nothing has reached
+the client, so a try that fails is left behind and the request is routed again (up to
+``gateway.max_attempts``, with backoff, skipping open breakers). What reaches the client is checked
+first: a non-streamed answer must be a JSON object (garbage becomes a retry, then a 502), a stream
+must be server-sent events (a 200 JSON error body becomes the error it is). Failures are classified
+(``classify.py``): only the worker's own (connect errors, resets, stalls, garbage, a 5xx this
+request does not get elsewhere) count against it. A watcher on the client connection cancels
+everything if the client goes away: the upstream connection is closed, which makes vLLM abort.
 
-Failure handling lives beside it: retries wait a jittered exponential backoff and skip workers
-whose circuit breaker is open (``resilience.py``); a stream whose worker dies is continued on
-another worker or ended with an SSE error event (``failover.py``).
+Streams are relayed by ``failover.StreamRelay`` (whole SSE events, usage accounting, and a
+continuation on another worker when the stream breaks); both meet only through this class's public
+members (``attempt``, ``open_attempt``, ``mark_first_token``, ``done``, ``call``, ``req``).
 """
 
 from __future__ import annotations
@@ -23,46 +27,56 @@ import httpx
 import orjson
 
 from orchestrator.errors import ApiError, GatewayTimeout, NoHealthyWorker, UpstreamError
+from orchestrator.gateway import classify
+from orchestrator.gateway.attempt import Attempt, aborted_by_gateway
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall
 from orchestrator.gateway.failover import StreamRelay
-from orchestrator.gateway.fastpath import child, usage_of
-from orchestrator.gateway.responses import engine_error_body, send_bytes, send_error
+from orchestrator.gateway.fastpath import child
+from orchestrator.gateway.responses import send_error
 from orchestrator.gateway.stream_timing import TokenTimer
 from orchestrator.gateway.transport import read_all
-from orchestrator.router.types import RouteDecision, RouteRequest
+from orchestrator.router.estimate import estimate_text_tokens
+from orchestrator.router.types import RouteRequest
+from orchestrator.telemetry import tracing
+from orchestrator.telemetry.access_log import AccessRecord
 
 if TYPE_CHECKING:
     from orchestrator.gateway.runtime import GatewayRuntime
 
-RETRY_STATUSES = frozenset({500, 502, 503, 504})  # answered before any byte: another worker may do better
-UNAVAILABLE_STATUSES = frozenset({502, 503})  # the engine says it cannot serve: counts against its health
 _PASS_HEADERS = (b"content-type", b"content-encoding")
 _JITTER = random.Random()
 WATCH_AFTER_S = 0.02  # the client watcher starts this late: a disconnect is seen within 20 ms more
+MAX_ERROR_BODY = 1 << 20  # an engine's non-stream answer to a stream request is read up to this
 
 
-class _Attempt:
-    __slots__ = ("decision", "response")
+class _Retry(Exception):
+    """This try failed in a way another worker may not: route again (``error`` if none is left)."""
 
-    def __init__(self, decision: RouteDecision, response: httpx.Response) -> None:
-        self.decision = decision
-        self.response = response
+    def __init__(self, error: ApiError) -> None:
+        self.error = error
 
 
 class ProxyResponse:
     def __init__(self, runtime: GatewayRuntime, call: UpstreamCall, req: RouteRequest, endpoint_label: str,
-                 started: float) -> None:
+                 started: float, record: AccessRecord | None = None, strip_usage: bool = False) -> None:
         self.rt = runtime
         self.call = call
         self.req = req
         self.endpoint_label = endpoint_label
         self.started = started
         self.status = 0
+        self.done = False  # our own response is complete: a disconnect from here on is not the client leaving
+        self.attempt: Attempt | None = None  # the try whose answer is (being) relayed
+        self.record = record or AccessRecord(request_id=call.request_id, model=call.model, endpoint=call.endpoint,
+                                             stream=call.stream)
+        self.strip_usage = strip_usage  # the gateway asked for the stream's usage chunk: do not relay it
+        self.usage: dict[str, Any] | None = None  # the engine's usage, when it gave one
+        self.relayed_tokens = 0  # content events relayed (the count when the engine gives no usage)
+        self.error_class: str | None = None
         self._disconnected = False
-        self._done = False
-        self._attempt: _Attempt | None = None
         self._first_token_at: float | None = None
         self._tried: set[str] = set()  # workers that failed this request (never tried again for it)
+        self._judge = classify.FiveXxJudge()
         self.upstream: httpx.Response | None = None  # the engine response being relayed
         self._watcher: asyncio.Future[None] | None = None
 
@@ -77,32 +91,46 @@ class ProxyResponse:
             # A stream is bounded by its idle timeout (failover.py), and in total only if configured.
             timeout = self.rt.config.resilience.stream_timeout_s if self.call.stream \
                 else self.rt.config.gateway.request_timeout_s
-            async with asyncio.timeout(timeout):
-                await self._run(send)
+            with tracing.span("dyad.request", model=self.call.model, endpoint=self.call.endpoint,
+                              stream=self.call.stream) as span:
+                self.record.trace_id = span.trace_id_hex()
+                async with asyncio.timeout(timeout):
+                    await self._run(send)
         except asyncio.CancelledError:
             if not self._disconnected:
-                raise
+                if not aborted_by_gateway(self.attempt):
+                    raise
+                # pulled between the checks that handle it (worker marked down): end honestly
+                self.error_class = "worker_down"
+                if self.status == 0:
+                    self.status = 502
+                    self.done = True
+                    await send_error(send, UpstreamError(502, "The worker serving the request was marked down.",
+                                                         code="worker_down"), self._headers())
+                return
             task.uncancel()
             self.status = 499  # nginx's "client closed request"
+            self.error_class = "client_gone"
             self.rt.metrics.client_disconnects.labels(self.call.model).inc()
         except TimeoutError:
             self.rt.metrics.upstream_errors.labels(self._worker_label(), "timeout").inc()
+            self.error_class = "timeout"
             if self.status == 0:
                 self.status = 504
-                self._done = True
+                self.done = True
                 which = "resilience.stream_timeout_s" if self.call.stream else "gateway.request_timeout_s"
                 await send_error(send, GatewayTimeout(
                     f"The request did not complete within {timeout:g} s ({which}).", code="timeout"),
                     self._headers())
         finally:
-            self._done = True
+            self.done = True
             start_watching.cancel()
             if self._watcher is not None:
                 self._watcher.cancel()
             self._finish()
 
     def _start_watcher(self, receive: Any, task: asyncio.Task[Any]) -> None:
-        if not self._done:  # (a client that left meanwhile is seen at once: receive() says so)
+        if not self.done:  # (a client that left meanwhile is seen at once: receive() says so)
             self._watcher = asyncio.ensure_future(self._watch_disconnect(receive, task))
 
     async def _watch_disconnect(self, receive: Any, task: asyncio.Task[Any]) -> None:
@@ -111,18 +139,18 @@ class ProxyResponse:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if not self._done:
+                if not self.done:
                     self._disconnected = True
                     task.cancel()
                 return
 
     def _worker_label(self) -> str:
-        return self._attempt.decision.worker.id if self._attempt else "none"
+        return self.attempt.worker_id if self.attempt else "none"
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         headers = [(b"x-request-id", self.call.request_id.encode())]
-        if self._attempt is not None and self.rt.config.router.debug_headers:
-            d = self._attempt.decision
+        if self.attempt is not None and self.rt.config.router.debug_headers:
+            d = self.attempt.decision
             headers.append((b"x-dyad-worker", d.worker.id.encode()))
             headers.append((b"x-dyad-predicted-cached-tokens", str(d.predicted_cached_tokens).encode()))
             if d.prefill_worker is not None:
@@ -133,127 +161,217 @@ class ProxyResponse:
 
     async def _run(self, send: Any) -> None:
         try:
-            attempt = await self._open()
-            if not self.call.stream and attempt.response.status_code < 400:
-                body = await self._read_whole(attempt)
+            attempt, body = await self.open_attempt()
         except ApiError as err:
             self.status = err.status
-            self._done = True
+            self.done = True
+            self.error_class = self.error_class or (err.code if isinstance(err.code, str) else "upstream_error")
             await send_error(send, err, self._headers())
             return
-        assert self._attempt is not None  # _read_whole may have moved to another worker
-        response = self.upstream = self._attempt.response
+        response = self.upstream = attempt.response
+        assert response is not None
         try:
-            if response.status_code >= 400:
-                raw = await response.aread()
-                self.status = response.status_code
-                self._done = True
-                await send_bytes(send, response.status_code, engine_error_body(response.status_code, raw),
-                                 headers=self._headers())
-            elif self.call.stream:
+            if self.call.stream:
                 await self._stream(send, response)
             else:
+                assert body is not None
                 await self._whole(send, response, body)
         finally:
             await self.upstream.aclose()
 
-    async def _read_whole(self, attempt: _Attempt) -> bytes:
-        """A non-streamed answer, read in full before the client sees anything: if the engine dies
-        while sending it, the request is sent again elsewhere (within ``gateway.max_attempts``)."""
-        attempts = 1
-        while True:
-            try:
-                return await read_all(attempt.response)
-            except httpx.HTTPError as e:
-                await attempt.response.aclose()
-                self._attempt_failed(attempt.decision, AttemptFailed(
-                    attempt.decision.worker, "protocol", f"answer broke off: {type(e).__name__}: {e}",
-                    reachable=False))
-                self._attempt = None
-                attempts += 1
-                if attempts > self.rt.config.gateway.max_attempts:
-                    raise NoHealthyWorker(self.call.model, self.rt.config.gateway.retry_after_s,
-                                          reason=f"the answer broke off on every attempt: {e}") from None
-                attempt = await self._open(retry=True)
-                if attempt.response.status_code >= 400:
-                    raw = await attempt.response.aread()
-                    await attempt.response.aclose()
-                    raise UpstreamError(attempt.response.status_code, orjson.loads(
-                        engine_error_body(attempt.response.status_code, raw))["error"]["message"]) from None
+    async def open_attempt(self, call: UpstreamCall | None = None, *,
+                           retry: bool = False) -> tuple[Attempt, bytes | None]:
+        """Route and send until a worker gives an answer worth relaying; returns its attempt (now
+        ``self.attempt``) and, for a non-streamed call, the whole answer (already checked to be JSON).
 
-    def _attempt_failed(self, decision: RouteDecision, e: AttemptFailed) -> None:
-        rt = self.rt
-        now = rt.clock.now()
-        rt.router.finish(decision, self.req, ok=False)
-        rt.metrics.upstream_errors.labels(e.worker.id, e.kind).inc()
-        rt.breakers.record_failure(e.worker.id, now)
-        if not e.reachable:
-            rt.fleet.mark_failed(e.worker, now, str(e))
-
-    async def _open(self, call: UpstreamCall | None = None, *, retry: bool = False) -> _Attempt:
-        """Route and send until a worker answers something other than a retryable failure.
-
-        Workers that failed this request, and workers whose circuit breaker is open, are skipped;
-        each retry first waits ``Backoff.delay`` (``resilience.backoff_*``). ``call`` replaces the
-        client's request (a stream continuation); ``retry`` says an earlier attempt failed already.
+        Workers that failed this request and workers whose breaker is open are skipped; each retry
+        first waits ``Backoff.delay``. ``call`` replaces the client's request (a stream continuation);
+        ``retry`` says an earlier try failed already. Raises the ``ApiError`` the client should get.
         """
         rt = self.rt
         call = call or self.call
         max_attempts = rt.config.gateway.max_attempts
-        tried = self._tried
         last_error: ApiError | None = None
         for attempt_no in range(max_attempts):
             if attempt_no or retry:
                 await asyncio.sleep(rt.backoff.delay(attempt_no + (1 if retry else 0), _JITTER))
             blocked = rt.breakers.blocked(rt.clock.now())
+            exclude = self._tried | blocked if blocked else self._tried
             try:
-                decision = await rt.router.route(self.req, call.body, call.endpoint,
-                                                 tried | blocked if blocked else tried)
+                decision = await rt.router.decide(self.req, exclude)
             except NoHealthyWorker:
+                self._settle_5xx(request_caused=False)  # no second opinion: the held 5xx were the workers'
                 if last_error is not None:
                     raise last_error from None
                 raise
             if attempt_no or retry:
                 rt.metrics.retries.labels(call.model).inc()
-            worker = decision.worker
-            tried.add(worker.id)
+            self._tried.add(decision.worker.id)
             if decision.prefill_worker is not None:
-                tried.add(decision.prefill_worker.id)
-            rt.router.begin(decision, self.req)
-            probe = rt.breakers.dispatched(worker.id)
+                self._tried.add(decision.prefill_worker.id)
+            attempt = Attempt(rt, self.req, decision)
+            self.record.attempts += 1
+            self.record.workers.extend(attempt.workers())
             try:
-                response = await rt.executor_for(decision).open(call, decision)
-            except AttemptFailed as e:
-                self._attempt_failed(decision, e)
-                if e.kind == "timeout":  # the engine may still be working on it: do not send it twice
-                    raise GatewayTimeout(str(e), code="upstream_timeout") from None
-                last_error = NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
-                                             reason=f"attempt {attempt_no + 1} failed: {e}")
+                with tracing.span("dyad.attempt", worker=decision.worker.id,
+                                  role="decode" if decision.prefill_worker else "both") as span:
+                    body = await self._try(attempt, call, last_try=attempt_no + 1 >= max_attempts)
+                    span.set_attribute("outcome", "answered")
+            except _Retry as r:
+                last_error = r.error
                 continue
-            except BaseException:
-                rt.router.finish(decision, self.req, ok=False)
-                raise
-            finally:
-                if probe:
-                    rt.breakers.probe_done(worker.id)
-            status = response.status_code
-            if status in RETRY_STATUSES:
-                rt.breakers.record_failure(worker.id, rt.clock.now())
-            else:
-                rt.breakers.record_success(worker.id, rt.clock.now())
-            if status in RETRY_STATUSES and attempt_no + 1 < max_attempts:
-                raw = await response.aread()
-                await response.aclose()
-                rt.router.finish(decision, self.req, ok=False)
-                rt.metrics.upstream_errors.labels(worker.id, f"http_{status}").inc()
-                if status in UNAVAILABLE_STATUSES:
-                    rt.fleet.record_health(worker, False, rt.clock.now(), f"answered HTTP {status}")
-                last_error = UpstreamError(status, orjson.loads(engine_error_body(status, raw))["error"]["message"])
-                continue
-            self._attempt = _Attempt(decision, response)
-            return self._attempt
+            self.attempt = attempt
+            return attempt, body
         assert last_error is not None
         raise last_error
+
+    async def _try(self, attempt: Attempt, call: UpstreamCall, last_try: bool) -> bytes | None:
+        """One try: open, check what came back, classify any failure. Raises ``_Retry`` when another
+        worker may do better, the client's ``ApiError`` when not."""
+        rt = self.rt
+        worker = attempt.decision.worker
+        attempt.watch()  # the stall watchdog, until the first token (attempt.py)
+        try:
+            response = attempt.response = await rt.executor_for(attempt.decision).open(call, attempt.decision)
+            status = response.status_code
+            if status >= 400:
+                raw = await response.aread()
+                await response.aclose()
+                return self._error_status(attempt, status, raw, last_try)
+            if not call.stream:
+                try:
+                    body = await read_all(response)
+                    attempt.abortable = False
+                except httpx.HTTPError as e:
+                    await response.aclose()
+                    attempt.worker_failed("protocol", f"answer broke off: {type(e).__name__}", down=True)
+                    raise _Retry(NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
+                                                 reason=f"the answer from {worker.id} broke off")) from None
+                return self._check_json(attempt, status, body, response, last_try)
+            ctype = response.headers.get("content-type", "")
+            if "event-stream" not in ctype:
+                raw = await self._read_bounded(response)
+                await response.aclose()
+                return self._not_sse(attempt, raw, last_try)
+            return None
+        except AttemptFailed as e:
+            if e.kind == "timeout":
+                # The first-byte timeout ran out while the worker kept working for others (the stall
+                # watchdog would have pulled it otherwise): this request is slow, not the worker.
+                attempt.request_failed()
+                self.error_class = "timeout"
+                raise GatewayTimeout(f"{e} (gateway.first_byte_timeout_s)", code="upstream_timeout") from None
+            attempt.worker_failed(e.kind, str(e), down=not e.reachable)
+            raise _Retry(NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
+                                         reason=f"{worker.id}: {e}")) from None
+        except asyncio.CancelledError:
+            if not aborted_by_gateway(attempt):
+                attempt.cancelled()
+                raise
+            if attempt.response is not None:
+                await attempt.response.aclose()
+            kind = "stalled" if attempt.stalled else "down"
+            attempt.worker_failed(kind, attempt.aborted or kind, down=False)
+            raise _Retry(NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
+                                         reason=attempt.aborted or kind)) from None
+        except (ApiError, _Retry):
+            raise
+        except BaseException:
+            attempt.cancelled()
+            raise
+
+    @staticmethod
+    async def _read_bounded(response: httpx.Response) -> bytes:
+        out = b""
+        async for chunk in response.aiter_raw():
+            out += chunk
+            if len(out) > MAX_ERROR_BODY:
+                break
+        return out
+
+    def _error_status(self, attempt: Attempt, status: int, raw: bytes, last_try: bool) -> bytes | None:
+        """An engine error answer: 4xx back to the client (the worker is fine); a 5xx is held for a
+        second opinion from another worker (``classify.FiveXxJudge``)."""
+        err = classify.engine_error(status, raw)
+        if status not in classify.RETRY_STATUSES:
+            attempt.request_failed(alive=True)
+            self._settle_5xx(request_caused=True)
+            self.error_class = "engine_rejected"
+            raise err
+        if self._judge.same_again(status):  # the same 5xx on a second worker: the request's doing
+            attempt.request_failed()
+            self._settle_5xx(request_caused=True)
+            self.error_class = "engine_error"
+            raise err
+        if last_try or not self._other_worker_left(attempt):
+            attempt.request_failed()
+            self._judge.hold(attempt.worker_id, status)
+            self._settle_5xx(request_caused=False)
+            self.error_class = "engine_error"
+            raise err
+        attempt.request_failed()  # provisionally: judged by the next try
+        self._judge.hold(attempt.worker_id, status)
+        raise _Retry(err)
+
+    def _other_worker_left(self, attempt: Attempt) -> bool:
+        blocked = self.rt.breakers.blocked(self.rt.clock.now())
+        return any(w.id not in self._tried and w.id not in blocked for w in self.rt.router.candidates(self.call.model))
+
+    def _settle_5xx(self, request_caused: bool) -> None:
+        rt = self.rt
+        now = rt.clock.now()
+        for wid, status in self._judge.settle(request_caused):
+            rt.metrics.upstream_errors.labels(wid, f"http_{status}").inc()
+            rt.breakers.record_failure(wid, now)
+            w = rt.fleet.get(wid)
+            if w is not None and status in classify.UNAVAILABLE_STATUSES:
+                rt.fleet.record_health(w, False, now, f"answered HTTP {status}")
+
+    def _check_json(self, attempt: Attempt, status: int, body: bytes, response: httpx.Response,
+                    last_try: bool) -> bytes:
+        """A non-streamed answer must be a JSON object; a 200 carrying an error is that error."""
+        if response.headers.get("content-encoding"):
+            self._settle_5xx(request_caused=False)
+            return body  # compressed: relayed as is (never asked for by the gateway)
+        try:
+            obj = orjson.loads(body)
+            if not isinstance(obj, dict):
+                raise ValueError("not an object")
+        except (orjson.JSONDecodeError, ValueError):
+            snippet = body[:80].decode("utf-8", "replace")
+            attempt.worker_failed("garbage", f"answered a body that is not a JSON object: {snippet!r}")
+            self._settle_5xx(request_caused=False)
+            self.error_class = "bad_engine_answer"
+            raise _Retry(UpstreamError(502, f"The engine ({attempt.worker_id}) answered HTTP {status} with a body "
+                                            f"that is not JSON ({len(body)} bytes, starting {snippet!r}).",
+                                       code="bad_engine_answer")) from None
+        bad = classify.error_in_answer(obj)
+        if bad is not None:
+            return self._error_status(attempt, bad[0], orjson.dumps({"error": bad[1]}), last_try)
+        self._settle_5xx(request_caused=False)
+        usage = obj.get("usage")
+        self.usage = usage if isinstance(usage, dict) else None
+        if self.usage is None:
+            self.relayed_tokens = sum(estimate_text_tokens(_answer_text(c)) for c in obj.get("choices") or ()
+                                      if isinstance(c, dict))
+        return body
+
+    def _not_sse(self, attempt: Attempt, raw: bytes, last_try: bool) -> None:
+        """A stream request answered with something other than server-sent events."""
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            obj = None
+        bad = classify.error_in_answer(obj)
+        if bad is not None:
+            self._error_status(attempt, bad[0], orjson.dumps({"error": bad[1]}), last_try)
+            return None
+        snippet = raw[:80].decode("utf-8", "replace")
+        attempt.worker_failed("garbage", f"answered a stream request without server-sent events: {snippet!r}")
+        self._settle_5xx(request_caused=False)
+        self.error_class = "bad_engine_answer"
+        raise _Retry(UpstreamError(502, f"The engine ({attempt.worker_id}) answered a stream request without "
+                                        f"server-sent events (starting {snippet!r}).", code="bad_engine_answer"))
 
     def _response_headers(self, response: httpx.Response, with_length: bytes | None) -> list[tuple[bytes, bytes]]:
         headers = [(k, v) for k, v in response.headers.raw if k.lower() in _PASS_HEADERS]
@@ -269,56 +387,84 @@ class ProxyResponse:
         # worker, or the stream ends with an SSE error event (failover.py).
         relay = StreamRelay(self)
         await relay.run(TokenTimer(child(self.rt.metrics.itl, self.call.model)).wrap(send), response)  # ITL
-        self._observe_usage_sse(relay.tail)
 
     async def _whole(self, send: Any, response: httpx.Response, body: bytes) -> None:
-        self._mark_first_token()
+        self.mark_first_token()
         self.status = response.status_code
-        self._done = True
+        self.done = True
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": self._response_headers(response, str(len(body)).encode())})
         await send({"type": "http.response.body", "body": body, "more_body": False})
-        if not response.headers.get("content-encoding"):
-            self._observe_usage(usage_of(body))  # only the usage object is parsed
 
     # --- accounting ----------------------------------------------------------------------------
 
-    def _mark_first_token(self) -> None:
-        self._first_token_at = time.perf_counter()
-        if self._attempt is not None:
-            self.rt.router.first_token(self._attempt.decision, self.req)
-        if self.call.stream:
-            child(self.rt.metrics.ttft, self.call.model).observe(self._first_token_at - self.started)
-
-    def _observe_usage_sse(self, tail: bytes) -> None:
-        idx = tail.rfind(b'"usage"')
-        if idx < 0:
-            return
-        start = tail.rfind(b"data: ", 0, idx)
-        end = tail.find(b"\n", idx)
-        if start < 0:
-            return
-        try:
-            self._observe_usage(orjson.loads(tail[start + 6:end if end > 0 else None]).get("usage"))
-        except (orjson.JSONDecodeError, AttributeError):
-            pass
-
-    def _observe_usage(self, usage: Any) -> None:
-        if not isinstance(usage, dict):
-            return
-        m = self.rt.metrics
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if isinstance(prompt, int):
-            child(m.prompt_tokens, self.call.model).observe(prompt)
-        if isinstance(completion, int):
-            child(m.generation_tokens, self.call.model).observe(completion)
+    def mark_first_token(self) -> None:
+        if self._first_token_at is None:
+            self._first_token_at = time.perf_counter()
+            if self.call.stream:
+                child(self.rt.metrics.ttft, self.call.model).observe(self._first_token_at - self.started)
+        if self.attempt is not None:
+            self.attempt.first_token()
 
     def _finish(self) -> None:
         rt = self.rt
-        if self._attempt is not None:
-            rt.router.finish(self._attempt.decision, self.req, ok=200 <= self.status < 400)
+        attempt = self.attempt
+        ok = 200 <= self.status < 400
+        if attempt is not None:
+            if ok:
+                attempt.succeeded()
+            elif self.status == 499:
+                attempt.cancelled()
+            else:
+                attempt.request_failed()
         model = self.call.model
         m = rt.metrics  # (children cached per label values: fastpath.child)
+        elapsed = time.perf_counter() - self.started
         child(m.inflight, model).dec()
         child(m.requests, model, self.endpoint_label, str(self.status or 500)).inc()
-        child(m.e2e, model, self.endpoint_label).observe(time.perf_counter() - self.started)
+        child(m.e2e, model, self.endpoint_label).observe(elapsed)
+        prompt, generated = self._token_counts()
+        if prompt is not None:
+            child(m.prompt_tokens, model).observe(prompt)
+        if generated is not None:
+            child(m.generation_tokens, model).observe(generated)
+        rec = self.record
+        rec.status = self.status or 500
+        rec.error_class = None if ok else (self.error_class or "failed")
+        rec.prompt_tokens = prompt
+        rec.generated_tokens = generated
+        rec.total_s = elapsed
+        if self._first_token_at is not None:
+            rec.ttft_s = self._first_token_at - self.started
+            if generated and generated > 1 and self.call.stream:
+                rec.itl_mean_s = (elapsed - rec.ttft_s) / (generated - 1)
+        if attempt is not None:
+            rec.cached_tokens = attempt.decision.predicted_cached_tokens
+        rt.access_log.emit(rec)
+
+    def _token_counts(self) -> tuple[int | None, int | None]:
+        """Prompt and generated tokens: the engine's usage, else what was estimated and relayed.
+        Only requests that got an answer are counted (a refusal generated nothing)."""
+        if self._first_token_at is None:
+            return None, None
+        usage = self.usage
+        prompt = generated = None
+        if usage is not None:
+            p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            prompt = p if isinstance(p, int) else None
+            generated = c if isinstance(c, int) else None
+        if prompt is None:
+            prompt = self.req.prompt_tokens
+        if generated is None:
+            generated = self.relayed_tokens
+        return prompt, generated
+
+
+def _answer_text(choice: dict[str, Any]) -> str:
+    text = choice.get("text")
+    if isinstance(text, str):
+        return text
+    message = choice.get("message")
+    if isinstance(message, dict) and isinstance(message.get("content"), str):
+        return message["content"]
+    return ""

@@ -24,6 +24,7 @@ from orchestrator.fleet.discovery import build_discovery
 from orchestrator.fleet.health import HealthChecker
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.scrape import MetricsScraper
+from orchestrator.gateway.attempt import AttemptRegistry
 from orchestrator.gateway.executor import AggregatedExecutor, Executor
 from orchestrator.gateway.resilience import Backoff, CircuitBreakers
 from orchestrator.gateway.shutdown import ShutdownState
@@ -32,6 +33,7 @@ from orchestrator.gateway.transport import FastTransport
 from orchestrator.router.policies import make_policy
 from orchestrator.router.router import PrefixTracker, Router
 from orchestrator.router.types import RouteDecision
+from orchestrator.telemetry.access_log import AccessLog
 from orchestrator.telemetry.metrics import DyadMetrics
 
 # Fallback when adapters.get_adapter is not available: engine kind → (module, class).
@@ -97,11 +99,21 @@ class GatewayRuntime:
         self.breakers = CircuitBreakers.from_config(
             res, on_change=lambda wid, state: self.metrics.breaker_transitions.labels(wid, state.value).inc())
         self.fleet.subscribe(lambda event, w: self.breakers.forget(w.id) if event == "removed" else None)
+        # Tries in flight by worker: a worker marked down fails its requests over at once (attempt.py).
+        self.attempts = AttemptRegistry()
+        self.fleet.subscribe(self._on_fleet_event)
+        self.access_log = AccessLog()  # one record per request (orchestrator.telemetry.access_log)
         self.shutdown = ShutdownState(config.gateway.retry_after_s)  # SIGTERM drain (shutdown.py)
         if config.router.policy == "kv_aware":  # prefix-aware routing: tokenizer, index, KV events (orchestrator.kv)
             from orchestrator.kv.tracker import build_prefix_tracker
             self.prefix_tracker = build_prefix_tracker(config, self.fleet, self.metrics, self.clock,
                                                        http=self.http, adapter_for=self.adapter_for)
+
+    def _on_fleet_event(self, event: str, worker: Any) -> None:
+        from orchestrator.fleet.worker import WorkerState
+        if (event == "removed" or (event == "state" and worker.state is WorkerState.UNHEALTHY)) and self.attempts:
+            self.attempts.abort_worker(worker.id, f"worker {worker.id} was marked down "
+                                                  f"({worker.last_error or 'health check failed'})")
 
     @property
     def prefix_tracker(self) -> PrefixTracker | None:

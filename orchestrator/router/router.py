@@ -64,24 +64,48 @@ class Router:
             found = [w for w in found if w.id not in skip]
         return found
 
+    def _scope(self, model: str, candidates: list[Worker]) -> list[Worker]:
+        """The workers a decision may involve: the candidates, plus the prefill pool under P/D."""
+        if any(w.role is Role.DECODE for w in candidates):  # P/D: prefill workers' load and overlaps steer the pair
+            return candidates + [w for w in self.fleet.candidates(model, Role.PREFILL) if w.role is Role.PREFILL]
+        return candidates
+
+    def _no_candidate(self, req: RouteRequest) -> NoHealthyWorker:
+        if self.metrics is not None:
+            self.metrics.routing_decisions.labels(self.policy.name, "no_candidate").inc()
+        served = any(req.model in w.models for w in self.fleet.workers())
+        reason = "every worker serving it is unhealthy, draining or already failed this request" \
+            if served else "no worker serves it"
+        return NoHealthyWorker(req.model, retry_after=self.retry_after_s, reason=reason)
+
+    async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str) -> None:
+        """Once per request: let the prefix tracker (when there is one) fill in token ids, block hashes,
+        per-worker cached-prefix overlaps and other replicas' load. Never raises for lack of workers."""
+        tracker = self.prefix_tracker
+        if tracker is None:
+            return
+        candidates = self.candidates(req.model)
+        if candidates:
+            await tracker.annotate(req, body, endpoint, self._scope(req.model, candidates))
+
     async def route(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
                     exclude: Iterable[str] = ()) -> RouteDecision:
-        """Pick the worker for ``req``; raises ``NoHealthyWorker`` (503) when there is none."""
+        """``annotate`` then ``decide`` (one call, for callers that route a request once)."""
+        if not self.candidates(req.model, exclude):
+            raise self._no_candidate(req)
+        await self.annotate(req, body, endpoint)
+        return await self.decide(req, exclude)
+
+    async def decide(self, req: RouteRequest, exclude: Iterable[str] = ()) -> RouteDecision:
+        """Pick the worker (and, under P/D, the prefill worker) for an annotated request, leaving out
+        ``exclude``; raises ``NoHealthyWorker`` (503) when there is none. Called once per try."""
         started = time.perf_counter()
         candidates = self.candidates(req.model, exclude)
         if not candidates:
-            if self.metrics is not None:
-                self.metrics.routing_decisions.labels(self.policy.name, "no_candidate").inc()
-            served = any(req.model in w.models for w in self.fleet.workers())
-            reason = "every worker serving it is unhealthy, draining or already failed this request" \
-                if served else "no worker serves it"
-            raise NoHealthyWorker(req.model, retry_after=self.retry_after_s, reason=reason)
-        scope = candidates  # the workers the decision may involve
-        if any(w.role is Role.DECODE for w in candidates):  # P/D: prefill workers' load and overlaps steer the pair
-            scope = candidates + [w for w in self.fleet.candidates(req.model, Role.PREFILL) if w.role is Role.PREFILL]
+            raise self._no_candidate(req)
+        scope = self._scope(req.model, candidates)
         tracker = self.prefix_tracker
         if tracker is not None:
-            await tracker.annotate(req, body, endpoint, scope)
             if req.block_hashes:
                 req.inflight_overlaps = self.inflight.covered_by_worker(scope, req.block_hashes)
         now = self.clock.now()

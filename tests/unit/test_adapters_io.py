@@ -138,7 +138,9 @@ def test_shape_request():
     batch = {"model": "m", "prompt": ["a", "b"]}
     assert "rid" not in SglangAdapter().shape_request("/v1/completions", batch, "r3")
     own = {"model": "m", "prompt": "a", "rid": "client-rid"}
-    assert SglangAdapter().shape_request("/v1/completions", own, "r4")["rid"] == "client-rid"
+    # rid is Dyad's (adapters.sglang.INTERNAL_FIELDS): intake refuses a client's, and the adapter always sets its own
+    assert SglangAdapter().shape_request("/v1/completions", own, "r4")["rid"] == "r4"
+    assert "rid" in SglangAdapter.internal_fields
 
 
 def test_cache_is_bounded_lru():

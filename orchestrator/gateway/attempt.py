@@ -1,0 +1,223 @@
+"""One try of a request on one worker (or one prefill/decode pair): its accounting, from start to end.
+
+An ``Attempt`` is created when a routing decision is dispatched and owns, until it ends, everything
+that try changes: the router's in-flight ledger (``Router.begin`` / ``first_token`` / ``finish``),
+the worker's circuit breaker (half-open probe slot, success or failure), the upstream-error metric
+and the fleet's view of the worker (marked failed when it looks down). It ends exactly once, with a
+classified outcome (``classify.py``):
+
+* ``ok`` — answered (a 4xx the engine gives for this request's own fault is also "ok" for the worker);
+* ``worker`` — the worker is at fault (connect error, reset, stall, garbage, a 5xx the same request does
+  not get elsewhere): the breaker counts it, and ``down=True`` takes the worker out of rotation now;
+* ``request`` — the request is at fault (an engine 4xx, the same error on a second worker, a slow
+  answer while the worker serves others): nothing counts against the worker;
+* ``cancelled`` — the client left, or the gateway gave up on it.
+
+Attempts register in ``AttemptRegistry`` by worker, so a worker the health loop marks down can fail
+its in-flight attempts over at once (``abort``), instead of leaving their clients to a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from orchestrator.router.types import RouteDecision, RouteRequest
+
+if TYPE_CHECKING:
+    from orchestrator.gateway.runtime import GatewayRuntime
+
+OK = "ok"
+WORKER = "worker"
+REQUEST = "request"
+CANCELLED = "cancelled"
+
+
+class Attempt:
+    __slots__ = ("rt", "req", "decision", "response", "started", "gen_at_start", "task", "aborted", "outcome",
+                 "stalled", "abortable", "_probe", "_watch", "_first")
+
+    def __init__(self, rt: GatewayRuntime, req: RouteRequest, decision: RouteDecision) -> None:
+        self.rt = rt
+        self.req = req
+        self.decision = decision
+        self.response: httpx.Response | None = None
+        self.started = rt.clock.now()
+        self.gen_at_start = decision.worker.load.generation_tokens
+        self.task = asyncio.current_task()
+        self.aborted: str | None = None  # why the gateway pulled this attempt (worker marked down)
+        self.outcome: str | None = None
+        self.stalled = False
+        self.abortable = True  # False once the answer is complete (nothing left to fail over)
+        self._first = False
+        self._watch: asyncio.TimerHandle | None = None
+        rt.router.begin(decision, req)
+        self._probe = rt.breakers.dispatched(decision.worker.id)
+        rt.attempts.add(self)
+
+    @property
+    def worker_id(self) -> str:
+        return self.decision.worker.id
+
+    def workers(self) -> Iterator[tuple[str, str]]:
+        """(worker id, role) of this attempt's legs, as the access log records them."""
+        d = self.decision
+        if d.prefill_worker is not None:
+            yield d.prefill_worker.id, "prefill"
+            yield d.worker.id, "decode"
+        else:
+            yield d.worker.id, "both"
+
+    # --- progress -----------------------------------------------------------------------------
+
+    def stall_budget(self) -> float:
+        """How long to wait for the first byte before asking whether the worker is stalled: the base
+        ``resilience.stall_timeout_s`` plus this prompt's and the worker's queued prefill at the
+        slowest assumed rate (``stall_prefill_tokens_per_s``)."""
+        res = self.rt.config.resilience
+        queued = self.decision.worker.queued_prefill_tokens
+        return res.stall_timeout_s + (self.req.prompt_tokens + queued) / res.stall_prefill_tokens_per_s
+
+    def watch(self) -> None:
+        """Start the stall watchdog (until ``first_token``): past the budget, a worker that did no
+        work since this attempt started is stalled and the attempt is pulled (``abort``); a worker
+        that is busy with other requests is checked again one ``stall_timeout_s`` later."""
+        loop = asyncio.get_running_loop()
+        self._watch = loop.call_later(self.stall_budget(), self._check_stall)
+
+    def _check_stall(self) -> None:
+        self._watch = None
+        if self.outcome is not None or self.aborted is not None:
+            return
+        if self.worker_progressed():
+            self.started = self.rt.clock.now()  # progress is judged per window from here on
+            self.gen_at_start = self.decision.worker.load.generation_tokens
+            self._watch = asyncio.get_running_loop().call_later(self.rt.config.resilience.stall_timeout_s,
+                                                                self._check_stall)
+            return
+        self.stalled = True
+        self.abort(f"worker {self.worker_id} did no work for {self.rt.clock.now() - self.started:.1f} s "
+                   "(stalled)")
+
+    def unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def first_token(self) -> None:
+        """Prefill is over; the worker is alive (once per attempt: later calls cost one check)."""
+        if self._first:
+            return
+        self._first = True
+        self.unwatch()
+        now = self.rt.clock.now()
+        self.decision.worker.last_progress_at = now
+        self.rt.router.first_token(self.decision, self.req)
+
+    def worker_progressed(self) -> bool:
+        """Has the worker done any work since this attempt started (for another request, or by its
+        engine's generated-token counter)? Tells a stalled worker from a slow request."""
+        w = self.decision.worker
+        if w.last_progress_at is not None and w.last_progress_at > self.started:
+            return True
+        gen = w.load.generation_tokens
+        return (gen is not None and self.gen_at_start is not None and w.load.scraped_at > self.started
+                and gen > self.gen_at_start)
+
+    # --- the end ------------------------------------------------------------------------------
+
+    def succeeded(self) -> None:
+        if self.outcome is not None:
+            return
+        now = self.rt.clock.now()
+        self.rt.breakers.record_success(self.worker_id, now)
+        self.decision.worker.last_progress_at = now
+        self._end(OK, True)
+
+    def request_failed(self, *, alive: bool = False) -> None:
+        """The request's own fault (or not yet attributable): nothing counts against the worker.
+        ``alive``: the worker answered (an engine 4xx), which is a success for its breaker."""
+        if alive and self.outcome is None:
+            self.rt.breakers.record_success(self.worker_id, self.rt.clock.now())
+        self._end(REQUEST, False)
+
+    def worker_failed(self, kind: str, message: str, *, down: bool = False) -> None:
+        """The worker's fault: count it in its breaker; ``down`` takes it out of rotation now."""
+        if self.outcome is not None:
+            return
+        rt = self.rt
+        now = rt.clock.now()
+        rt.metrics.upstream_errors.labels(self.worker_id, kind).inc()
+        rt.breakers.record_failure(self.worker_id, now)
+        self._end(WORKER, False)  # (before mark_failed: its listeners abort the worker's attempts)
+        if down:
+            rt.fleet.mark_failed(self.decision.worker, now, message)
+
+    def cancelled(self) -> None:
+        self._end(CANCELLED, False)
+
+    def _end(self, outcome: str, ok: bool) -> None:
+        if self.outcome is not None:
+            return
+        self.unwatch()
+        self.outcome = outcome
+        rt = self.rt
+        rt.router.finish(self.decision, self.req, ok=ok)
+        if self._probe:
+            rt.breakers.probe_done(self.worker_id)
+        rt.attempts.discard(self)
+
+    def abort(self, reason: str) -> None:
+        """Pull the attempt now (its worker was marked down): the proxy sees the cancellation, fails
+        this attempt over to another worker, or ends the answer with an error."""
+        if (self.outcome is None and self.abortable and self.aborted is None and self.task is not None
+                and not self.task.done()):
+            self.aborted = reason
+            self.task.cancel()
+
+
+class AttemptRegistry:
+    """Attempts in flight, by worker id (what a worker marked down fails over)."""
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, set[Attempt]] = {}
+
+    def add(self, attempt: Attempt) -> None:
+        # By the worker that answers (decode, or the only one): a prefill worker that goes down mid-request is
+        # the P/D executor's to handle (local prefill on the decode worker, or another prefill worker).
+        self._by_worker.setdefault(attempt.decision.worker.id, set()).add(attempt)
+
+    def discard(self, attempt: Attempt) -> None:
+        wid = attempt.decision.worker.id
+        s = self._by_worker.get(wid)
+        if s is not None:
+            s.discard(attempt)
+            if not s:
+                del self._by_worker[wid]
+
+    def on_worker(self, worker_id: str) -> list[Attempt]:
+        return list(self._by_worker.get(worker_id, ()))
+
+    def abort_worker(self, worker_id: str, reason: str) -> int:
+        """Pull every attempt on ``worker_id``; returns how many."""
+        found = self.on_worker(worker_id)
+        for a in found:
+            a.abort(reason)
+        return len(found)
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._by_worker.values())
+
+
+def aborted_by_gateway(attempt: Attempt | None) -> bool:
+    """True when a CancelledError now in flight is the gateway pulling ``attempt`` (not the client
+    leaving); the cancellation is then consumed (``uncancel``)."""
+    if attempt is None or attempt.aborted is None:
+        return False
+    task: Any = attempt.task
+    if task is not None:
+        task.uncancel()
+    return True

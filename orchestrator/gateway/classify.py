@@ -1,0 +1,82 @@
+"""Who caused a failure: the worker or the request (pure decision logic, no I/O).
+
+Envoy's outlier detection separates what an upstream host does wrong from what a request does
+wrong; Dyad does the same so that a handful of bad requests cannot open every breaker:
+
+* **worker-caused** — it could not be reached, reset the connection, stalled (did no work at all
+  while a request waited: ``Attempt.worker_progressed``), answered bytes that are not the protocol
+  (non-JSON for a JSON request, non-SSE for a stream), or answered a 5xx that **the same request does
+  not get elsewhere**. These feed the worker's breaker (and take it out of rotation when it looks down).
+* **request-caused** — an engine 4xx (the worker is fine: it answered), the same 5xx status on a second
+  worker (the request is what fails), a first-byte timeout while the worker kept serving others. These
+  go back to the client once and count against nobody.
+
+A 5xx is therefore judged only when the next try's result is known: ``FiveXxJudge`` holds it until then.
+A 5xx with no second opinion possible (the last try, or no other worker) counts against the worker:
+without a comparison it is the worker's answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from orchestrator.errors import UpstreamError
+from orchestrator.gateway.responses import engine_error_body
+
+RETRY_STATUSES = frozenset({500, 502, 503, 504})  # answered before any byte: another worker may do better
+UNAVAILABLE_STATUSES = frozenset({502, 503})  # the engine says it cannot serve: counts against its health
+
+
+def engine_error(status: int, raw: bytes) -> UpstreamError:
+    """An engine's error answer as the client will see it (its message, type, param and code kept)."""
+    err = orjson.loads(engine_error_body(status, raw))["error"]
+    return UpstreamError(status, str(err.get("message")), engine_type=err.get("type") or None,
+                         param=err.get("param"), code=err.get("code"))
+
+
+def error_in_answer(obj: Any) -> tuple[int, dict[str, Any]] | None:
+    """A 200 answer that is really an error (``{"error": ...}`` or vLLM's ``{"object": "error"}``):
+    the status it stands for (its integer code when that is an HTTP error status, else 502) and the
+    error object; None for a normal answer."""
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    if err is None and obj.get("object") == "error":
+        err = obj
+    if err is None:
+        return None
+    if not isinstance(err, dict):
+        err = {"message": str(err)}
+    code = err.get("code")
+    status = code if isinstance(code, int) and 400 <= code <= 599 else 502
+    return status, err
+
+
+def error_from_object(status: int, err: dict[str, Any]) -> UpstreamError:
+    message = err.get("message")
+    return UpstreamError(status, message if isinstance(message, str) else "the engine answered an error",
+                         engine_type=err.get("type") if isinstance(err.get("type"), str) else None,
+                         param=err.get("param") if isinstance(err.get("param"), str) else None,
+                         code=err.get("code") if isinstance(err.get("code"), (str, int)) else None)
+
+
+@dataclass
+class FiveXxJudge:
+    """5xx answers of one request waiting for a second opinion (see the module docstring)."""
+
+    pending: list[tuple[str, int]] = field(default_factory=list)  # (worker id, status)
+
+    def hold(self, worker_id: str, status: int) -> None:
+        self.pending.append((worker_id, status))
+
+    def same_again(self, status: int) -> bool:
+        """``status`` again on another worker: the request is the cause."""
+        return any(s == status for _, s in self.pending)
+
+    def settle(self, request_caused: bool) -> list[tuple[str, int]]:
+        """The held answers to count against their workers (none when the request was the cause)."""
+        held, self.pending = self.pending, []
+        return [] if request_caused else held
