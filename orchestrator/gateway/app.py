@@ -78,15 +78,44 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """200 when every model the fleet knows has a healthy worker that can decode it; else 503."""
+    """200 when every model the fleet knows has a worker that can decode it, counting health AND
+    circuit breakers (a worker whose breaker is open serves nothing); 503 otherwise. Per model and
+    role the JSON says how many workers are usable; a model whose prefill pool is all out (decode
+    workers then prefill locally) is ``degraded`` — still 200, with the reason."""
     rt: GatewayRuntime = request.app.state.runtime
-    models = {m: len(rt.router.candidates(m)) for m in rt.fleet.models()}
-    ok = bool(models) and all(models.values()) and not rt.shutdown.draining
-    body = {"ready": ok, "models": {m: {"healthy_workers": n} for m, n in models.items()}}
+    from adapters.base import Role
+
+    blocked = rt.breakers.blocked(rt.clock.now())
+    models: dict[str, dict] = {}
+    reasons: list[str] = []
+    degraded = False
+    for m in rt.fleet.models():
+        healthy = rt.router.candidates(m)
+        usable = [w for w in healthy if w.id not in blocked]
+        entry: dict = {"healthy_workers": len(healthy), "usable_workers": len(usable)}
+        if len(usable) < len(healthy):
+            entry["breaker_open"] = sorted(w.id for w in healthy if w.id in blocked)
+        pool = [w for w in rt.fleet.workers() if m in w.models and w.role is Role.PREFILL]
+        if pool:
+            prefill_ok = [w for w in rt.fleet.candidates(m, Role.PREFILL)
+                          if w.role is Role.PREFILL and w.id not in blocked]
+            entry["roles"] = {"decode": len(usable), "prefill": len(prefill_ok)}
+            if not prefill_ok and usable:
+                degraded = True
+                reasons.append(f"model '{m}': no usable prefill worker (health or breakers); decode workers "
+                               "prefill locally")
+        if not usable:
+            reasons.append(f"model '{m}': no usable decode worker" + (" (circuit breakers open)" if healthy else ""))
+        models[m] = entry
+    ok = bool(models) and all(e["usable_workers"] for e in models.values()) and not rt.shutdown.draining
+    status = "ready" if ok and not degraded else ("degraded" if ok else "unready")
+    body: dict = {"ready": ok, "status": status, "models": models}
     if rt.shutdown.draining:
-        body["reason"] = "shutting down (draining in-flight requests)"
+        reasons.append("shutting down (draining in-flight requests)")
     if not models:
-        body["reason"] = "no models configured or discovered yet"
+        reasons.append("no models configured or discovered yet")
+    if reasons:
+        body["reason"] = "; ".join(reasons)
     headers = {} if ok else {"Retry-After": str(rt.config.gateway.retry_after_s)}
     return Response(orjson.dumps(body), status_code=200 if ok else 503, media_type="application/json",
                     headers=headers)

@@ -29,6 +29,7 @@ class FakeEngine:
         self.usage = usage  # answers usage (non-streamed always; streamed when include_usage is asked)
         self.status_code = status_code
         self.kv_producer = kv_producer
+        self.healthy = True  # False: /health answers 503 (the health loop marks the worker down)
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.release = threading.Event()  # set to let hung requests go (they then drop the connection)
@@ -70,7 +71,7 @@ class FakeEngine:
 
             def do_GET(self) -> None:
                 if self.path == "/health":
-                    self._send(200, b"")
+                    self._send(200 if engine.healthy else 503, b"")
                 elif self.path == "/v1/models":
                     self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model",
                                                                             "max_model_len": 4096}]}).encode())

@@ -1,0 +1,276 @@
+"""Failures on the request path (issue 13): classified, honest, bounded. Issue 14: usage and arrivals.
+
+A real gateway over real sockets in front of ``FakeEngine`` test doubles (tests/integration/fake_engine.py):
+small HTTP servers that misbehave on cue — an engine that drops the stream, answers garbage, hangs
+while /health answers, or fails only one kind of request. Real-vLLM versions of the shapes vLLM can
+produce on demand are in test_request_path_vllm.py (marker ``vllm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import httpx
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from orchestrator.router.estimate import estimate_text_tokens
+from tests.integration.fake_engine import FakeEngine
+
+MODEL = "m"
+
+
+@contextlib.contextmanager
+def gateway(engines: list[FakeEngine], roles: list[str] | None = None, **sections):
+    roles = roles or ["both"] * len(engines)
+    cfg = {
+        "models": [{"name": MODEL, "block_size": 16}],
+        "workers": [{"id": f"w{i}", "url": e.url, "engine": "vllm", "role": r, "models": [MODEL]}
+                    for i, (e, r) in enumerate(zip(engines, roles, strict=True))],
+        "router": {"policy": "round_robin", "debug_headers": True},
+        "health": {"interval_s": 30},
+        "resilience": {"backoff_base_s": 0, "breaker_failure_threshold": 3, "breaker_open_s": 60},
+    }
+    for k, v in sections.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    gw = GatewayThread(load_config(cfg)).start()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+        for e in engines:
+            e.stop()
+
+
+def engines(*modes: str, **kw) -> list[FakeEngine]:
+    return [FakeEngine(mode, **kw).start() for mode in modes]
+
+
+def complete(gw, stream=False, prompt="hello", chat=False, timeout=30, **extra):
+    if chat:
+        path, body = "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
+    else:
+        path, body = "/v1/completions", {"model": MODEL, "prompt": prompt}
+    body.update({"max_tokens": 5, "stream": stream, **extra})
+    return httpx.post(gw.url + path, json=body, timeout=timeout)
+
+
+def events(r: httpx.Response) -> list:
+    out = []
+    for line in r.text.split("\n"):
+        if line.startswith("data: "):
+            out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return out
+
+
+def breakers(gw) -> dict:
+    return gw.runtime.breakers.snapshot()
+
+
+def sample(gw, name, labels=None) -> float:
+    return gw.runtime.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+# --- 4. failures classified ------------------------------------------------------------------------
+
+def test_engine_4xx_for_one_kind_of_request_never_opens_a_breaker():
+    fleet = engines("poison", "poison", status_code=400)
+    with gateway(fleet) as gw:
+        for _ in range(10):
+            r = complete(gw, prompt="POISON pill")
+            assert r.status_code == 400 and "fake engine says 400" in r.json()["error"]["message"]
+        assert breakers(gw) == {}
+        assert sum(len(e.bodies) for e in fleet) == 10  # each went to one worker, once: no retry of a 4xx
+        assert complete(gw).status_code == 200
+        assert httpx.get(f"{gw.url}/ready").json()["status"] == "ready"
+
+
+def test_the_same_5xx_on_a_second_worker_is_the_requests_fault():
+    fleet = engines("poison", "poison", status_code=500)
+    with gateway(fleet) as gw:
+        for _ in range(8):
+            r = complete(gw, prompt="POISON pill")
+            assert r.status_code == 500, r.text
+        assert breakers(gw) == {}  # 8 requests x 2 workers each, and no breaker counted any of them
+        assert sum(len(e.bodies) for e in fleet) == 16  # one retry elsewhere, then the answer goes back once
+        assert complete(gw).status_code == 200
+        ready = httpx.get(f"{gw.url}/ready")
+        assert ready.status_code == 200 and ready.json()["models"][MODEL]["usable_workers"] == 2
+
+
+def test_a_5xx_the_request_does_not_get_elsewhere_counts_against_the_worker_and_ready_says_so():
+    bad, good = engines("status", "ok", status_code=500)
+    with gateway([bad, good]) as gw:
+        for _ in range(8):
+            assert complete(gw).status_code == 200  # retried on the good worker
+        assert breakers(gw) == {"w0": "open"}
+        ready = httpx.get(f"{gw.url}/ready").json()
+        assert ready["models"][MODEL] == {"healthy_workers": 2, "usable_workers": 1, "breaker_open": ["w0"]}
+        good.mode = "status"  # now both fail for everyone: the second worker's breaker opens as well
+        for _ in range(6):
+            complete(gw)
+        ready = httpx.get(f"{gw.url}/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "unready"
+        assert "circuit breakers open" in ready.json()["reason"]
+
+
+# --- 5. every stream ends honestly -----------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["eof", "reset", "garbage"])
+def test_a_broken_stream_with_nowhere_to_go_ends_with_an_error_event_then_done(mode):
+    with gateway(engines(mode)) as gw:
+        r = complete(gw, stream=True)
+        ev = events(r)
+        assert ev[-1] == "[DONE]", r.text
+        assert isinstance(ev[-2], dict) and "error" in ev[-2], r.text
+        assert ev[-2]["error"]["code"] == "upstream_stream_failed"
+
+
+@pytest.mark.parametrize("mode", ["eof", "reset"])
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_broken_stream_is_continued_on_another_worker(mode, chat):
+    broken, good = engines(mode, "ok")
+    with gateway([broken, good]) as gw:
+        r = complete(gw, stream=True, chat=chat)
+        ev = events(r)
+        assert ev[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in ev), r.text
+        assert len(good.bodies) == 1
+        cont = good.bodies[0]
+        text = "".join((c["choices"][0].get("delta", {}).get("content") or "") if chat else c["choices"][0]["text"]
+                       for c in ev if isinstance(c, dict) and c.get("choices"))
+        # what the client got before the cut (a reset may drop bytes in flight), then the rest from the other worker
+        replayed = cont["messages"][-1]["content"] if chat else cont["prompt"][len("hello"):]
+        rest = 5 - len(replayed.split())  # max_tokens shrinks by the tokens already sent
+        assert cont["max_tokens"] == rest
+        assert text == replayed + "".join(f"w{i} " for i in range(rest))
+        if chat:
+            assert cont["continue_final_message"] is True
+        if mode == "eof":
+            assert replayed == "w0 w1 "
+
+
+def test_a_200_json_error_to_a_stream_request_is_an_error_not_an_empty_stream():
+    with gateway(engines("json_error_200")) as gw:
+        r = complete(gw, stream=True)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "engine failed quietly"
+
+
+def test_an_engine_error_event_reaches_the_client_and_the_stream_ends():
+    with gateway(engines("error_event")) as gw:
+        ev = events(complete(gw, stream=True))
+        assert ev[-1] == "[DONE]" and ev[0]["error"]["message"] == "engine error mid-stream"
+
+
+def test_garbage_instead_of_json_is_retried_elsewhere_then_a_clear_502():
+    bad, good = engines("garbage", "ok")
+    with gateway([bad, good]) as gw:
+        for _ in range(3):
+            assert complete(gw).status_code == 200
+    with gateway(engines("garbage")) as gw:
+        r = complete(gw)
+        assert r.status_code == 502
+        assert "not JSON" in r.json()["error"]["message"] and r.json()["error"]["code"] == "bad_engine_answer"
+
+
+# --- 6. hung engines -------------------------------------------------------------------------------
+
+def test_a_hung_engine_loses_its_requests_and_its_traffic_while_health_answers():
+    hung, good = engines("hang", "ok")
+    with gateway([hung, good], resilience={"stall_timeout_s": 0.5, "stall_prefill_tokens_per_s": 1e6}) as gw:
+        started = time.monotonic()
+        for stream in (False, True, False, True):
+            r = complete(gw, stream=stream)
+            assert r.status_code == 200, r.text
+            assert events(r)[-1] == "[DONE]" if stream else "choices" in r.json()
+        assert time.monotonic() - started < 15  # each bounded by the stall budget, not 300 s
+        assert breakers(gw) == {"w0": "open"}
+        before = len(hung.bodies)
+        for _ in range(4):
+            assert complete(gw).status_code == 200
+        assert len(hung.bodies) == before  # out of rotation while /health still says ok
+        assert gw.runtime.fleet.get("w0").health_ok is not False
+
+
+def test_a_worker_marked_down_fails_its_in_flight_requests_over_at_once():
+    hung, good = engines("hang", "ok")
+    with gateway([hung, good], health={"interval_s": 0.3, "failure_threshold": 1},
+                 resilience={"stall_timeout_s": 120}) as gw:
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(complete, gw, stream) for stream in (False, True)]
+            while len(hung.bodies) < 1:
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            hung.healthy = False
+            results = [f.result(timeout=30) for f in futs]
+        assert time.monotonic() - t0 < 10
+        assert all(r.status_code == 200 for r in results), [r.text for r in results]
+        assert events(results[1])[-1] == "[DONE]"
+
+
+def test_request_timeout_bounds_a_non_streamed_request():
+    with gateway(engines("hang"), gateway={"request_timeout_s": 2},
+                 resilience={"stall_timeout_s": 120}) as gw:
+        t0 = time.monotonic()
+        r = complete(gw)
+        assert r.status_code == 504 and "gateway.request_timeout_s" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 6
+
+
+# --- issue 14 item 1: usage on every path ----------------------------------------------------------
+
+def _token_sums(gw) -> tuple[float, float, float]:
+    return (sample(gw, "dyad_request_prompt_tokens_sum", {"model": MODEL}),
+            sample(gw, "dyad_request_generation_tokens_sum", {"model": MODEL}),
+            sample(gw, "dyad_request_generation_tokens_count", {"model": MODEL}))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("pd", [False, True], ids=["aggregated", "pd"])
+def test_usage_is_counted_on_every_path(chat, stream, pd):
+    fleet = engines("ok", "ok")
+    roles = ["prefill", "decode"] if pd else ["both", "both"]
+    disagg = {"disagg": {"enabled": True, "min_prefill_tokens": 1, "connector": "nixl"}} if pd else {}
+    with gateway(fleet, roles, **disagg) as gw:
+        r = complete(gw, stream=stream, chat=chat, prompt="a long enough prompt " * 5)
+        assert r.status_code == 200
+        if stream:  # the client did not ask for usage: the gateway did, and kept the chunk to itself
+            assert not any(isinstance(e, dict) and "usage" in e for e in events(r)), r.text
+            assert [b for e in fleet for b in e.bodies][-1]["stream_options"] == {"include_usage": True}
+        assert _token_sums(gw) == (7.0, 5.0, 1.0)  # the fake engine's usage: 7 prompt, 5 generated
+        if pd:
+            assert sample(gw, "dyad_pd_requests_total", {"mode": "disaggregated"}) == 1
+
+
+def test_usage_asked_by_the_client_is_relayed_and_counted_once():
+    with gateway(engines("ok")) as gw:
+        r = complete(gw, stream=True, stream_options={"include_usage": True})
+        usage = [e["usage"] for e in events(r) if isinstance(e, dict) and e.get("usage")]
+        assert usage == [{"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}]
+        assert _token_sums(gw) == (7.0, 5.0, 1.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_without_engine_usage_what_was_relayed_is_counted(stream):
+    with gateway(engines("ok", usage=False)) as gw:
+        assert complete(gw, stream=stream, prompt="one two three four five six seven eight").status_code == 200
+        prompt, generated, count = _token_sums(gw)
+        # streamed: the content events relayed (5); whole: the answer's text, estimated like a prompt
+        expected = 5 if stream else estimate_text_tokens("w0 w1 w2 w3 w4")
+        assert count == 1 and generated == expected and prompt == estimate_text_tokens(
+            "one two three four five six seven eight")
+
+
+# --- issue 14 item 2: demand counted before admission -----------------------------------------------
+
+def test_arrivals_count_refused_and_failed_requests_too():
+    with gateway(engines("status"), limits={"default_rpm": 2}) as gw:
+        statuses = [complete(gw, prompt="x " * 40).status_code for _ in range(4)]
+        assert statuses[:2] == [500, 500] and statuses[2:] == [429, 429]
+        assert sample(gw, "dyad_request_arrivals_total", {"model": MODEL}) == 4
+        assert sample(gw, "dyad_request_arrival_prompt_tokens_total", {"model": MODEL}) == 4 * estimate_text_tokens("x " * 40)
+        assert sample(gw, "dyad_request_generation_tokens_count", {"model": MODEL}) == 0
