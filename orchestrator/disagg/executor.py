@@ -42,6 +42,7 @@ from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
 from orchestrator.router.types import RouteDecision
+from orchestrator.telemetry import tracing
 from orchestrator.telemetry.metrics import DyadMetrics
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ class PdExecutor:
         body = vllm_flow.prefill_body(call.endpoint, call.body, connector)
         started = time.perf_counter()
         try:
-            answer = await self._prefill_step(call, prefill, body)
+            with tracing.span("dyad.pd.prefill", worker=prefill.id):
+                answer = await self._prefill_step(call, prefill, body)
         except _PrefillFailed as e:
             log.warning("prefill on %s failed (%s); %s prefills locally", prefill.id, e.reason, decode.id)
             self.metrics.upstream_errors.labels(prefill.id, "prefill").inc()
@@ -133,7 +135,8 @@ class PdExecutor:
         self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
         adapter = self.adapter_for(decode.engine)
         out = adapter.shape_request(call.endpoint, vllm_flow.decode_body(call.body, params), call.request_id)
-        return await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
+        with tracing.span("dyad.pd.decode", worker=decode.id):
+            return await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
 
     async def _post_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> httpx.Response:
         """POST a prefill body (both engines' flows), counted in the worker's inflight and bounded by

@@ -14,8 +14,9 @@ In order, each step refusing early with an OpenAI-shaped error:
    up while queued gives its place back at once; when a SIGTERM drain runs out of grace, whoever
    is still queued gets 503 + ``Retry-After`` (``AdmissionGate.close``), never a cut connection.
 
-``install(runtime)`` builds the per-gateway ``Intake`` at ``runtime.intake``; the OpenAI routes
-call ``intake.admit`` once per request and wrap the proxy response so the dispatch slot is given
+The composition root (``compose.py``) builds the per-gateway ``Intake`` (``runtime.intake``); the
+OpenAI routes call ``intake.admit`` once per request (on the annotated request: its real prompt
+length, the prefix each worker holds, other replicas' load) and wrap the proxy response so the dispatch slot is given
 back when the response ends, however it ends.
 """
 
@@ -37,7 +38,6 @@ from orchestrator.errors import ApiError
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway.auth import ClientIdentity, KeyRing
 from orchestrator.gateway.limits import RateLimiter
-from orchestrator.gateway.shutdown import ShuttingDown
 from orchestrator.telemetry.logging import request_context
 
 if TYPE_CHECKING:
@@ -386,14 +386,3 @@ class Intake:
             await asyncio.Event().wait()
         finally:
             await self.limiter.close()
-
-
-def install(runtime: GatewayRuntime) -> Intake:
-    intake = Intake(runtime)
-    runtime.intake = intake  # type: ignore[attr-defined]
-    runtime.add_task(intake.run(), name="dyad-intake")
-    gate = intake.gate
-    if gate is not None:  # a drain out of grace: whoever still waits gets 503 + Retry-After (shutdown.py)
-        retry_after = runtime.config.gateway.retry_after_s
-        runtime.shutdown.on_give_up(lambda: gate.close(lambda: ShuttingDown(retry_after)))
-    return intake

@@ -19,16 +19,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from orchestrator import disagg
 from orchestrator.clock import Clock
 from orchestrator.config import DyadConfig
 from orchestrator.disagg import admin_routes as disagg_admin
 from orchestrator.errors import ApiError, error_body
-from orchestrator.gateway import admin, admission, openai_routes
+from orchestrator.gateway import admin, compose, openai_routes
 from orchestrator.gateway.fastpath import GatewayApp
 from orchestrator.gateway.openapi import build_openapi
 from orchestrator.gateway.runtime import GatewayRuntime
-from orchestrator.planner.install import install as planner_install
 from orchestrator.planner.routes import planner_router
 from orchestrator.telemetry.metrics import DyadMetrics
 from orchestrator.ui import ui_router
@@ -165,12 +163,9 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        rt = runtime or GatewayRuntime(config, clock=clock, metrics=metrics)
-        disagg.install(rt)  # P/D pair selection, the P/D executor and role changes (orchestrator.disagg)
-        admission.install(rt)  # keys, rate limits, admission control, priority queue (runtime.intake)
+        rt = compose.build_runtime(config, clock=clock, metrics=metrics, runtime=runtime)  # the composition root
         app.state.runtime = rt
-        await rt.start()
-        planner_install(rt, lambda: metrics_text(rt))  # the SLO planner loop, when planner.enabled
+        await compose.start(rt, lambda: metrics_text(rt))
         try:
             yield
         finally:

@@ -198,7 +198,11 @@ class ProxyResponse:
             blocked = rt.breakers.blocked(rt.clock.now())
             exclude = self._tried | blocked if blocked else self._tried
             try:
-                decision = await rt.router.decide(self.req, exclude)
+                with tracing.span("dyad.route", policy=rt.router.policy.name) as route_span:
+                    decision = await rt.router.decide(self.req, exclude)
+                    route_span.set_attributes({
+                        "worker": decision.worker.id, "predicted_cached_tokens": decision.predicted_cached_tokens,
+                        "prefill_worker": decision.prefill_worker.id if decision.prefill_worker else ""})
             except NoHealthyWorker:
                 self._settle_5xx(request_caused=False)  # no second opinion: the held 5xx were the workers'
                 if last_error is not None:

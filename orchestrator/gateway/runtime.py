@@ -82,10 +82,12 @@ class GatewayRuntime:
         self.router = Router(make_policy(config.router), self.fleet, self.clock, self.metrics,
                              retry_after_s=config.gateway.retry_after_s)
         self.http = http_client(config, transport)
+        # Wired in by the composition root (compose.py): intake, P/D executor, role manager, planner.
         self.planner: Any = None
-        self.intake: Any = None  # orchestrator.gateway.admission.Intake, set when the app starts
+        self.intake: Any = None  # orchestrator.gateway.admission.Intake
+        self.roles: Any = None  # orchestrator.disagg.roles.RoleManager
         self.executor: Executor = AggregatedExecutor(self.http, self.adapter_for)
-        self.pd_executor: Executor | None = None  # set by orchestrator.disagg when P/D is in use
+        self.pd_executor: Executor | None = None  # orchestrator.disagg's PdExecutor when P/D is in use
         self._adapter_factory = adapter_for or default_adapter_for
         self._adapters: dict[EngineKind, EngineAdapter] = {}
         self.discovery = build_discovery(config.discovery, self.fleet, self.clock, self.metrics)  # file / kubernetes workers

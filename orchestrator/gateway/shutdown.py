@@ -11,7 +11,7 @@ seconds: a load balancer still sending traffic gets connection errors, and a lon
    streams, and requests still waiting in the admission queue (they are dispatched as slots free);
    a request counts from the moment it passed the draining check until its last byte;
 3. if the grace period runs out, requests still queued are refused with 503 + ``Retry-After``
-   (``on_give_up`` hooks: ``admission.install`` closes the queue) rather than cut at exit;
+   (``on_give_up`` hooks: the composition root (``compose.py``) closes the admission queue) rather than cut at exit;
 4. then uvicorn's normal shutdown runs (close the listener and idle keep-alive connections, the
    lifespan stops the runtime) and the process exits with status 0.
 

@@ -238,7 +238,9 @@ def test_health_ready_and_metrics(client, gateway):
     assert client.get("/health").json() == {"status": "ok"}
     r = client.get("/ready")
     assert r.status_code == 503  # "ghost" is configured but nobody serves it
-    assert r.json()["models"] == {"m": {"healthy_workers": 2}, "ghost": {"healthy_workers": 0}}
+    assert r.json()["models"] == {"m": {"healthy_workers": 2, "usable_workers": 2},
+                                  "ghost": {"healthy_workers": 0, "usable_workers": 0}}
+    assert r.json()["status"] == "unready" and "ghost" in r.json()["reason"]
     client.post("/v1/chat/completions", json=CHAT)
     text = client.get("/metrics").text
     assert 'dyad_requests_total{endpoint="chat",model="m",status="200"}' in text
