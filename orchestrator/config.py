@@ -250,6 +250,9 @@ class GatewayConfig(_Section):
     request_timeout_s: float = Field(600.0, gt=0, description="Whole non-streamed request")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds on 503/429 answers")
     max_attempts: int = Field(3, ge=1, description="Tries on different workers before the first byte")
+    max_connections: int | None = Field(
+        None, ge=1, description="Open client connections; past it a new connection gets 503 naming the limit "
+                                "and is closed (None = unbounded)")
     tls: GatewayTlsConfig = Field(default_factory=GatewayTlsConfig, description="HTTPS for clients")
     engine_tls: EngineTlsConfig = Field(default_factory=EngineTlsConfig,
                                         description="TLS settings for https:// workers")
@@ -322,6 +325,9 @@ class LimitsConfig(_Section):
         None, gt=0, description="Prefill throughput per worker for the TTFT prediction (None = learn it "
                                 "from the engines' TTFT and prompt-length histograms)")
     reject_status: Literal[429, 503] = Field(503, description="Status for admission and queue refusals")
+    max_concurrent_per_client: int | None = Field(
+        None, ge=1, description="Requests one client (API key; the client address when the gateway is open) may "
+                                "have in the gateway at once, queued or served; past it 429 naming the limit")
 
 
 class HealthConfig(_Section):

@@ -2,6 +2,8 @@
 
 In order, each step refusing early with an OpenAI-shaped error:
 
+0. **how many at once** — ``limits.max_concurrent_per_client`` requests per client (its key; its
+   address when the gateway is open) in the gateway at once, queued or served (429 naming the limit);
 1. **who** — the key (``auth.KeyRing``) and its model allow-list (403 naming the model);
 2. **how often** — the key's token buckets (``limits.RateLimiter``, 429 + ``Retry-After``);
 3. **will it make it** — admission control: the time to first token is predicted on every
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from adapters.base import Histogram
 from orchestrator.config import PRIORITIES, LimitsConfig
-from orchestrator.errors import ApiError
+from orchestrator.errors import ApiError, RateLimited
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway.auth import ClientIdentity, KeyRing
 from orchestrator.gateway.limits import RateLimiter
@@ -291,14 +293,16 @@ class _Admitted:
     """The proxy response, run with the request's log context; at its end the dispatch slot is given
     back and the shutdown tracker hears that the request is over."""
 
-    __slots__ = ("inner", "release", "finished", "rid", "model")
+    __slots__ = ("inner", "release", "finished", "rid", "model", "client_done")
 
-    def __init__(self, inner: Any, release: Any, finished: Any, rid: str, model: str) -> None:
+    def __init__(self, inner: Any, release: Any, finished: Any, rid: str, model: str,
+                 client_done: Any = None) -> None:
         self.inner = inner
         self.release = release
         self.finished = finished
         self.rid = rid
         self.model = model
+        self.client_done = client_done
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -307,6 +311,8 @@ class _Admitted:
         finally:
             self.release()
             self.finished()
+            if self.client_done is not None:
+                self.client_done()
 
 
 class Intake:
@@ -322,6 +328,7 @@ class Intake:
         self.gate = AdmissionGate(self._capacity, lim.queue_size, lim.queue_timeout_s, lim.reject_status,
                                   cfg.gateway.retry_after_s, runtime.metrics) \
             if lim.max_inflight_per_worker else None
+        self.concurrent: dict[str, int] = {}  # client → requests in the gateway (entries only while > 0)
 
     def _capacity(self, model: str) -> int:
         per = self.config.max_inflight_per_worker or 0
@@ -329,6 +336,37 @@ class Intake:
 
     def authenticate(self, request: Any) -> ClientIdentity:
         return self.keys.authenticate(request)
+
+    def client_key(self, identity: ClientIdentity, request: Any) -> str | None:
+        """Who ``limits.max_concurrent_per_client`` counts: the key, or the address of an anonymous client."""
+        if self.config.max_concurrent_per_client is None:
+            return None
+        if identity.name != "anonymous":
+            return "key:" + identity.name
+        client = getattr(request, "client", None)
+        return "addr:" + (client.host if client is not None else "?")
+
+    def enter(self, key: str | None) -> None:
+        """Count a request of ``key`` in (``leave`` when it ends); 429 past the per-client limit."""
+        if key is None:
+            return
+        limit = self.config.max_concurrent_per_client
+        n = self.concurrent.get(key, 0)
+        if limit is not None and n >= limit:
+            raise RateLimited(f"Too many concurrent requests from this client ({n} in progress; limit "
+                              f"{limit}, limits.max_concurrent_per_client). Retry when one has finished.",
+                              code="too_many_concurrent_requests",
+                              headers={"Retry-After": str(max(1, self.runtime.config.gateway.retry_after_s))})
+        self.concurrent[key] = n + 1
+
+    def leave(self, key: str | None) -> None:
+        if key is None:
+            return
+        n = self.concurrent.get(key, 0) - 1
+        if n > 0:
+            self.concurrent[key] = n
+        else:
+            self.concurrent.pop(key, None)
 
     def rank(self, identity: ClientIdentity, headers: Any) -> int:
         name = self.config.priority_header
@@ -373,12 +411,14 @@ class Intake:
                              status=self.config.reject_status, code="ttft_slo",
                              retry_after=math.ceil(best - slo))
 
-    def wrap(self, response: Any, model: str, rid: str, slot: bool) -> _Admitted:
+    def wrap(self, response: Any, model: str, rid: str, slot: bool, client_key: str | None = None) -> _Admitted:
         """``response`` run in the request's log context; at its end gives the dispatch slot back (when
-        ``slot``) and ends the request's ``ShutdownState.started`` (the OpenAI routes start it)."""
+        ``slot``), ends the request's ``ShutdownState.started`` (the OpenAI routes start it) and its
+        per-client count (``enter``)."""
         gate = self.gate
         release = (lambda: gate.release(model)) if slot and gate is not None else _nothing
-        return _Admitted(response, release, self.runtime.shutdown.finished, rid, model)
+        done = (lambda: self.leave(client_key)) if client_key is not None else None
+        return _Admitted(response, release, self.runtime.shutdown.finished, rid, model, done)
 
     async def run(self) -> None:
         """Lives as a runtime task so that stopping the gateway closes the limiter's Redis connection."""

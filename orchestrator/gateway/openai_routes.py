@@ -68,9 +68,12 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     gw = rt.config.gateway
     intake = rt.intake  # orchestrator.gateway.admission: auth, rate limits, admission control, queue
     record = AccessRecord(request_id=rid, endpoint=endpoint)
+    client_key = None
     try:
         client = intake.authenticate(request)
         record.client_key_id = client.name
+        intake.enter(key := intake.client_key(client, request))  # limits.max_concurrent_per_client
+        client_key = key
         body = rq.parse_json_object(await rq.read_body(request, gw.max_body_bytes))
         model = rq.validate(endpoint, body)
         canonical = rt.config.model(model)
@@ -88,7 +91,10 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
         with tracing.span("dyad.admission", model=model):
             slot = await intake.admit(client, route_req, request.headers, request.receive)
-    except ApiError as err:
+    except BaseException as err:
+        intake.leave(client_key)
+        if not isinstance(err, ApiError):
+            raise
         record.status = err.status
         record.error_class = err.code if isinstance(err.code, str) else type(err).__name__
         record.total_s = time.perf_counter() - started
@@ -97,7 +103,8 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     strip_usage = stream and ask_for_usage(body)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
     child(rt.metrics.inflight, model).inc()
-    return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record, strip_usage), model, rid, slot)
+    return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record, strip_usage), model, rid, slot,
+                       client_key)
 
 
 async def annotate(rt: GatewayRuntime, request: Request, rid: str, endpoint: str, model: str,

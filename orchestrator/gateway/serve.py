@@ -24,9 +24,17 @@ from typing import Any
 import uvicorn
 
 from orchestrator.clock import Clock
-from orchestrator.config import ConfigError, DyadConfig, GatewayTlsConfig, ResilienceConfig, load_config
+from orchestrator.config import (
+    ConfigError,
+    DyadConfig,
+    GatewayConfig,
+    GatewayTlsConfig,
+    ResilienceConfig,
+    load_config,
+)
 from orchestrator.config_cli import add_serve_flags, flag_overrides
 from orchestrator.gateway.app import create_app
+from orchestrator.gateway.connection_limit import limited_protocol
 from orchestrator.gateway.fastpath import coalescing_protocol
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.gateway.shutdown import DrainingServer
@@ -51,7 +59,8 @@ def _fast_options() -> dict[str, str]:
 
 
 def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning",
-                   ssl: dict[str, Any] | None = None, resilience: ResilienceConfig | None = None) -> uvicorn.Config:
+                   ssl: dict[str, Any] | None = None, resilience: ResilienceConfig | None = None,
+                   gateway: GatewayConfig | None = None) -> uvicorn.Config:
     """``ssl``: uvicorn's ssl_* options (``tls.server_ssl_options``). ``log_config=None``: uvicorn's loggers
     go through the root logger (``dyad serve`` configures it with ``configure_logging``). ``resilience``:
     header/body read timeouts against slow clients (``slow_clients.py``; with httptools)."""
@@ -60,6 +69,13 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning",
         # + one send per event-loop step towards the client (fastpath.CoalescingTransport)
         options["http"] = coalescing_protocol(  # type: ignore[assignment]
             guarded_protocol(resilience.header_timeout_s, resilience.body_timeout_s))
+    if gateway is not None and gateway.max_connections is not None:
+        base = options["http"]
+        if isinstance(base, str):  # uvicorn's name for its protocol class
+            from uvicorn.config import HTTP_PROTOCOLS
+            from uvicorn.importer import import_from_string
+            base = import_from_string(HTTP_PROTOCOLS[base])
+        options["http"] = limited_protocol(base, gateway.max_connections, gateway.retry_after_s)  # type: ignore
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
                           lifespan="on", timeout_keep_alive=75, server_header=False, date_header=False,
                           timeout_graceful_shutdown=5, **options, **(ssl or {}))
@@ -79,7 +95,7 @@ async def serve(config: DyadConfig, *, clock: Clock | None = None, sock: socket.
     """Run a gateway in the current event loop until cancelled."""
     gw = config.gateway
     server = uvicorn.Server(uvicorn_config(create_app(config, clock=clock), gw.host, gw.port,
-                                           resilience=config.resilience))
+                                           resilience=config.resilience, gateway=gw))
     await server.serve(sockets=[sock] if sock is not None else None)
 
 
@@ -98,7 +114,7 @@ class GatewayThread:
         ssl = server_ssl_options(config.gateway.tls)
         self.url = f"{'https' if ssl else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
         self._server = uvicorn.Server(uvicorn_config(self.app, host, self.port, ssl=ssl,
-                                                     resilience=config.resilience))
+                                                     resilience=config.resilience, gateway=config.gateway))
         self._thread = threading.Thread(target=self._run, name=f"dyad-gateway-{self.port}", daemon=True)
         self._startup_timeout_s = startup_timeout_s
         self._error: BaseException | None = None
@@ -185,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(config)
     # SIGTERM: stop intake, finish in-flight requests (resilience.shutdown_grace_s), exit 0 (shutdown.py)
     server = DrainingServer(uvicorn_config(app, gw.host, gw.port, args.log_level, ssl=ssl,
-                                           resilience=config.resilience),
+                                           resilience=config.resilience, gateway=gw),
                             lambda: getattr(getattr(app.state, "runtime", None), "shutdown", None),
                             config.resilience.shutdown_grace_s)
     server.run()

@@ -29,6 +29,7 @@ class FakeEngine:
         self.usage = usage  # answers usage (non-streamed always; streamed when include_usage is asked)
         self.status_code = status_code
         self.kv_producer = kv_producer
+        self.delay_s = 0.0  # wait this long before answering a generation request
         self.healthy = True  # False: /health answers 503 (the health loop marks the worker down)
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
@@ -87,6 +88,8 @@ class FakeEngine:
                 engine.headers.append(dict(self.headers))
                 chat = self.path.endswith("/chat/completions")
                 mode = engine.mode
+                if engine.delay_s:
+                    time.sleep(engine.delay_s)
                 text = json.dumps(body.get("messages") if chat else body.get("prompt"))
                 if mode == "poison":
                     mode = "status" if "POISON" in text else "ok"

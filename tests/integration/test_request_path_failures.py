@@ -274,3 +274,41 @@ def test_arrivals_count_refused_and_failed_requests_too():
         assert sample(gw, "dyad_request_arrivals_total", {"model": MODEL}) == 4
         assert sample(gw, "dyad_request_arrival_prompt_tokens_total", {"model": MODEL}) == 4 * estimate_text_tokens("x " * 40)
         assert sample(gw, "dyad_request_generation_tokens_count", {"model": MODEL}) == 0
+
+
+# --- 11. limits ------------------------------------------------------------------------------------
+
+def test_open_connections_are_bounded_with_a_clear_503():
+    import socket
+    with gateway(engines("ok"), gateway={"max_connections": 3}) as gw:
+        held = [socket.create_connection(("127.0.0.1", gw.port)) for _ in range(3)]
+        try:
+            time.sleep(0.2)
+            r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=5)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "too_many_connections"
+            assert "gateway.max_connections" in r.json()["error"]["message"]
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(0.2)
+        assert complete(gw).status_code == 200  # room again once they are closed
+
+
+def test_concurrent_requests_per_client_are_bounded_with_a_clear_429():
+    import concurrent.futures
+    slow = FakeEngine("ok").start()
+    slow.delay_s = 1.0
+    with gateway([slow], limits={"max_concurrent_per_client": 2}) as gw:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futs = [pool.submit(complete, gw) for _ in range(2)]
+            while len(slow.bodies) < 2:
+                time.sleep(0.02)
+            r = complete(gw)
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "too_many_concurrent_requests"
+            assert "limits.max_concurrent_per_client" in r.json()["error"]["message"]
+            assert all(f.result().status_code == 200 for f in futs)
+        slow.delay_s = 0
+        assert complete(gw).status_code == 200  # counts go back down
+        assert gw.runtime.intake.concurrent == {}
