@@ -44,7 +44,7 @@ DEFAULT_ANCHORS = Path.home() / ".cache/dyad/anchors/venv"
 
 
 def start_targets(ps: Processes, args: argparse.Namespace) -> dict[str, str]:
-    py = str(ROOT / ".venv/bin/python")
+    py = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
     eport = free_port()
     eng = ps.start("engine", [py, "-m", "orchestrator.cli", "sim-engine", "--port", str(eport), "--model", MODEL,
                               "--profile", "zero"])
@@ -81,9 +81,16 @@ def start_targets(ps: Processes, args: argparse.Namespace) -> dict[str, str]:
     return targets
 
 
+PROMPT = {"words": 0, "fresh": False, "n": 0}  # --prompt-tokens / --fresh-prompts (set in main)
+
+
 def request_bytes(base: str, stream: bool, max_tokens: int) -> tuple[str, int, bytes]:
-    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": stream}
+    prompt = "The quick brown fox jumps over the lazy dog"
+    if PROMPT["words"]:  # the simulator's tokenizer: one token per word, so this is the prompt's length in tokens
+        PROMPT["n"] += 1
+        head = f"fresh{PROMPT['n']} " if PROMPT["fresh"] else ""
+        prompt = head + " ".join(f"w{i % 997}x{i // 997}" for i in range(PROMPT["words"] - (1 if head else 0)))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
     return encode_request(f"{base}/v1/completions", body)
 
 
@@ -94,22 +101,25 @@ async def latency_phase(targets: dict[str, str], n: int, stream: bool, max_token
     ``round_first_p50``): the median of per-round p50s is robust to a noisy stretch on a shared machine."""
     rng = random.Random(seed)
     conns, reqs = {}, {}
+    fresh: dict[str, list[bytes]] = {}  # --fresh-prompts: a new prompt for every request (nothing cached)
     for name, base in targets.items():
         host, port, raw = request_bytes(base, stream, max_tokens)
         conns[name], reqs[name] = RawConnection(host, port), raw
+        if PROMPT["fresh"]:
+            fresh[name] = [request_bytes(base, stream, max_tokens)[2] for _ in range(n + 50)]
     out: dict[str, dict[str, list[float]]] = {name: {"total": [], "first": [], "round_p50": [], "round_first_p50": []}
                                               for name in targets}
     names = list(targets)
     for _ in range(50):  # warm-up: connections, caches
         for name in names:
-            await conns[name].send(reqs[name])
+            await conns[name].send(fresh[name].pop() if fresh else reqs[name])
     per_round = max(1, n // rounds)
     for _ in range(rounds):
         this: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in targets}
         for _ in range(per_round):
             rng.shuffle(names)
             for name in names:
-                t = await conns[name].send(reqs[name])
+                t = await conns[name].send(fresh[name].pop() if fresh else reqs[name])
                 if t.status != 200:
                     raise RuntimeError(f"{name}: HTTP {t.status}: {t.body[:300]!r}")
                 this[name][0].append(t.total_s)
@@ -188,7 +198,12 @@ def main() -> int:
     ap.add_argument("--no-anchors", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="prompt length in tokens (simulator tokenizer: words); 0 = a 9-word sentence")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="a new prompt for every latency request (nothing tokenized or cached before)")
     args = ap.parse_args()
+    PROMPT["words"], PROMPT["fresh"] = args.prompt_tokens, args.fresh_prompts
 
     with tempfile.TemporaryDirectory(prefix="dyad-overhead-") as tmp:
         ps = Processes(Path(tmp))

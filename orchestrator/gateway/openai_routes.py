@@ -1,4 +1,5 @@
-"""The OpenAI endpoints: read → validate → build the routing view → hand over to the proxy.
+"""The OpenAI endpoints: read → validate (``request.py``) → annotate once (``annotate.py``) → admit
+(``admission.py``) → hand over to the proxy (``proxy.py``: one ``Attempt`` per try).
 
 Handlers are plain Starlette endpoints (no FastAPI dependency injection or pydantic on the hot
 path); the heavy lifting is in ``ProxyResponse``.
@@ -6,7 +7,6 @@ path); the heavy lifting is in ``ProxyResponse``.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any
 
@@ -16,30 +16,16 @@ from starlette.responses import Response
 
 from orchestrator.errors import ApiError, ModelNotFound
 from orchestrator.gateway import request as rq
+from orchestrator.gateway.annotate import annotate
 from orchestrator.gateway.executor import UpstreamCall
 from orchestrator.gateway.fastpath import child, new_request_id
 from orchestrator.gateway.proxy import ProxyResponse
 from orchestrator.gateway.runtime import GatewayRuntime
-from orchestrator.router.estimate import estimate_prompt_tokens
-from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.access_log import AccessRecord
 from orchestrator.telemetry.logging import bind_request_id
 
 MAX_REQUEST_ID = 128
-SESSION_KEY_BYTES = 16  # affinity keys are stored as a 32-hex-digit digest, whatever the client sent
-
-
-def session_key_of(header: str | None, body: dict[str, Any]) -> str | None:
-    """The request's affinity key (the session header, else the body's ``user``), hashed to a fixed
-    size: clients choose these values, and the router keeps them (session affinity) for a while."""
-    raw = header if header else body.get("user")
-    if not isinstance(raw, str) or not raw:
-        return None
-    kind = b"h:" if header else b"u:"
-    return hashlib.blake2b(kind + raw.encode("utf-8", "surrogatepass"), digest_size=SESSION_KEY_BYTES).hexdigest()
-
-
 def request_id_of(request: Request) -> str:
     """The client's X-Request-Id when it is usable, else a fresh one; kept on request.state for errors."""
     rid = request.headers.get("x-request-id")
@@ -84,7 +70,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
             raise ModelNotFound(model)
         record.model = model
         stream = record.stream = body.get("stream") is True
-        route_req = await annotate(rt, request, rid, endpoint, model, body)
+        route_req = await annotate(rt, request.headers, rid, endpoint, model, body)
         # Demand, counted before admission: queued, refused and failed requests are demand too (the planner).
         child(rt.metrics.arrivals, model).inc()
         child(rt.metrics.arrival_prompt_tokens, model).inc(route_req.prompt_tokens)
@@ -100,36 +86,11 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         record.total_s = time.perf_counter() - started
         rt.access_log.emit(record)
         raise
-    strip_usage = stream and ask_for_usage(body)
+    strip_usage = stream and rq.ask_for_usage(body)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
     child(rt.metrics.inflight, model).inc()
     return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record, strip_usage), model, rid, slot,
                        client_key)
-
-
-async def annotate(rt: GatewayRuntime, request: Request, rid: str, endpoint: str, model: str,
-                   body: dict[str, Any]) -> RouteRequest:
-    """The request as routing and admission see it, built once: the prompt's length (the model's
-    tokenizer through the prefix tracker when there is one, else ``estimate_prompt_tokens``), block
-    hashes, cached-prefix overlap per worker, other replicas' load, the hashed session key."""
-    canonical = rt.config.model(model)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    session_header = rt.config.router.kv_aware.session_header
-    req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
-                       max_tokens=max_tokens, block_size=canonical.block_size if canonical is not None else 32,
-                       session_key=session_key_of(request.headers.get(session_header), body))
-    await rt.router.annotate(req, body, endpoint)
-    return req
-
-
-def ask_for_usage(body: dict[str, Any]) -> bool:
-    """Make a stream end with the engine's usage chunk (``stream_options.include_usage``), so its
-    tokens are counted; True when the client did not ask for it (then it is not relayed)."""
-    so = body.get("stream_options")
-    if isinstance(so, dict) and so.get("include_usage") is True:
-        return False
-    body["stream_options"] = {**so, "include_usage": True} if isinstance(so, dict) else {"include_usage": True}
-    return True
 
 
 async def chat_completions(request: Request) -> ProxyResponse:

@@ -212,3 +212,13 @@ def validate(endpoint: str, body: dict[str, Any]) -> str:
         _check_prompt(body)
     _check_common(body)
     return model
+
+
+def ask_for_usage(body: dict[str, Any]) -> bool:
+    """Make a stream end with the engine's usage chunk (``stream_options.include_usage``), so its
+    tokens are counted; True when the client did not ask for it (then it is not relayed)."""
+    so = body.get("stream_options")
+    if isinstance(so, dict) and so.get("include_usage") is True:
+        return False
+    body["stream_options"] = {**so, "include_usage": True} if isinstance(so, dict) else {"include_usage": True}
+    return True

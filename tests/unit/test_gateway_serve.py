@@ -34,7 +34,7 @@ def test_dyad_serve_process_answers_and_stops(tmp_path):
                 time.sleep(0.1)
         assert r.json() == {"status": "ok"}
         r = httpx.get(url + "/ready")
-        assert r.status_code == 503 and r.json()["models"] == {"m": {"healthy_workers": 0}}
+        assert r.status_code == 503 and r.json()["models"] == {"m": {"healthy_workers": 0, "usable_workers": 0}}
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "x"})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
     finally:

@@ -1,0 +1,47 @@
+"""Annotate once: the request as routing, admission and accounting see it, built one time per request.
+
+``annotate`` turns a validated body into a ``RouteRequest``: the prompt's length (the model's tokenizer
+through the router's prefix tracker when there is one; otherwise ``router.estimate``, which counts by
+character class rather than chars/4), its block hashes, the prefix each worker already holds, other
+gateway replicas' load, and the session key (the session header or the body's ``user``, hashed to a
+fixed size: clients choose these values and the router keeps them for affinity). Admission and the
+P/D split decision run on this value; each try (``attempt.py``) then only decides a worker for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.router.estimate import estimate_prompt_tokens
+from orchestrator.router.types import RouteRequest
+
+if TYPE_CHECKING:
+    from orchestrator.gateway.runtime import GatewayRuntime
+
+SESSION_KEY_BYTES = 16  # affinity keys are stored as a 32-hex-digit digest, whatever the client sent
+
+
+def session_key_of(header: str | None, body: dict[str, Any]) -> str | None:
+    """The request's affinity key (the session header, else the body's ``user``), hashed to a fixed
+    size: clients choose these values, and the router keeps them (session affinity) for a while."""
+    raw = header if header else body.get("user")
+    if not isinstance(raw, str) or not raw:
+        return None
+    kind = b"h:" if header else b"u:"
+    return hashlib.blake2b(kind + raw.encode("utf-8", "surrogatepass"), digest_size=SESSION_KEY_BYTES).hexdigest()
+
+
+async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, model: str,
+                   body: dict[str, Any]) -> RouteRequest:
+    """The request as routing and admission see it, built once: the prompt's length (the model's
+    tokenizer through the prefix tracker when there is one, else ``estimate_prompt_tokens``), block
+    hashes, cached-prefix overlap per worker, other replicas' load, the hashed session key."""
+    canonical = rt.config.model(model)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    session_header = rt.config.router.kv_aware.session_header
+    req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
+                       max_tokens=max_tokens, block_size=canonical.block_size if canonical is not None else 32,
+                       session_key=session_key_of(headers.get(session_header), body))
+    await rt.router.annotate(req, body, endpoint)
+    return req
