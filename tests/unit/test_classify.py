@@ -1,0 +1,27 @@
+"""Who caused a failure (orchestrator/gateway/classify.py): pure decisions, no sockets."""
+
+from orchestrator.gateway.classify import FiveXxJudge, engine_error, error_in_answer
+
+
+def test_a_200_carrying_an_error_is_that_error():
+    assert error_in_answer({"error": {"message": "m", "code": 400}}) == (400, {"message": "m", "code": 400})
+    assert error_in_answer({"object": "error", "message": "bad", "code": 503})[0] == 503
+    assert error_in_answer({"error": {"message": "no code"}})[0] == 502  # not an HTTP status: a bad gateway
+    assert error_in_answer({"error": "just text"}) == (502, {"message": "just text"})
+    assert error_in_answer({"choices": []}) is None and error_in_answer([1]) is None
+
+
+def test_engine_errors_keep_message_type_param_and_code():
+    e = engine_error(400, b'{"object": "error", "message": "too long", "type": "BadRequestError", "code": 400}')
+    assert (e.status, e.message, e.type, e.code) == (400, "too long", "BadRequestError", 400)
+    g = engine_error(500, b"<html>oops</html>")
+    assert g.status == 500 and "oops" in g.message
+
+
+def test_a_5xx_is_the_workers_unless_a_second_worker_gives_the_same():
+    j = FiveXxJudge()
+    j.hold("a", 500)
+    assert j.same_again(500) and not j.same_again(503)
+    assert j.settle(request_caused=True) == [] and j.pending == []  # the request: nobody is blamed
+    j.hold("a", 500)
+    assert j.settle(request_caused=False) == [("a", 500)]  # another worker answered: a was at fault
