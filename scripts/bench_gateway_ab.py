@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from orchestrator.bench.loadgen import RawConnection, encode_request  # noqa: E402
 from scripts.bench_gateway_overhead import free_port  # noqa: E402
 
-PY = str(ROOT / ".venv/bin/python")
+PY = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
 
 
 def proc_stats(pid: int) -> tuple[float, int, int]:

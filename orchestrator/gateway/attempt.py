@@ -38,7 +38,7 @@ CANCELLED = "cancelled"
 
 class Attempt:
     __slots__ = ("rt", "req", "decision", "response", "started", "gen_at_start", "task", "aborted", "outcome",
-                 "stalled", "abortable", "_probe", "_watch", "_first")
+                 "stalled", "abortable", "_probe", "deadline", "_first")
 
     def __init__(self, rt: GatewayRuntime, req: RouteRequest, decision: RouteDecision) -> None:
         self.rt = rt
@@ -53,7 +53,7 @@ class Attempt:
         self.stalled = False
         self.abortable = True  # False once the answer is complete (nothing left to fail over)
         self._first = False
-        self._watch: asyncio.TimerHandle | None = None
+        self.deadline: float | None = None  # stall check due (clock time); None = not watched
         rt.router.begin(decision, req)
         self._probe = rt.breakers.dispatched(decision.worker.id)
         rt.attempts.add(self)
@@ -84,28 +84,26 @@ class Attempt:
     def watch(self) -> None:
         """Start the stall watchdog (until ``first_token``): past the budget, a worker that did no
         work since this attempt started is stalled and the attempt is pulled (``abort``); a worker
-        that is busy with other requests is checked again one ``stall_timeout_s`` later."""
-        loop = asyncio.get_running_loop()
-        self._watch = loop.call_later(self.stall_budget(), self._check_stall)
+        that is busy with other requests is checked again one ``stall_timeout_s`` later. The checks
+        run in ``AttemptRegistry.sweep`` (one runtime loop for all attempts: no timer per request)."""
+        self.deadline = self.started + self.stall_budget()
 
-    def _check_stall(self) -> None:
-        self._watch = None
-        if self.outcome is not None or self.aborted is not None:
+    def check_stall(self, now: float) -> None:
+        """Called by the sweep once ``deadline`` has passed."""
+        if self.outcome is not None or self.aborted is not None or self._first:
+            self.deadline = None
             return
         if self.worker_progressed():
-            self.started = self.rt.clock.now()  # progress is judged per window from here on
+            self.started = now  # progress is judged per window from here on
             self.gen_at_start = self.decision.worker.load.generation_tokens
-            self._watch = asyncio.get_running_loop().call_later(self.rt.config.resilience.stall_timeout_s,
-                                                                self._check_stall)
+            self.deadline = now + self.rt.config.resilience.stall_timeout_s
             return
+        self.deadline = None
         self.stalled = True
-        self.abort(f"worker {self.worker_id} did no work for {self.rt.clock.now() - self.started:.1f} s "
-                   "(stalled)")
+        self.abort(f"worker {self.worker_id} did no work for {now - self.started:.1f} s (stalled)")
 
     def unwatch(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        self.deadline = None
 
     def first_token(self) -> None:
         """Prefill is over; the worker is alive (once per attempt: later calls cost one check)."""
@@ -210,6 +208,20 @@ class AttemptRegistry:
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._by_worker.values())
+
+    def sweep(self, now: float) -> None:
+        """Run the due stall checks (``Attempt.watch``)."""
+        for attempts in list(self._by_worker.values()):
+            for a in list(attempts):
+                if a.deadline is not None and now >= a.deadline:
+                    a.check_stall(now)
+
+    async def run(self, clock: Any, interval_s: float = 0.25) -> None:
+        """The sweep loop (a runtime task)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._by_worker:
+                self.sweep(clock.now())
 
 
 def aborted_by_gateway(attempt: Attempt | None) -> bool:

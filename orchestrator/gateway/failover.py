@@ -353,11 +353,14 @@ class StreamRelay:
         first_wait = self.rt.config.gateway.first_byte_timeout_s if not self.recorder.sent else idle
         chunks = response.aiter_raw()
         recorder = self.recorder
+        first = True
         try:
             async with asyncio.timeout(loop.time() + first_wait) as deadline:
                 async for chunk in chunks:
                     deadline.reschedule(None)  # a slow client is not an idle engine
-                    p.mark_first_token()
+                    if first:  # (this response's first bytes: the first token, or a continuation's)
+                        p.mark_first_token()
+                        first = False
                     out = recorder.split(chunk) if rewriter is None else rewriter.feed(recorder.split(chunk))
                     if out:
                         if out[:1] not in _SSE_STARTS:

@@ -153,6 +153,7 @@ class GatewayRuntime:
         self._tasks.append(asyncio.create_task(self._after(self.config.health.interval_s, self.health.run),
                                                name="dyad-health"))
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="dyad-scrape"))
+        self._tasks.append(asyncio.create_task(self.attempts.run(self.clock), name="dyad-stall-watch"))
 
     @staticmethod
     async def _after(delay: float, loop: Callable[[], Any]) -> None:
