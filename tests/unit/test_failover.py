@@ -153,7 +153,14 @@ def test_engine_dies_mid_stream_and_the_stream_completes_on_the_other(pair, endp
     assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
     content = [c["choices"][0] for c in chunks if c["choices"]]
     pieces = [(ch.get("delta") or {}).get("content") if endpoint == CHAT else ch.get("text") for ch in content]
-    assert sum(1 for p in pieces if p) == 12  # 5 from a, 7 from b: exactly the budget
+    # The simulator's tokenizer is one token per word. An engine sends one token per event unless it falls
+    # behind (a loaded machine: then several per event); the continuation's budget counts events, so it is
+    # exact with one token per event (5 from a, 7 from b) and generous, never short, by the extra tokens
+    # of multi-token events (module docstring of failover.py).
+    words = [len(p.split()) for p in pieces if p]
+    assert 12 <= sum(words) <= 12 + sum(n - 1 for n in words)
+    if all(n == 1 for n in words):
+        assert len(words) == 12
     assert content[-1]["finish_reason"] == "length"
     if endpoint == CHAT:
         assert sum(1 for ch in content if "role" in ch.get("delta", {})) == 1
