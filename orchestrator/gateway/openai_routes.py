@@ -58,8 +58,6 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     try:
         client = intake.authenticate(request)
         record.client_key_id = client.name
-        intake.enter(key := intake.client_key(client, request))  # limits.max_concurrent_per_client
-        client_key = key
         body = rq.parse_json_object(await rq.read_body(request, gw.max_body_bytes))
         model = rq.validate(endpoint, body)
         canonical = rt.config.model(model)
@@ -74,6 +72,8 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         # Demand, counted before admission: queued, refused and failed requests are demand too (the planner).
         child(rt.metrics.arrivals, model).inc()
         child(rt.metrics.arrival_prompt_tokens, model).inc(route_req.prompt_tokens)
+        intake.enter(key := intake.client_key(client, request))  # limits.max_concurrent_per_client
+        client_key = key
         # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
         with tracing.span("dyad.admission", model=model):
             slot = await intake.admit(client, route_req, request.headers, request.receive)
