@@ -189,6 +189,9 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_hot_route("/v1/chat/completions", openai_routes.chat_completions)
     app.add_hot_route("/v1/completions", openai_routes.completions)
+    app.add_hot_route("/v1/embeddings", openai_routes.embeddings)  # routed by model, one worker
+    app.add_hot_route("/tokenize", openai_routes.tokenize)
+    app.add_hot_route("/detokenize", openai_routes.detokenize)
     app.add_route("/v1/models", openai_routes.list_models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/ready", ready, methods=["GET"])

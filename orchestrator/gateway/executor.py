@@ -38,6 +38,7 @@ class UpstreamCall:
     model: str
     stream: bool
     headers: dict[str, str] = field(default_factory=dict)  # extra headers for the engine
+    generation: bool = True  # False: embeddings, tokenize, detokenize (one worker, no P/D, no token accounting)
 
 
 class AttemptFailed(Exception):

@@ -21,6 +21,7 @@ from orchestrator.gateway.executor import UpstreamCall
 from orchestrator.gateway.fastpath import child, new_request_id
 from orchestrator.gateway.proxy import ProxyResponse
 from orchestrator.gateway.runtime import GatewayRuntime
+from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.access_log import AccessRecord
 from orchestrator.telemetry.logging import bind_request_id
@@ -99,6 +100,60 @@ async def chat_completions(request: Request) -> ProxyResponse:
 
 async def completions(request: Request) -> ProxyResponse:
     return await _completion(request, rq.COMPLETIONS, "completions")
+
+
+async def _passthrough(request: Request, endpoint: str, label: str) -> Any:
+    """Embeddings, tokenize and detokenize: routed by model to one worker that serves it (never split),
+    with the same intake, retries, breakers and answer checks as completions; not counted as generation
+    demand or tokens."""
+    started = time.perf_counter()
+    rt: GatewayRuntime = request.app.state.runtime
+    rid = request_id_of(request)
+    bind_request_id(rid)
+    rt.shutdown.check()
+    rt.shutdown.started()
+    intake = rt.intake
+    record = AccessRecord(request_id=rid, endpoint=endpoint)
+    client_key = None
+    try:
+        client = intake.authenticate(request)
+        record.client_key_id = client.name
+        body = rq.parse_json_object(await rq.read_body(request, rt.config.gateway.max_body_bytes))
+        model = rq.validate_model_only(body)
+        canonical = rt.config.model(model)
+        client.check_model(model, (canonical.name, *canonical.aliases) if canonical is not None else ())
+        if canonical is not None and canonical.name != model:
+            model = body["model"] = canonical.name
+        if not rt.fleet.knows_model(model):
+            raise ModelNotFound(model)
+        record.model = model
+        route_req = RouteRequest(request_id=rid, model=model, prompt_tokens=1)
+        intake.enter(key := intake.client_key(client, request))
+        client_key = key
+        slot = await intake.admit(client, route_req, request.headers, request.receive)
+    except BaseException as err:
+        intake.leave(client_key)
+        rt.shutdown.finished()
+        if isinstance(err, ApiError):
+            record.status = err.status
+            record.error_class = err.code if isinstance(err.code, str) else type(err).__name__
+            rt.access_log.emit(record)
+        raise
+    call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=False, generation=False)
+    child(rt.metrics.inflight, model).inc()
+    return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record), model, rid, slot, client_key)
+
+
+async def embeddings(request: Request) -> ProxyResponse:
+    return await _passthrough(request, "/v1/embeddings", "embeddings")
+
+
+async def tokenize(request: Request) -> ProxyResponse:
+    return await _passthrough(request, "/tokenize", "tokenize")
+
+
+async def detokenize(request: Request) -> ProxyResponse:
+    return await _passthrough(request, "/detokenize", "detokenize")
 
 
 async def list_models(request: Request) -> Response:

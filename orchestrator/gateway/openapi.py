@@ -129,10 +129,20 @@ def build_openapi(title: str = "Dyad gateway", version: str = "0") -> dict[str, 
                                          "content": {"application/json": {"schema": _ref(model)}}},
                          "responses": {"200": ok, **client_errors}}}
 
+    def passthrough(op: str, summary: str) -> dict[str, Any]:
+        body = {"type": "object", "required": ["model"], "properties": {"model": {"type": "string", "minLength": 1}},
+                "additionalProperties": True}
+        return {"post": {"operationId": op, "summary": summary, "security": [{"apiKey": []}, {}],
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                         "responses": {**_json_ok("The engine's answer"), **client_errors}}}
+
     worker_id = [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     paths = {
         "/v1/chat/completions": completion("createChatCompletion", "ChatCompletionRequest", "Chat completion"),
         "/v1/completions": completion("createCompletion", "CompletionRequest", "Text completion"),
+        "/v1/embeddings": passthrough("createEmbedding", "Embeddings (routed by model to one worker)"),
+        "/tokenize": passthrough("tokenize", "The engine's tokenizer (routed by model to one worker)"),
+        "/detokenize": passthrough("detokenize", "The engine's detokenizer (routed by model to one worker)"),
         "/v1/models": {"get": {"operationId": "listModels", "security": [{"apiKey": []}, {}],
                                "responses": {**_json_ok("Models the fleet serves"), **_errors(401)}}},
         "/health": {"get": {"operationId": "health", "responses": _json_ok("The process is up")}},

@@ -236,7 +236,8 @@ class ProxyResponse:
         worker = attempt.decision.worker
         attempt.watch()  # the stall watchdog, until the first token (attempt.py)
         try:
-            response = attempt.response = await rt.executor_for(attempt.decision).open(call, attempt.decision)
+            executor = rt.executor_for(attempt.decision) if call.generation else rt.executor
+            response = attempt.response = await executor.open(call, attempt.decision)
             status = response.status_code
             if status >= 400:
                 raw = await response.aread()
@@ -449,7 +450,7 @@ class ProxyResponse:
     def _token_counts(self) -> tuple[int | None, int | None]:
         """Prompt and generated tokens: the engine's usage, else what was estimated and relayed.
         Only requests that got an answer are counted (a refusal generated nothing)."""
-        if self._first_token_at is None:
+        if self._first_token_at is None or not self.call.generation:
             return None, None
         usage = self.usage
         prompt = generated = None

@@ -222,3 +222,10 @@ def ask_for_usage(body: dict[str, Any]) -> bool:
         return False
     body["stream_options"] = {**so, "include_usage": True} if isinstance(so, dict) else {"include_usage": True}
     return True
+
+
+def validate_model_only(body: dict[str, Any]) -> str:
+    """The checks for the pass-through endpoints (embeddings, tokenize, detokenize): the model, and no
+    internal fields; everything else is the engine's to judge."""
+    check_internal_fields(body)
+    return _check_model(body)

@@ -33,6 +33,7 @@ class FakeEngine:
         self.healthy = True  # False: /health answers 503 (the health loop marks the worker down)
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.paths: list[str] = []
         self.release = threading.Event()  # set to let hung requests go (they then drop the connection)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -85,6 +86,7 @@ class FakeEngine:
                 raw = self.rfile.read(int(self.headers.get("content-length") or 0))
                 body = json.loads(raw or b"{}")
                 engine.bodies.append(body)
+                engine.paths.append(self.path)
                 engine.headers.append(dict(self.headers))
                 chat = self.path.endswith("/chat/completions")
                 mode = engine.mode

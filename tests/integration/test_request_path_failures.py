@@ -312,3 +312,23 @@ def test_concurrent_requests_per_client_are_bounded_with_a_clear_429():
         slow.delay_s = 0
         assert complete(gw).status_code == 200  # counts go back down
         assert gw.runtime.intake.concurrent == {}
+
+
+# --- 13. pass-through endpoints --------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/tokenize", "/detokenize"])
+def test_passthrough_endpoints_go_to_one_worker_by_model_never_split(path):
+    fleet = engines("ok", "ok")
+    with gateway(fleet, ["prefill", "decode"],
+                 disagg={"enabled": True, "min_prefill_tokens": 1, "connector": "nixl"}) as gw:
+        r = httpx.post(gw.url + path, json={"model": MODEL, "input": "a long enough text " * 20, "prompt": "x",
+                                            "tokens": [1, 2]}, timeout=10)
+        assert r.status_code == 200, r.text
+        sent = [(p, b) for e in fleet for p, b in zip(e.paths, e.bodies, strict=True)]
+        assert len(sent) == 1 and sent[0][0] == path and "kv_transfer_params" not in sent[0][1]
+        assert sample(gw, "dyad_request_generation_tokens_count", {"model": MODEL}) == 0
+        assert sample(gw, "dyad_requests_total", {"model": MODEL, "endpoint": path.rsplit("/", 1)[-1],
+                                                  "status": "200"}) == 1
+        bad = httpx.post(gw.url + path, json={"model": MODEL, "input": "x", "bootstrap_room": 1}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "bootstrap_room"
+        assert httpx.post(gw.url + path, json={"model": "nope"}, timeout=10).status_code == 404
