@@ -1,9 +1,16 @@
-"""The Router: the one place a request meets the fleet.
+"""The Router: the one place a request meets the fleet. Usable without the HTTP server (the virtual
+fleet drives it the same way the gateway does).
 
-``route`` narrows the fleet to candidates (healthy, serving the model, able to decode), lets the
-prefix tracker (when one is plugged in) annotate the request with token ids and per-worker cache
-overlaps, asks the pure policy to choose, and tells the tracker what was chosen. ``begin`` /
-``first_token`` / ``finish`` keep the gateway's own per-worker accounting, which policies read.
+Public API — an annotated request in, a decision out, plus the accounting calls:
+
+* ``await annotate(req, body, endpoint)`` — once per request: the prefix tracker (when one is plugged
+  in) fills ``req`` with token ids, block hashes, per-worker cache overlaps and other replicas' load;
+* ``await decide(req, exclude=())`` — once per try: candidates (healthy, serving the model, able to
+  decode, not in ``exclude``), the prefixes each is computing right now (``inflight``), the pure
+  policy's ``choose(req, candidates, now)``; raises ``NoHealthyWorker`` when there is no candidate;
+* ``await route(req, body, endpoint, exclude=())`` — both, for callers that route a request once;
+* ``begin(decision, req)`` / ``first_token(decision, req)`` / ``finish(decision, req, ok)`` — the
+  in-flight ledger policies read (the gateway calls them through ``gateway/attempt.py`` only).
 
 The I/O (tokenization, index lookups) is the tracker's; the choice is the policy's; the Router
 only sequences them, so the same Router runs in the virtual-time simulator with a ``VirtualClock``.
