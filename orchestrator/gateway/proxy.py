@@ -258,6 +258,7 @@ class ProxyResponse:
                 raw = await self._read_bounded(response)
                 await response.aclose()
                 return self._not_sse(attempt, raw, last_try)
+            self._settle_5xx(request_caused=False)  # another worker streams it: held 5xx were the workers'
             return None
         except AttemptFailed as e:
             if e.kind == "timeout":

@@ -332,3 +332,12 @@ def test_passthrough_endpoints_go_to_one_worker_by_model_never_split(path):
         bad = httpx.post(gw.url + path, json={"model": MODEL, "input": "x", "bootstrap_room": 1}, timeout=10)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "bootstrap_room"
         assert httpx.post(gw.url + path, json={"model": "nope"}, timeout=10).status_code == 404
+
+
+def test_a_5xx_the_stream_does_not_get_elsewhere_counts_against_the_worker():
+    bad, good = engines("status", "ok", status_code=500)
+    with gateway([bad, good]) as gw:
+        for _ in range(6):
+            r = complete(gw, stream=True)
+            assert r.status_code == 200 and events(r)[-1] == "[DONE]"
+        assert breakers(gw) == {"w0": "open"}
