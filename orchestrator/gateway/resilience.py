@@ -8,8 +8,10 @@ Both are decision logic (plain data, a ``now`` from the caller's clock, no I/O),
   together (an engine died under load) do not arrive together at the next worker.
 * ``CircuitBreakers`` keeps one breaker per worker. The health loop notices a dead engine within
   ``health.interval_s * failure_threshold``; a breaker reacts to what the traffic itself sees — an
-  engine that accepts connections but answers 5xx, times out, or breaks streams. ``failure_threshold``
-  consecutive failed attempts open it (the router skips the worker), after ``open_s`` it is
+  engine that accepts connections but answers 5xx, stalls, or breaks streams. Only worker-caused
+  failures reach it (``classify.py``, ``attempt.py``): an engine 4xx, or the same 5xx on a second
+  worker, is the request's doing and counts against nobody. ``failure_threshold`` consecutive
+  worker-caused failures open it (the router skips the worker), after ``open_s`` it is
   half-open (up to ``half_open_probes`` requests at a time may try it), and ``success_threshold``
   successes close it again; a failure while half-open re-opens it for another ``open_s``.
 """
