@@ -281,6 +281,8 @@ class ProxyResponse:
             raise _Retry(NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
                                          reason=attempt.aborted or kind)) from None
         except (ApiError, _Retry):
+            if attempt.outcome is None:  # an executor's own refusal (e.g. no SGLang prefill worker left)
+                attempt.request_failed()
             raise
         except BaseException:
             attempt.cancelled()

@@ -341,3 +341,32 @@ def test_a_5xx_the_stream_does_not_get_elsewhere_counts_against_the_worker():
             r = complete(gw, stream=True)
             assert r.status_code == 200 and events(r)[-1] == "[DONE]"
         assert breakers(gw) == {"w0": "open"}
+
+
+def test_an_executor_refusal_ends_its_attempt_no_in_flight_leak():
+    """SGLang P/D with its only prefill server gone: the P/D executor refuses (503) and the decode
+    worker's in-flight count and prefill charge go back to zero (the simulator speaks SGLang here)."""
+    from orchestrator.sim.server import SimEngineThread
+    p = SimEngineThread(model=MODEL, profile="cpu-tiny", dialect="sglang", kv_events=False,
+                        disaggregation_mode="prefill").start()
+    d = SimEngineThread(model=MODEL, profile="cpu-tiny", dialect="sglang", kv_events=False,
+                        disaggregation_mode="decode").start()
+    cfg = load_config({
+        "models": [{"name": MODEL, "block_size": 16}],
+        "workers": [{"id": "p", "url": p.url, "engine": "sglang", "role": "prefill", "models": [MODEL],
+                     "bootstrap_port": p.port},
+                    {"id": "d", "url": d.url, "engine": "sglang", "role": "decode", "models": [MODEL]}],
+        "health": {"interval_s": 30},
+        "disagg": {"enabled": True, "min_prefill_tokens": 1},
+    })
+    gw = GatewayThread(cfg).start()
+    try:
+        p.stop()
+        r = complete(gw, prompt="a prompt long enough to split " * 4)
+        assert r.status_code == 503, r.text
+        w = gw.runtime.fleet.get("d")
+        assert w.inflight == 0 and w.inflight_prefill_tokens == 0
+        assert len(gw.runtime.attempts) == 0
+    finally:
+        gw.stop()
+        d.stop()
