@@ -506,6 +506,15 @@ class TracingConfig(_Section):
     export_timeout_s: float = Field(10.0, gt=0, description="Timeout of one export request")
 
 
+
+class UiConfig(_Section):
+    """The fleet page's history (``/ui``, ``orchestrator/ui/history.py``): kept in memory, no external service."""
+
+    history_interval_s: float = Field(5.0, ge=0.1, description="Seconds between two samples of the gateway's metrics")
+    history_window_s: float = Field(30.0, gt=0, description="Each chart point summarises this many seconds "
+                                                            "(rates, ratios, latency quantiles)")
+    history_span_s: float = Field(3600.0, gt=0, le=86400, description="How far back the charts go")
+
 class DyadConfig(_Section):
     models: list[ModelConfig] = Field(default_factory=list)
     workers: list[WorkerConfig] = Field(default_factory=list)
@@ -522,6 +531,7 @@ class DyadConfig(_Section):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     access_log: AccessLogConfig = Field(default_factory=AccessLogConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    ui: UiConfig = Field(default_factory=UiConfig)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> DyadConfig:

@@ -31,6 +31,7 @@ from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.planner.install import install as planner_install
 from orchestrator.planner.routes import planner_router
 from orchestrator.telemetry.metrics import DyadMetrics
+from orchestrator.ui import install as ui_install
 from orchestrator.ui import ui_router
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
         app.state.runtime = rt
         await rt.start()
         planner_install(rt, lambda: metrics_text(rt))  # the SLO planner loop, when planner.enabled
+        ui_install(rt)  # the fleet page's last hour, sampled from rt.metrics (orchestrator/ui/history.py)
         try:
             yield
         finally:
