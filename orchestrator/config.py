@@ -505,6 +505,28 @@ class TracingConfig(_Section):
     batch_delay_s: float = Field(1.0, gt=0, description="Longest wait before a batch of spans is exported")
     export_timeout_s: float = Field(10.0, gt=0, description="Timeout of one export request")
 
+    @model_validator(mode="after")
+    def _sdk_installed(self) -> TracingConfig:
+        if self.enabled:
+            import importlib.util
+
+            for module in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"):
+                try:
+                    found = importlib.util.find_spec(module) is not None
+                except ModuleNotFoundError:
+                    found = False
+                if not found:
+                    raise ValueError(f"tracing needs the OpenTelemetry SDK and OTLP exporter ({module} is not "
+                                     "installed): pip install 'dyad-serve[tracing]'")
+        return self
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if not (v.startswith("http://") or v.startswith("https://")):
+            raise ValueError("must be an http:// or https:// URL (OTLP/HTTP), e.g. http://collector:4318/v1/traces")
+        return v
+
 
 
 class UiConfig(_Section):

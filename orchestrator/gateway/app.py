@@ -30,6 +30,7 @@ from orchestrator.gateway.openapi import build_openapi
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.planner.install import install as planner_install
 from orchestrator.planner.routes import planner_router
+from orchestrator.telemetry import install as telemetry
 from orchestrator.telemetry.metrics import DyadMetrics
 from orchestrator.ui import install as ui_install
 from orchestrator.ui import ui_router
@@ -141,6 +142,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
         disagg.install(rt)  # P/D pair selection, the P/D executor and role changes (orchestrator.disagg)
         admission.install(rt)  # keys, rate limits, admission control, priority queue (runtime.intake)
         app.state.runtime = rt
+        telemetry.install(rt)  # access log and tracing from the config (orchestrator/telemetry/install.py)
         await rt.start()
         planner_install(rt, lambda: metrics_text(rt))  # the SLO planner loop, when planner.enabled
         ui_install(rt)  # the fleet page's last hour, sampled from rt.metrics (orchestrator/ui/history.py)
@@ -148,6 +150,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
             yield
         finally:
             await rt.stop()
+            telemetry.uninstall(rt)
 
     # The two completion routes skip FastAPI's middleware and routing layers (fastpath.py).
     app = GatewayApp(title="Dyad gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
