@@ -13,6 +13,10 @@ The root span continues the client's trace: ``span("dyad.request", incoming=head
 W3C ``traceparent`` from the client's headers (a ``{name: value}`` mapping or ASGI ``[(b"name",
 b"value")]`` pairs) and makes it the parent. A malformed ``traceparent`` is ignored (a new trace starts).
 
+When the root span must outlive one ``with`` block (admission happens in the route handler, the
+exchange later in the ASGI response), ``root = begin("dyad.request", incoming=headers, ...)`` starts
+it, ``with root.activate():`` makes it the parent in each phase, and ``root.end()`` ends it.
+
 ``configure(TracingConfig)`` turns tracing on for the process (the gateway's runtime calls it at start):
 spans are batched to an OTLP/HTTP endpoint (``tracing.endpoint``), sampled by ``tracing.sample_ratio``
 unless the client's ``traceparent`` already decided (parent-based sampling). The OpenTelemetry SDK is
@@ -183,6 +187,47 @@ def span(name: str, *, incoming: Mapping[str, str] | Sequence[tuple[bytes, bytes
     context = state.propagator.extract(_carrier(incoming)) if incoming is not None else None
     with state.tracer.start_as_current_span(name, context=context, attributes=_clean(attributes)) as s:
         yield _Span(s)
+
+
+class OpenSpan:
+    """A span begun with ``begin`` and ended with ``end``, made current with ``activate()`` in as many
+    phases as the request has (admission in the route handler, then the proxy's ASGI response)."""
+
+    __slots__ = ("_span", "span")
+
+    def __init__(self, span: Any) -> None:
+        self._span = span
+        self.span = _Span(span) if span is not None else NO_SPAN
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[Any]:
+        if self._span is None:
+            yield NO_SPAN
+            return
+        from opentelemetry import trace
+
+        with trace.use_span(self._span, end_on_exit=False, record_exception=True, set_status_on_exception=True):
+            yield self.span
+
+    def trace_id_hex(self) -> str | None:
+        return self.span.trace_id_hex()
+
+    def end(self) -> None:
+        if self._span is not None:
+            self._span.end()
+            self._span = None
+
+
+def begin(name: str, *, incoming: Mapping[str, str] | Sequence[tuple[bytes, bytes]] | None = None,
+          **attributes: Any) -> OpenSpan:
+    """Start a span that outlives one ``with`` block (the root ``dyad.request``: admission runs in the
+    route handler, the exchange in the ASGI response); ``incoming`` as for ``span``. Children opened
+    inside ``open_span.activate()`` hang under it; call ``end()`` once, when the request is over."""
+    state = _state
+    if state is None:
+        return OpenSpan(None)
+    context = state.propagator.extract(_carrier(incoming)) if incoming is not None else None
+    return OpenSpan(state.tracer.start_span(name, context=context, attributes=_clean(attributes)))
 
 
 def inject(headers: dict[str, str]) -> dict[str, str]:

@@ -110,7 +110,7 @@ def test_access_log_one_line_per_request_with_what_happened(engines, tmp_path):
     assert (w["model"], w["status"], w["stream"], w["error_class"]) == (MODEL, 200, False, None)
     assert w["workers"] and w["workers"][0]["id"] == whole.headers["x-dyad-worker"] and w["attempts"] >= 1
     assert w["prompt_tokens"] == usage["prompt_tokens"] and w["generated_tokens"] == usage["completion_tokens"]
-    assert 0 < w["total_s"] < 30 and w["client_key_id"] is None
+    assert 0 < w["total_s"] < 30 and w["client_key_id"] in (None, "anonymous")  # an open gateway
     s = recs["it-stream"]
     assert s["stream"] is True and s["status"] == 200 and s["workers"][0]["id"] == streamed_worker
     assert s["generated_tokens"] == 6 and 0 < s["ttft_s"] <= s["total_s"] and s["itl_mean_s"] > 0

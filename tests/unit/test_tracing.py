@@ -141,3 +141,44 @@ def test_enabled_without_the_sdk_names_the_extra(monkeypatch):
     with pytest.raises(tracing.TracingUnavailable, match=r"pip install 'dyad-serve\[tracing\]'"):
         tracing.configure(TracingConfig(enabled=True))
     assert not tracing.enabled()
+
+
+async def test_begin_activate_end_spans_two_phases_of_one_request(exporter):
+    root = tracing.begin("dyad.request", incoming={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"},
+                         model="m")
+    with root.activate():  # phase 1: the route handler
+        with tracing.span("dyad.admission"):
+            await asyncio.sleep(0)
+    assert tracing.current_trace_id() is None  # not current between phases
+    with root.activate():  # phase 2: the ASGI response
+        with tracing.span("dyad.attempt", worker="w0"):
+            headers = tracing.inject({})
+    assert exporter.get_finished_spans() and all(s.name != "dyad.request" for s in exporter.get_finished_spans())
+    root.end()
+    root.end()  # idempotent
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    req = spans["dyad.request"]
+    assert format(req.context.trace_id, "032x") == CLIENT_TRACE == root.trace_id_hex()
+    assert spans["dyad.admission"].parent.span_id == req.context.span_id == spans["dyad.attempt"].parent.span_id
+    assert headers["traceparent"].split("-")[1] == CLIENT_TRACE
+
+
+def test_begin_is_a_no_op_while_tracing_is_off():
+    tracing.shutdown()
+    root = tracing.begin("dyad.request", incoming={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"})
+    with root.activate() as s:
+        assert s.trace_id_hex() is None
+    root.end()
+
+
+def test_enabling_tracing_without_the_sdk_is_a_config_error_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from orchestrator.config import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("opentelemetry.sdk") else real(name, *a))
+    with pytest.raises(ConfigError, match=r"tracing: .*pip install 'dyad-serve\[tracing\]'"):
+        load_config({"tracing": {"enabled": True}}, environ={})
+    assert load_config({"tracing": {"enabled": False}}, environ={}).tracing.enabled is False
