@@ -504,6 +504,8 @@ class TracingConfig(_Section):
                                                                                   "(e.g. deployment.environment)")
     batch_delay_s: float = Field(1.0, gt=0, description="Longest wait before a batch of spans is exported")
     export_timeout_s: float = Field(10.0, gt=0, description="Timeout of one export request")
+    max_queue_size: int = Field(2048, ge=1, description="Finished spans waiting for export; beyond it new spans "
+                                                        "are dropped (never blocks a request)")
 
     @model_validator(mode="after")
     def _sdk_installed(self) -> TracingConfig:

@@ -138,7 +138,9 @@ def configure(config: TracingConfig | None, *, exporter: Any = None) -> None:
             ) from None
         exporter = OTLPSpanExporter(endpoint=config.endpoint, timeout=config.export_timeout_s,
                                     headers=dict(config.headers) or None)
-        processor: Any = BatchSpanProcessor(exporter, schedule_delay_millis=int(config.batch_delay_s * 1000))
+        processor: Any = BatchSpanProcessor(exporter, schedule_delay_millis=int(config.batch_delay_s * 1000),
+                                            max_queue_size=config.max_queue_size,
+                                            max_export_batch_size=min(512, config.max_queue_size))
     else:
         processor = SimpleSpanProcessor(exporter)
     resource = Resource.create({"service.name": config.service_name, **config.resource_attributes})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -37,6 +38,11 @@ def test_json_line_has_every_field_in_order_and_workers_with_roles():
     assert d["workers"] == [{"id": "p0", "role": "prefill"}, {"id": "d1", "role": "decode"}]
     assert d["ttft_s"] == 0.041235 and d["attempts"] == 2 and d["stream"] is True
     assert d["error_class"] is None and d["client_key_id"] == "team-a"
+
+
+def test_every_record_field_is_in_the_line():
+    names = [f.name for f in dataclasses.fields(AccessRecord)]
+    assert list(record_fields(_record(), TS)) == ["ts", *names]
 
 
 def test_kv_line_parses_back_with_shell_quoting_rules():
@@ -89,7 +95,7 @@ def test_logger_output_goes_through_the_dyad_access_logger(caplog):
         log.emit(_record())
     [rec] = [r for r in caplog.records if r.name == "dyad.access"]
     assert rec.getMessage().startswith("ts=") and "request_id=req-1" in rec.getMessage()
-    assert rec.access["workers"] == [("p0", "prefill"), ("d1", "decode")]
+    assert rec.access["workers"] == [{"id": "p0", "role": "prefill"}, {"id": "d1", "role": "decode"}]
 
 
 def test_file_output_appends_lines(tmp_path):
