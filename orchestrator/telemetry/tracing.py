@@ -100,9 +100,12 @@ class _Tracing:
     ``configure`` can replace it), its tracer, and the W3C propagator."""
 
     def __init__(self, provider: Any, tracer: Any, propagator: Any) -> None:
+        from opentelemetry import trace
+
         self.provider = provider
         self.tracer = tracer
         self.propagator = propagator
+        self.get_current_span = trace.get_current_span
 
 
 _state: _Tracing | None = None
@@ -186,6 +189,11 @@ def span(name: str, *, incoming: Mapping[str, str] | Sequence[tuple[bytes, bytes
     if state is None:
         yield NO_SPAN
         return
+    if incoming is None:
+        current = state.get_current_span()
+        if not current.is_recording() and current.get_span_context().is_valid:
+            yield _Span(current)  # inside a trace that is not sampled: no child spans (they cost ~12 µs each)
+            return
     context = state.propagator.extract(_carrier(incoming)) if incoming is not None else None
     with state.tracer.start_as_current_span(name, context=context, attributes=_clean(attributes)) as s:
         yield _Span(s)
