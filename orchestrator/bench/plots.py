@@ -119,6 +119,19 @@ def cdf(ax: Any, values_s: Sequence[float], *, title: str, what: str, slo_s: flo
     ax.legend(fontsize=8, loc="lower right")
 
 
+def counts_over_time(ax: Any, times_s: Sequence[float], series: dict[str, Sequence[float]], *, title: str,
+                     ylabel: str = "workers", xlabel: str = "time (s)", budget: float | None = None) -> None:
+    """Step lines of counts (workers per role, say) on integer ticks, with an optional budget line."""
+    for label, values in series.items():
+        ax.step(list(times_s), list(values), where="post", linewidth=1.6, label=label)
+    if budget is not None:
+        ax.axhline(budget, color="#6b7588", linestyle=":", linewidth=1.2, label=f"budget {budget:g}")
+    style(ax, title, xlabel, ylabel)
+    integer_ticks(ax)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="upper left")
+
+
 def save(fig: Any, path: str, *, suptitle: str | None = None) -> None:
     plt = require_pyplot()
     if suptitle:

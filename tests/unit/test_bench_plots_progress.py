@@ -137,3 +137,17 @@ def test_without_matplotlib_plot_is_one_line_naming_the_extra(monkeypatch, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dyad bench: dyad bench --plot needs matplotlib, which is not installed: "
                    "pip install 'dyad-serve[plots]'"]
+
+
+def test_counts_over_time_for_plan_plots_uses_integer_ticks():
+    plt = plots.require_pyplot()
+    fig, ax = plt.subplots()
+    plots.counts_over_time(ax, [0, 60, 120, 180], {"prefill": [1, 2, 3, 2], "decode": [2, 2, 4, 5]},
+                           title="Workers by role", budget=8)
+    plots.latency_over_time(ax.twinx(), [1.0, 2.0], [0.1, 0.2], title="x", what="TTFT", slo_s=0.5)
+    fig.canvas.draw()
+    lo, hi = ax.get_ylim()
+    assert all(float(t).is_integer() for t in ax.get_yticks() if lo <= t <= hi)
+    assert ax.get_title() == "Workers by role" and ax.get_ylabel() == "workers"
+    assert any(line.get_label() == "budget 8" for line in ax.get_lines())
+    plt.close(fig)
