@@ -90,7 +90,6 @@ def _result(slo_ttft=0.2, slo_itl=0.03):
 
 
 def test_bench_figure_has_titles_units_slo_lines_and_integer_count_ticks():
-    pytest.importorskip("matplotlib")
     fig = bench_figure(_result())
     axes = fig.get_axes()
     assert len(axes) == 6
@@ -113,7 +112,6 @@ def test_bench_figure_has_titles_units_slo_lines_and_integer_count_ticks():
 
 
 def test_no_slo_no_slo_lines():
-    pytest.importorskip("matplotlib")
     fig = bench_figure(_result(None, None))
     assert not any(line.get_label().startswith("SLO") for ax in fig.get_axes() for line in ax.get_lines())
 
