@@ -25,6 +25,7 @@ from adapters.base import EngineAdapter, EngineKind
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway.transport import send_post
 from orchestrator.router.types import RouteDecision
+from orchestrator.telemetry import tracing
 
 
 @dataclass
@@ -64,7 +65,7 @@ def engine_headers(call: UpstreamCall, worker: Worker) -> dict[str, str]:
         headers["authorization"] = f"Bearer {worker.api_key}"
     if call.headers:
         headers.update(call.headers)
-    return headers
+    return tracing.inject(headers)  # W3C traceparent of the current span (unchanged while tracing is off)
 
 
 async def send_to_worker(http: httpx.AsyncClient, worker: Worker, path: str, body: dict[str, Any],

@@ -285,6 +285,7 @@ class StreamRelay:
         self.chat = proxy.call.endpoint == CHAT
         self.failovers = 0
         self.tail = b""
+        self.usage_tail = b""
 
     async def run(self, send: Any, response: httpx.Response) -> None:
         p = self.proxy
@@ -307,6 +308,8 @@ class StreamRelay:
     async def _emit(self, send: Any, out: bytes) -> None:
         self.recorder.record(out)
         self.tail = out
+        if b'"usage"' in out:  # the usage chunk is rarely the last one ([DONE] is)
+            self.usage_tail = out
         await send({"type": "http.response.body", "body": out, "more_body": True})
 
     async def _pump(self, send: Any, response: httpx.Response, rewriter: ContinuationRewriter | None) -> str | None:

@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from orchestrator.errors import ModelNotFound
+from orchestrator.errors import ApiError, ModelNotFound
 from orchestrator.gateway import request as rq
 from orchestrator.gateway.executor import UpstreamCall
 from orchestrator.gateway.fastpath import child, new_request_id
@@ -21,6 +21,7 @@ from orchestrator.gateway.proxy import ProxyResponse
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.router.estimate import estimate_prompt_tokens
 from orchestrator.router.types import RouteRequest
+from orchestrator.telemetry.access_log import AccessRecord
 from orchestrator.telemetry.logging import bind_request_id
 
 MAX_REQUEST_ID = 128
@@ -44,8 +45,13 @@ async def _completion(request: Request, endpoint: str, label: str) -> Any:
     rt.shutdown.started()  # from here a drain waits for this request, queued or not (ended by intake.wrap)
     try:
         return await _admitted(request, rt, rid, endpoint, label, started)
-    except BaseException:
+    except BaseException as err:
         rt.shutdown.finished()
+        if isinstance(err, ApiError) and rt.access_log.enabled:  # refused before the proxy: logged here
+            rt.access_log.emit(AccessRecord(
+                request_id=rid, model=getattr(request.state, "model", None), endpoint=endpoint, status=err.status,
+                error_class=err.code if isinstance(err.code, str) else err.type,
+                total_s=time.perf_counter() - started, client_key_id=getattr(request.state, "client_key_id", None)))
         raise
 
 
@@ -54,12 +60,14 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     gw = rt.config.gateway
     intake = rt.intake  # orchestrator.gateway.admission: auth, rate limits, admission control, queue
     client = intake.authenticate(request)
+    request.state.client_key_id = getattr(client, "name", None)  # the key's name (access log), never the key
     body = rq.parse_json_object(await rq.read_body(request, gw.max_body_bytes))
     model = rq.validate(endpoint, body)
     canonical = rt.config.model(model)
     client.check_model(model, (canonical.name, *canonical.aliases) if canonical is not None else ())
     if canonical is not None and canonical.name != model:
         model = body["model"] = canonical.name  # an alias: the engines know the model by its name
+    request.state.model = model
     if not rt.fleet.knows_model(model):
         raise ModelNotFound(model)
     stream = body.get("stream") is True
@@ -73,7 +81,9 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     slot = await intake.admit(client, route_req, request.headers, request.receive)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
     child(rt.metrics.inflight, model).inc()
-    return intake.wrap(ProxyResponse(rt, call, route_req, label, started), model, rid, slot)
+    proxy = ProxyResponse(rt, call, route_req, label, started)
+    proxy.client_key_id = request.state.client_key_id
+    return intake.wrap(proxy, model, rid, slot)
 
 
 async def chat_completions(request: Request) -> ProxyResponse:

@@ -30,6 +30,8 @@ from orchestrator.gateway.responses import engine_error_body, send_bytes, send_e
 from orchestrator.gateway.stream_timing import TokenTimer
 from orchestrator.gateway.transport import read_all
 from orchestrator.router.types import RouteDecision, RouteRequest
+from orchestrator.telemetry import tracing
+from orchestrator.telemetry.access_log import AccessRecord
 
 if TYPE_CHECKING:
     from orchestrator.gateway.runtime import GatewayRuntime
@@ -65,6 +67,11 @@ class ProxyResponse:
         self._tried: set[str] = set()  # workers that failed this request (never tried again for it)
         self.upstream: httpx.Response | None = None  # the engine response being relayed
         self._watcher: asyncio.Future[None] | None = None
+        self._legs: list[tuple[str, str]] = []  # (worker, role) of every attempt and P/D leg (access log)
+        self._usage: tuple[int | None, int | None] = (None, None)  # prompt, completion tokens (engine usage)
+        self._error_class: str | None = None
+        self._trace_id: str | None = None
+        self.client_key_id: str | None = None  # the client key's name, set by the route (access log)
 
     # --- ASGI entry ------------------------------------------------------------------------------
 
@@ -77,8 +84,11 @@ class ProxyResponse:
             # A stream is bounded by its idle timeout (failover.py), and in total only if configured.
             timeout = self.rt.config.resilience.stream_timeout_s if self.call.stream \
                 else self.rt.config.gateway.request_timeout_s
-            async with asyncio.timeout(timeout):
-                await self._run(send)
+            with tracing.span("dyad.request", incoming=scope.get("headers", ()), model=self.call.model,
+                              endpoint=self.call.endpoint, stream=self.call.stream) as root:
+                self._trace_id = root.trace_id_hex()
+                async with asyncio.timeout(timeout):
+                    await self._run(send)
         except asyncio.CancelledError:
             if not self._disconnected:
                 raise
@@ -138,6 +148,7 @@ class ProxyResponse:
                 body = await self._read_whole(attempt)
         except ApiError as err:
             self.status = err.status
+            self._error_class = err.code if isinstance(err.code, str) else type(err).__name__
             self._done = True
             await send_error(send, err, self._headers())
             return
@@ -207,8 +218,13 @@ class ProxyResponse:
                 await asyncio.sleep(rt.backoff.delay(attempt_no + (1 if retry else 0), _JITTER))
             blocked = rt.breakers.blocked(rt.clock.now())
             try:
-                decision = await rt.router.route(self.req, call.body, call.endpoint,
-                                                 tried | blocked if blocked else tried)
+                with tracing.span("dyad.route") as route_span:
+                    decision = await rt.router.route(self.req, call.body, call.endpoint,
+                                                     tried | blocked if blocked else tried)
+                    route_span.set_attributes({
+                        "policy": decision.policy, "worker": decision.worker.id,
+                        "prefill_worker": decision.prefill_worker.id if decision.prefill_worker else None,
+                        "predicted_cached_tokens": decision.predicted_cached_tokens})
             except NoHealthyWorker:
                 if last_error is not None:
                     raise last_error from None
@@ -221,8 +237,13 @@ class ProxyResponse:
                 tried.add(decision.prefill_worker.id)
             rt.router.begin(decision, self.req)
             probe = rt.breakers.dispatched(worker.id)
+            if decision.prefill_worker is not None:
+                self._legs.append((decision.prefill_worker.id, "prefill"))
+            self._legs.append((worker.id, "decode" if decision.prefill_worker is not None else worker.role.value))
             try:
-                response = await rt.executor_for(decision).open(call, decision)
+                with tracing.span("dyad.attempt", worker=worker.id, role=self._legs[-1][1]) as attempt_span:
+                    response = await rt.executor_for(decision).open(call, decision)
+                    attempt_span.set_attribute("outcome", f"http_{response.status_code}")
             except AttemptFailed as e:
                 self._attempt_failed(decision, e)
                 if e.kind == "timeout":  # the engine may still be working on it: do not send it twice
@@ -269,7 +290,7 @@ class ProxyResponse:
         # worker, or the stream ends with an SSE error event (failover.py).
         relay = StreamRelay(self)
         await relay.run(TokenTimer(child(self.rt.metrics.itl, self.call.model)).wrap(send), response)  # ITL
-        self._observe_usage_sse(relay.tail)
+        self._observe_usage_sse(relay.usage_tail or relay.tail)
 
     async def _whole(self, send: Any, response: httpx.Response, body: bytes) -> None:
         self._mark_first_token()
@@ -308,6 +329,7 @@ class ProxyResponse:
             return
         m = self.rt.metrics
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        self._usage = (prompt if isinstance(prompt, int) else None, completion if isinstance(completion, int) else None)
         if isinstance(prompt, int):
             child(m.prompt_tokens, self.call.model).observe(prompt)
         if isinstance(completion, int):
@@ -321,4 +343,22 @@ class ProxyResponse:
         m = rt.metrics  # (children cached per label values: fastpath.child)
         child(m.inflight, model).dec()
         child(m.requests, model, self.endpoint_label, str(self.status or 500)).inc()
-        child(m.e2e, model, self.endpoint_label).observe(time.perf_counter() - self.started)
+        elapsed = time.perf_counter() - self.started
+        child(m.e2e, model, self.endpoint_label).observe(elapsed)
+        # The access-log record (orchestrator/telemetry/access_log.py; a no-op unless access_log.enabled).
+        access = rt.access_log
+        if access.enabled:
+            status = self.status or 500
+            ttft = self._first_token_at - self.started if self._first_token_at is not None else None
+            prompt, generated = self._usage
+            itl = (elapsed - ttft) / (generated - 1) if self.call.stream and ttft is not None and generated \
+                and generated > 1 else None
+            error = None if 200 <= status < 400 else (self._error_class or ("client_gone" if status == 499
+                                                                             else f"http_{status}"))
+            access.emit(AccessRecord(
+                request_id=self.call.request_id, model=model, endpoint=self.call.endpoint, stream=self.call.stream,
+                workers=list(self._legs), attempts=sum(1 for _, role in self._legs if role != "prefill"),
+                status=status, error_class=error, prompt_tokens=prompt,
+                cached_tokens=self._attempt.decision.predicted_cached_tokens if self._attempt else None,
+                generated_tokens=generated, ttft_s=ttft, itl_mean_s=itl, total_s=elapsed,
+                client_key_id=self.client_key_id, trace_id=self._trace_id))

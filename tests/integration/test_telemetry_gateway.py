@@ -90,7 +90,8 @@ def test_access_log_one_line_per_request_with_what_happened(engines, tmp_path):
                 "model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hello there"}]})
             assert whole.status_code == 200
             with c.stream("POST", "/v1/completions", headers={"x-request-id": "it-stream"}, json={
-                    "model": MODEL, "prompt": "one two three four", "max_tokens": 6, "stream": True}) as r:
+                    "model": MODEL, "prompt": "one two three four", "max_tokens": 6, "stream": True,
+                    "stream_options": {"include_usage": True}}) as r:
                 assert r.status_code == 200
                 streamed_worker = r.headers["x-dyad-worker"]
                 list(r.iter_lines())
