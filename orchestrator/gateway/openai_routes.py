@@ -47,8 +47,9 @@ async def _completion(request: Request, endpoint: str, label: str) -> Any:
         return await _admitted(request, rt, rid, endpoint, label, started)
     except BaseException as err:
         rt.shutdown.finished()
-        if isinstance(err, ApiError) and rt.access_log.enabled:  # refused before the proxy: logged here
-            rt.access_log.emit(AccessRecord(
+        access = getattr(rt, "access_log", None)  # set at start (orchestrator/telemetry/install.py)
+        if isinstance(err, ApiError) and access is not None and access.enabled:  # refused before the proxy
+            access.emit(AccessRecord(
                 request_id=rid, model=getattr(request.state, "model", None), endpoint=endpoint, status=err.status,
                 error_class=err.code if isinstance(err.code, str) else err.type,
                 total_s=time.perf_counter() - started, client_key_id=getattr(request.state, "client_key_id", None)))

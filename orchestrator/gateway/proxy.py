@@ -346,8 +346,8 @@ class ProxyResponse:
         elapsed = time.perf_counter() - self.started
         child(m.e2e, model, self.endpoint_label).observe(elapsed)
         # The access-log record (orchestrator/telemetry/access_log.py; a no-op unless access_log.enabled).
-        access = rt.access_log
-        if access.enabled:
+        access = getattr(rt, "access_log", None)  # set at start (orchestrator/telemetry/install.py)
+        if access is not None and access.enabled:
             status = self.status or 500
             ttft = self._first_token_at - self.started if self._first_token_at is not None else None
             prompt, generated = self._usage

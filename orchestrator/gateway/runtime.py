@@ -32,7 +32,6 @@ from orchestrator.gateway.transport import FastTransport
 from orchestrator.router.policies import make_policy
 from orchestrator.router.router import PrefixTracker, Router
 from orchestrator.router.types import RouteDecision
-from orchestrator.telemetry.access_log import AccessLog
 from orchestrator.telemetry.metrics import DyadMetrics
 
 # Fallback when adapters.get_adapter is not available: engine kind → (module, class).
@@ -99,7 +98,6 @@ class GatewayRuntime:
             res, on_change=lambda wid, state: self.metrics.breaker_transitions.labels(wid, state.value).inc())
         self.fleet.subscribe(lambda event, w: self.breakers.forget(w.id) if event == "removed" else None)
         self.shutdown = ShutdownState(config.gateway.retry_after_s)  # SIGTERM drain (shutdown.py)
-        self.access_log = AccessLog()  # replaced by the configured one at start (orchestrator/telemetry/install.py)
         if config.router.policy == "kv_aware":  # prefix-aware routing: tokenizer, index, KV events (orchestrator.kv)
             from orchestrator.kv.tracker import build_prefix_tracker
             self.prefix_tracker = build_prefix_tracker(config, self.fleet, self.metrics, self.clock,
