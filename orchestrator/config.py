@@ -491,6 +491,69 @@ class ResilienceConfig(_Section):
         30.0, gt=0, description="A client must send its whole request body within this after the headers")
 
 
+class AccessLogConfig(_Section):
+    """The per-request access log (``orchestrator/telemetry/access_log.py``): one line per client
+    request, whatever way it ended. The client's key never appears, only its id."""
+
+    enabled: bool = Field(False, description="Write one line per request")
+    format: Literal["json", "kv"] = Field("json", description="json (one object per line) or kv (key=value pairs)")
+    output: str = Field("stdout", description="stdout, stderr, logger (INFO records on the `dyad.access` "
+                                              "logger, through the process's log handler) or a file path (appended)")
+    sample_rate: float = Field(1.0, ge=0, le=1, description="Fraction of answered requests logged (decided "
+                                                            "from the request id, so replicas agree)")
+    always_log_errors: bool = Field(True, description="Log every refused or failed request (status >= 400 "
+                                                      "or an error class) whatever sample_rate says")
+
+
+class TracingConfig(_Section):
+    """OpenTelemetry tracing (``orchestrator/telemetry/tracing.py``), off by default; needs the
+    ``tracing`` extra (``pip install 'dyad-serve[tracing]'``)."""
+
+    enabled: bool = Field(False, description="Export a trace per request over OTLP/HTTP")
+    endpoint: str = Field("http://127.0.0.1:4318/v1/traces", description="OTLP/HTTP traces endpoint (a collector)")
+    service_name: str = Field("dyad-gateway", description="Resource attribute service.name of the gateway's spans")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="Fraction of new traces sampled; a client's "
+                                                             "traceparent decides for its own trace")
+    headers: dict[str, str] = Field(default_factory=dict, description="Extra HTTP headers sent to the endpoint")
+    resource_attributes: dict[str, str] = Field(default_factory=dict, description="Extra resource attributes "
+                                                                                  "(e.g. deployment.environment)")
+    batch_delay_s: float = Field(1.0, gt=0, description="Longest wait before a batch of spans is exported")
+    export_timeout_s: float = Field(10.0, gt=0, description="Timeout of one export request")
+    max_queue_size: int = Field(2048, ge=1, description="Finished spans waiting for export; beyond it new spans "
+                                                        "are dropped (never blocks a request)")
+
+    @model_validator(mode="after")
+    def _sdk_installed(self) -> TracingConfig:
+        if self.enabled:
+            import importlib.util
+
+            for module in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"):
+                try:
+                    found = importlib.util.find_spec(module) is not None
+                except ModuleNotFoundError:
+                    found = False
+                if not found:
+                    raise ValueError(f"tracing needs the OpenTelemetry SDK and OTLP exporter ({module} is not "
+                                     "installed): pip install 'dyad-serve[tracing]'")
+        return self
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if not (v.startswith("http://") or v.startswith("https://")):
+            raise ValueError("must be an http:// or https:// URL (OTLP/HTTP), e.g. http://collector:4318/v1/traces")
+        return v
+
+
+
+class UiConfig(_Section):
+    """The fleet page's history (``/ui``, ``orchestrator/ui/history.py``): kept in memory, no external service."""
+
+    history_interval_s: float = Field(5.0, ge=0.1, description="Seconds between two samples of the gateway's metrics")
+    history_window_s: float = Field(30.0, gt=0, description="Each chart point summarises this many seconds "
+                                                            "(rates, ratios, latency quantiles)")
+    history_span_s: float = Field(3600.0, gt=0, le=86400, description="How far back the charts go")
+
 class DyadConfig(_Section):
     models: list[ModelConfig] = Field(default_factory=list)
     workers: list[WorkerConfig] = Field(default_factory=list)
@@ -505,6 +568,9 @@ class DyadConfig(_Section):
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    access_log: AccessLogConfig = Field(default_factory=AccessLogConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    ui: UiConfig = Field(default_factory=UiConfig)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> DyadConfig:

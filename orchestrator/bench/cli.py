@@ -47,7 +47,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of synthesized prompt content")
     p.add_argument("--json", dest="json_out", help="write options, summary and per-request results here")
     p.add_argument("--plot", help="write a PNG with latency plots here")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--progress-interval", type=float, default=10.0,
+                   help="seconds between progress lines when stderr is not a terminal (a bar otherwise)")
 
 
 def _load(args: argparse.Namespace) -> list[traces.TraceRequest]:
@@ -78,6 +80,14 @@ def _load(args: argparse.Namespace) -> list[traces.TraceRequest]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:  # before the run, not after it
+        from orchestrator.bench.plots import PlotUnavailable, require_pyplot
+
+        try:
+            require_pyplot("dyad bench --plot")
+        except PlotUnavailable as e:
+            print(f"dyad bench: {e}", file=sys.stderr)
+            return 2
     if not Path(args.trace).exists():
         print(f"dyad bench: trace file not found: {args.trace}", file=sys.stderr)
         return 2
@@ -93,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         url=args.url, model=args.model, speed=args.speed, rate=args.rate, concurrency=args.concurrency,
         api=args.api, stream=not args.no_stream, ignore_eos=not args.no_ignore_eos, slo_ttft_s=args.slo_ttft,
         slo_itl_s=args.slo_itl, engines=[u.strip() for u in args.engines.split(",") if u.strip()],
-        timeout_s=args.timeout, api_key=args.api_key, progress=False if args.quiet else None)
+        timeout_s=args.timeout, api_key=args.api_key, progress=False if args.quiet else None,
+        progress_interval_s=args.progress_interval)
     try:
         result = asyncio.run(run_bench(reqs, opts))
     except ValueError as e:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from typing import Any
 import httpx
 
 from adapters.prometheus_text import MetricSet
+from orchestrator.bench.progress import DEFAULT_INTERVAL_S, Progress
 from orchestrator.bench.traces import TraceRequest
 
 # ------------------------------------------------------------------------------------------- results
@@ -323,33 +323,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, path: str, body
 # ------------------------------------------------------------------------------------------- progress
 
 
-class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal (never in logs)."""
-
-    def __init__(self, total: int, enabled: bool | None = None, stream: Any = None) -> None:
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.total = total
-        self.done = 0
-        self.errors = 0
-        self._last_draw = 0.0
-
-    def update(self, result: RequestResult) -> None:
-        self.done += 1
-        self.errors += 0 if result.ok else 1
-        now = time.monotonic()
-        if self.enabled and (now - self._last_draw > 0.1 or self.done == self.total):
-            self._last_draw = now
-            width = 30
-            filled = int(width * self.done / max(self.total, 1))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
-                              f"  errors {self.errors} ")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+# ``Progress`` (orchestrator/bench/progress.py): a bar on a terminal, periodic plain lines otherwise.
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -372,7 +346,8 @@ class BenchOptions:
     timeout_s: float = 600.0
     api_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    progress: bool | None = None  # None: only on a TTY
+    progress: bool | None = None  # None: a bar on a terminal, else plain lines; True: a bar; False: none
+    progress_interval_s: float = DEFAULT_INTERVAL_S  # plain lines (not a terminal): one every this many seconds
 
 
 @dataclass
@@ -415,47 +390,60 @@ async def run_bench(requests: Sequence[TraceRequest], opts: BenchOptions) -> Ben
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
     # Generous connect timeout: under overload a router may accept late, which is latency, not failure.
     timeout = httpx.Timeout(opts.timeout_s, connect=min(opts.timeout_s, 60.0))
-    progress = Progress(len(requests), enabled=opts.progress)
+    progress = Progress(len(requests), label="dyad bench", unit="requests done",
+                        mode=None if opts.progress is None else ("bar" if opts.progress else "off"),
+                        interval_s=opts.progress_interval_s)
+
+    async def ticker() -> None:  # a line is due even while no request completes (a stall says so)
+        while True:
+            await asyncio.sleep(min(1.0, opts.progress_interval_s))
+            progress.tick()
+
+    ticking = asyncio.create_task(ticker()) if progress.mode == "lines" else None
     results: list[RequestResult] = []
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-        before = await read_engine_counters(client, opts.engines) if opts.engines else []
-        # Render every body before the clock starts: synthesizing a long prompt costs ms of CPU that
-        # would otherwise delay the send (and, on a loaded machine, put the client behind schedule).
-        bodies = [build_body(req, opts.model, opts.api, stream=opts.stream, ignore_eos=opts.ignore_eos,
-                             temperature=opts.temperature) for req in requests]
-        start = time.perf_counter()
+    try:
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+            before = await read_engine_counters(client, opts.engines) if opts.engines else []
+            # Render every body before the clock starts: synthesizing a long prompt costs ms of CPU that
+            # would otherwise delay the send (and, on a loaded machine, put the client behind schedule).
+            bodies = [build_body(req, opts.model, opts.api, stream=opts.stream, ignore_eos=opts.ignore_eos,
+                                 temperature=opts.temperature) for req in requests]
+            start = time.perf_counter()
 
-        async def one(req: TraceRequest, due: float, built: tuple[str, dict[str, Any]]) -> None:
-            path, body = built
-            res = RequestResult(index=req.index, scheduled_s=due, sent_s=time.perf_counter() - start,
-                                input_len=req.input_len, max_tokens=req.output_len)
-            await send_request(client, url, path, body, res, headers or None)
-            results.append(res)
-            progress.update(res)
+            async def one(req: TraceRequest, due: float, built: tuple[str, dict[str, Any]]) -> None:
+                path, body = built
+                res = RequestResult(index=req.index, scheduled_s=due, sent_s=time.perf_counter() - start,
+                                    input_len=req.input_len, max_tokens=req.output_len)
+                await send_request(client, url, path, body, res, headers or None)
+                results.append(res)
+                progress.update(res)
 
-        if opts.concurrency is not None:
-            if opts.concurrency < 1:
-                raise ValueError("concurrency must be >= 1")
-            queue: asyncio.Queue[tuple[TraceRequest, tuple[str, dict[str, Any]]]] = asyncio.Queue()
-            for item in zip(requests, bodies, strict=True):
-                queue.put_nowait(item)
+            if opts.concurrency is not None:
+                if opts.concurrency < 1:
+                    raise ValueError("concurrency must be >= 1")
+                queue: asyncio.Queue[tuple[TraceRequest, tuple[str, dict[str, Any]]]] = asyncio.Queue()
+                for item in zip(requests, bodies, strict=True):
+                    queue.put_nowait(item)
 
-            async def worker() -> None:
-                while not queue.empty():
-                    req, built = queue.get_nowait()
-                    await one(req, time.perf_counter() - start, built)
+                async def worker() -> None:
+                    while not queue.empty():
+                        req, built = queue.get_nowait()
+                        await one(req, time.perf_counter() - start, built)
 
-            await asyncio.gather(*(worker() for _ in range(opts.concurrency)))
-        else:
-            tasks = []
-            for req, due, built in zip(requests, schedule(requests, opts), bodies, strict=True):
-                delay = start + due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(req, due, built)))
-            await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        after = await read_engine_counters(client, opts.engines) if opts.engines else []
+                await asyncio.gather(*(worker() for _ in range(opts.concurrency)))
+            else:
+                tasks = []
+                for req, due, built in zip(requests, schedule(requests, opts), bodies, strict=True):
+                    delay = start + due - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks.append(asyncio.create_task(one(req, due, built)))
+                await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
+            after = await read_engine_counters(client, opts.engines) if opts.engines else []
+    finally:
+        if ticking is not None:
+            ticking.cancel()
     progress.close()
     results.sort(key=lambda r: r.index)
     engines = [a.minus(b) for a, b in zip(after, before, strict=True)]
@@ -516,39 +504,65 @@ def format_table(summary: dict[str, Any], title: str | None = None) -> str:
 
 
 def plot_results(result: BenchResult, path: str) -> None:
-    """Four panels: TTFT CDF, TTFT over the run, ITL CDF, end-to-end CDF (matplotlib, headless)."""
-    import matplotlib
+    """Write ``bench_figure(result)`` as a PNG."""
+    from orchestrator.bench import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plots.save(bench_figure(result), path)
 
+
+def bench_figure(result: BenchResult) -> Any:
+    """Six panels (orchestrator/bench/plots.py): TTFT and per-request ITL over the run against their
+    SLO lines, their distributions, requests in flight (integer ticks) and completed per second."""
+    from orchestrator.bench import plots
+
+    plt = plots.require_pyplot()
+    opts = result.options
     ok = [r for r in result.results if r.ok]
-    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
-
-    def cdf(a: Any, values: list[float], label: str) -> None:
-        xs = sorted(v * 1000 for v in values)
-        if xs:
-            a.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
-        a.set_xlabel(f"{label} (ms)")
-        a.set_ylabel("fraction of requests")
-        a.grid(alpha=0.3)
-
-    cdf(ax[0][0], [r.ttft_s for r in ok if r.ttft_s is not None], "TTFT")
-    ax[0][0].set_title("TTFT distribution")
-    ax[0][1].scatter([r.sent_s for r in ok], [(r.ttft_s or 0) * 1000 for r in ok], s=4)
     bad = [r for r in result.results if not r.ok]
+    fig, ax = plt.subplots(3, 2, figsize=(12, 11))
+    timed = [r for r in ok if r.ttft_s is not None]
+    plots.latency_over_time(ax[0][0], [r.sent_s + r.ttft_s for r in timed], [r.ttft_s for r in timed],
+                            title="Time to first token over the run", what="TTFT", slo_s=opts.slo_ttft_s,
+                            xlabel="time of first token since start (s)")
     if bad:
-        ax[0][1].scatter([r.sent_s for r in bad], [0] * len(bad), s=8, c="red", label="errors")
-        ax[0][1].legend()
-    ax[0][1].set_xlabel("send time (s)")
-    ax[0][1].set_ylabel("TTFT (ms)")
-    ax[0][1].set_title("TTFT over the run")
-    ax[0][1].grid(alpha=0.3)
-    cdf(ax[1][0], [g for r in ok for g in r.itl_s], "inter-token latency")
-    ax[1][0].set_title("ITL distribution")
-    cdf(ax[1][1], [r.e2e_s for r in ok if r.e2e_s is not None], "end-to-end latency")
-    ax[1][1].set_title("End-to-end latency")
-    fig.suptitle(f"dyad bench: {result.options.url} ({len(ok)}/{len(result.results)} ok)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        ax[0][0].scatter([r.sent_s for r in bad], [0] * len(bad), s=14, marker="x", c="red",
+                         label=f"failed ({len(bad)})")
+        ax[0][0].legend(fontsize=8, loc="upper left")
+    tpot = [r for r in ok if r.tpot_s is not None]
+    plots.latency_over_time(ax[0][1], [r.sent_s + (r.e2e_s or 0) for r in tpot], [r.tpot_s for r in tpot],
+                            title="Inter-token latency over the run (mean per request)", what="ITL",
+                            slo_s=opts.slo_itl_s, xlabel="time of last token since start (s)")
+    plots.cdf(ax[1][0], [r.ttft_s for r in timed], title="TTFT distribution", what="TTFT",
+              slo_s=opts.slo_ttft_s)
+    plots.cdf(ax[1][1], [g for r in ok for g in r.itl_s], title="Inter-token latency distribution (every gap)",
+              what="ITL", slo_s=opts.slo_itl_s)
+    # requests in flight and completions per second, from the requests' own send / end times
+    edges = sorted([(r.sent_s, 1) for r in result.results]
+                   + [(r.sent_s + (r.e2e_s or 0.0), -1) for r in result.results])
+    xs, ys, level = [0.0], [0], 0
+    for t, d in edges:
+        xs.append(t)
+        ys.append(level)
+        level += d
+        xs.append(t)
+        ys.append(level)
+    ax[2][0].plot(xs, ys, color="#7b4fd6")
+    plots.style(ax[2][0], "Requests in flight", "time since start (s)", "requests")
+    plots.integer_ticks(ax[2][0])
+    ends = [r.sent_s + (r.e2e_s or 0.0) for r in ok]
+    duration = max(ends + [result.summary.get("duration_s") or 0.0, 1e-9])
+    width = max(1.0, duration / 40)
+    bins = [width * i for i in range(int(duration / width) + 2)]
+    ax[2][1].hist(ends, bins=bins, weights=[1 / width] * len(ends), color="#1f9d55", alpha=0.8, label="answered")
+    if bad:
+        ax[2][1].hist([r.sent_s for r in bad], bins=bins, weights=[1 / width] * len(bad), color="#d64545",
+                      alpha=0.8, label="failed")
+    plots.style(ax[2][1], f"Completed requests ({width:.0f} s bins)", "time since start (s)", "requests / s")
+    ax[2][1].legend(fontsize=8)
+    s = result.summary
+    slo = s.get("slo") or {}
+    good = (f", goodput {slo['goodput_rps']:.2f} req/s within the SLOs"
+            if (slo.get("ttft_s") or slo.get("itl_s")) and slo.get("goodput_rps") is not None else "")
+    fig.suptitle(f"dyad bench against {opts.url} ({opts.model}): {len(ok)}/{len(result.results)} "
+                 f"answered in {s.get('duration_s', 0):.0f} s{good}", fontsize=12)
+    return fig

@@ -169,7 +169,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
         try:
             yield
         finally:
-            await rt.stop()
+            await compose.stop(rt)
 
     # The two completion routes skip FastAPI's middleware and routing layers (fastpath.py).
     app = GatewayApp(title="Dyad gateway", lifespan=lifespan, docs_url=None, redoc_url=None,

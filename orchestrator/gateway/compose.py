@@ -20,13 +20,16 @@ from orchestrator.config import DyadConfig
 from orchestrator.gateway.admission import Intake
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.gateway.shutdown import ShuttingDown
+from orchestrator.telemetry import setup as telemetry
 from orchestrator.telemetry.metrics import DyadMetrics
+from orchestrator.ui import start_history
 
 
 def build_runtime(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadMetrics | None = None,
                   runtime: GatewayRuntime | None = None) -> GatewayRuntime:
     """A complete runtime for ``config`` (``runtime``: a pre-built base, e.g. with a test transport)."""
     rt = runtime or GatewayRuntime(config, clock=clock, metrics=metrics)
+    telemetry.configure(rt)  # the access log and tracing from the config (orchestrator/telemetry/setup.py)
     parts = disagg.build(rt.config, rt.fleet, rt.router.policy, rt.http, rt.metrics, rt.clock, rt.adapter_for)
     rt.roles = parts.roles
     if parts.policy is not None:
@@ -49,3 +52,10 @@ async def start(rt: GatewayRuntime, read_metrics: Callable[[], bytes | str]) -> 
         service = build_service(rt, read_metrics)
         rt.planner = service
         rt.add_task(service.run(), name="dyad-planner")
+    start_history(rt)  # the fleet page's last hour, sampled from rt.metrics (orchestrator/ui/history.py)
+
+
+async def stop(rt: GatewayRuntime) -> None:
+    """Stop the loops, close the engine client, flush telemetry."""
+    await rt.stop()
+    telemetry.close(rt)

@@ -43,11 +43,17 @@ async def _completion(request: Request, endpoint: str, label: str) -> Any:
     bind_request_id(rid)  # every log line of this request carries it (orchestrator.telemetry.logging)
     rt.shutdown.check()  # draining after SIGTERM: 503 + Retry-After (orchestrator/gateway/shutdown.py)
     rt.shutdown.started()  # from here a drain waits for this request, queued or not (ended by intake.wrap)
+    # One root span per request: admission here, the exchange later in the ASGI response (proxy.py).
+    root = tracing.begin("dyad.request", incoming=request.headers, endpoint=endpoint)
     try:
-        return await _admitted(request, rt, rid, endpoint, label, started)
+        with root.activate():
+            response = await _admitted(request, rt, rid, endpoint, label, started)
     except BaseException:
+        root.end()
         rt.shutdown.finished()
         raise
+    response.inner.root_span = root  # the proxy ends it when the answer is over
+    return response
 
 
 async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: str, label: str,

@@ -190,6 +190,8 @@ def build_openapi(title: str = "Dyad gateway", version: str = "0") -> dict[str, 
             "description": "The live fleet page", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
         "/ui/api/state": {"get": {"operationId": "fleetState",
                                   "responses": _json_ok("Workers, routing and the planner, as the page shows them")}},
+        "/ui/api/history": {"get": {"operationId": "fleetHistory", "responses": _json_ok(
+            "The last hour of traffic points (rates, error ratio, TTFT/ITL quantiles, prefix hit), in memory")}},
     }
     return {
         "openapi": "3.1.0",

@@ -69,6 +69,7 @@ class ProxyResponse:
         self.attempt: Attempt | None = None  # the try whose answer is (being) relayed
         self.record = record or AccessRecord(request_id=call.request_id, model=call.model, endpoint=call.endpoint,
                                              stream=call.stream)
+        self.root_span: tracing.OpenSpan = tracing.OpenSpan(None)  # dyad.request, begun by the route handler
         self.strip_usage = strip_usage  # the gateway asked for the stream's usage chunk: do not relay it
         self.usage: dict[str, Any] | None = None  # the engine's usage, when it gave one
         self.relayed_tokens = 0  # content events relayed (the count when the engine gives no usage)
@@ -91,8 +92,8 @@ class ProxyResponse:
             # A stream is bounded by its idle timeout (failover.py), and in total only if configured.
             timeout = self.rt.config.resilience.stream_timeout_s if self.call.stream \
                 else self.rt.config.gateway.request_timeout_s
-            with tracing.span("dyad.request", model=self.call.model, endpoint=self.call.endpoint,
-                              stream=self.call.stream) as span:
+            with self.root_span.activate() as span:
+                span.set_attributes({"model": self.call.model, "stream": self.call.stream})
                 self.record.trace_id = span.trace_id_hex()
                 async with asyncio.timeout(timeout):
                     await self._run(send)
@@ -123,6 +124,7 @@ class ProxyResponse:
                     f"The request did not complete within {timeout:g} s ({which}).", code="timeout"),
                     self._headers())
         finally:
+            self.root_span.end()
             self.done = True
             start_watching.cancel()
             if self._watcher is not None:

@@ -22,7 +22,9 @@ fails after ``bootstrap_timeout_s`` as SGLang does.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import itertools
 import os
 import socket
@@ -39,6 +41,7 @@ import uvicorn
 
 from orchestrator.sim.engine_model import EngineModel, SimOutput, SimRequest, SimRequestError
 from orchestrator.sim.kv_publisher import KvEventPublisher
+from orchestrator.sim.logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
 from orchestrator.sim.metrics_text import render_sglang, render_vllm
 from orchestrator.sim.profiles import EngineProfile, load_profile
 from orchestrator.sim.tokenizer import SimTokenizer
@@ -107,6 +110,9 @@ class _GenParams:
     kv_transfer_params: dict[str, Any] | None
     bootstrap: tuple[str, int, int] | None  # SGLang (host, port, room)
     request_id: str
+    n: int = 1  # choices per request (vLLM fans out n sub-requests)
+    logprobs: int | None = None  # top logprobs per token (0 = only the sampled token); None = none
+    output_seed: int | None = None  # sub-request i > 0 of n: a text of its own
 
 
 # ----------------------------------------------------------------------------- validation helpers
@@ -252,6 +258,8 @@ class SimServer:
         self._rooms: dict[int, _Room] = {}
         self._dead = False
         self._started = time.time()
+        # headers of the last generation requests (tests check what a gateway forwards, e.g. traceparent)
+        self.received_headers: collections.deque[dict[str, str]] = collections.deque(maxlen=256)
         self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {}
         r = self._routes
         for m in ("GET", "POST"):
@@ -546,9 +554,10 @@ class SimServer:
                 raise _HttpError(400, "'prompt' must be a string or a list of token ids", "prompt")
             if not prompt_ids:
                 raise _HttpError(400, "'prompt' must not be empty", "prompt")
-        n = _int_field(body, "n", 1)
-        if n is not None and n != 1:
-            raise _HttpError(400, f"'n' must be 1 on the simulated engine (got {n})", "n")
+        n = _int_field(body, "n", 1) or 1
+        if n > MAX_N:
+            raise _HttpError(400, f"'n' must be at most {MAX_N} on the simulated engine (got {n})", "n")
+        logprobs = self._logprobs_param(body, chat)
         max_tokens = _int_field(body, "max_tokens", 1)
         if chat:
             mct = _int_field(body, "max_completion_tokens", 1)
@@ -572,8 +581,32 @@ class SimServer:
         if kvp is not None and not isinstance(kvp, dict):
             raise _HttpError(400, "'kv_transfer_params' must be an object", "kv_transfer_params")
         # max_tokens None: vLLM would fill the context; the sim stops naturally instead (engine_model).
+        boot = self._bootstrap(body)
+        if n > 1 and (kvp is not None or boot is not None):
+            raise _HttpError(400, "'n' must be 1 for a disaggregated (P/D) request", "n")
         return _GenParams(prompt_ids, max_tokens, stream, include_usage, continuous, kvp,
-                          self._bootstrap(body), self._request_id(scope))
+                          boot, self._request_id(scope), n=n, logprobs=logprobs)
+
+    @staticmethod
+    def _logprobs_param(body: dict[str, Any], chat: bool) -> int | None:
+        """Chat: ``logprobs`` (bool) + ``top_logprobs`` (0..20); completions: ``logprobs`` (0..20)."""
+        if chat:
+            want = _bool_field(body, "logprobs")
+            top = _int_field(body, "top_logprobs", 0)
+            if top is not None and top > MAX_LOGPROBS:
+                raise _HttpError(400, f"'top_logprobs' must be at most {MAX_LOGPROBS} (got {top})", "top_logprobs")
+            if top and not want:
+                raise _HttpError(400, "when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
+            return (top or 0) if want else None
+        lp = body.get("logprobs")
+        if lp is None:
+            return None
+        if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:
+            raise _HttpError(400, "'logprobs' must be a non-negative integer", "logprobs")
+        if lp > MAX_LOGPROBS:
+            raise _HttpError(400, f"Requested sample logprobs of {lp}, which is greater than max allowed: "
+                                  f"{MAX_LOGPROBS}", "logprobs")
+        return lp
 
     def _bootstrap(self, body: dict[str, Any]) -> tuple[str, int, int] | None:
         if self.config.dialect != "sglang" or self.config.disaggregation_mode == "null":
@@ -632,7 +665,8 @@ class SimServer:
                     await _wait_or_gone(self._wait_bootstrap(g.bootstrap), gone)
                     remote_prefill = True
             req = SimRequest(rid, g.prompt_ids, 1 if do_remote_decode else g.max_tokens,
-                             do_remote_decode=do_remote_decode, remote_prefill=remote_prefill)
+                             do_remote_decode=do_remote_decode, remote_prefill=remote_prefill,
+                             output_seed=g.output_seed)
             try:
                 q = self.driver.submit(req)
             except SimRequestError as e:
@@ -771,11 +805,63 @@ class SimServer:
                 "tp_size": 1, "transfer_mode": "pull"}
 
     async def _openai(self, body: dict[str, Any], chat: bool, scope: Scope, receive: Receive, send: Send) -> None:
+        self.received_headers.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())})
         g = self._parse(body, chat, scope)
-        async with contextlib.aclosing(self._generate_outputs(g, receive)) as outputs:
+        async with contextlib.aclosing(self._choices(g, receive)) as outputs:
             await self._openai_respond(g, chat, outputs, send)
 
-    async def _openai_respond(self, g: _GenParams, chat: bool, outputs: AsyncIterator[SimOutput],
+    async def _choices(self, g: _GenParams, receive: Receive) -> AsyncIterator[tuple[int, SimOutput]]:
+        """The outputs of the request's ``n`` choices as (choice index, output), interleaved as they come.
+        Choice i > 0 is a sub-request of its own (``<id>-<i>``, its own text), as vLLM fans out ``n``."""
+        if g.n == 1:
+            async with contextlib.aclosing(self._generate_outputs(g, receive)) as one:
+                async for o in one:
+                    yield 0, o
+            return
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        subs = [dataclasses.replace(g, n=1, request_id=f"{g.request_id}-{i}",
+                                    output_seed=None if i == 0 else hash((self.config.seed, i, len(g.prompt_ids),
+                                                                           tuple(g.prompt_ids[-64:]))) & _SEED_MASK)
+                for i in range(g.n)]
+        # only choice 0 watches the client (one reader of receive); a client gone ends them all
+        gens = [self._generate_outputs(sub, receive if i == 0 else _never_disconnects) for i, sub in enumerate(subs)]
+
+        async def pump(i: int, gen: AsyncIterator[SimOutput]) -> None:
+            try:
+                async for o in gen:
+                    await queue.put((i, o))
+                await queue.put((i, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+        try:
+            finished = 0
+            while finished < g.n:
+                i, o = await queue.get()
+                if o is None:
+                    finished += 1
+                elif isinstance(o, BaseException):
+                    raise o
+                else:
+                    yield i, o
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for gen in gens:
+                await gen.aclose()  # type: ignore[attr-defined]
+
+    def _logprobs(self, g: _GenParams, chat: bool, o: SimOutput, text_offset: int) -> dict[str, Any] | None:
+        if g.logprobs is None:
+            return None
+        tok = self.tokenizer
+        if chat:
+            return chat_logprobs(o.token_ids(), o.start_index, g.logprobs, tok.decode_token, tok.vocab_size)
+        return completion_logprobs(o.token_ids(), o.start_index, g.logprobs, text_offset, tok.decode_token,
+                                   tok.vocab_size)
+
+    async def _openai_respond(self, g: _GenParams, chat: bool, outputs: AsyncIterator[tuple[int, SimOutput]],
                               send: Send) -> None:
         created = int(time.time())
         model = self.config.model
@@ -783,27 +869,40 @@ class SimServer:
         obj = "chat.completion" if chat else "text_completion"
         dec = self.tokenizer.decode
         if not g.stream:
-            words: list[str] = []
-            last: SimOutput | None = None
-            async for o in outputs:
-                words.append(dec(o.token_ids()))
-                last = o
+            texts: list[list[str]] = [[] for _ in range(g.n)]
+            lps: list[list[dict[str, Any]]] = [[] for _ in range(g.n)]
+            lasts: list[SimOutput | None] = [None] * g.n
+            async for i, o in outputs:
+                at = len(" ".join(texts[i]))
+                texts[i].append(dec(o.token_ids()))
+                lp = self._logprobs(g, chat, o, at)
+                if lp is not None:
+                    lps[i].append(lp)
+                lasts[i] = o
+            choices: list[dict[str, Any]] = []
+            n_out = 0
+            for i in range(g.n):
+                last = lasts[i]
+                assert last is not None
+                text = " ".join(w for w in texts[i] if w)
+                n_out += last.start_index + len(last.times)
+                logprobs = _merge_logprobs(lps[i], chat) if g.logprobs is not None else None
+                if chat:
+                    choices.append({
+                        "index": i,
+                        "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                    "audio": None, "function_call": None, "tool_calls": [], "reasoning": None},
+                        "logprobs": logprobs, "finish_reason": last.finish_reason, "stop_reason": None,
+                        "token_ids": None})
+                else:
+                    choices.append({"index": i, "text": text, "logprobs": logprobs,
+                                    "finish_reason": last.finish_reason, "stop_reason": None, "token_ids": None,
+                                    "prompt_logprobs": None, "prompt_token_ids": None})
+            last = lasts[0]
             assert last is not None
-            text = " ".join(w for w in words if w)
-            n_out = last.start_index + len(last.times)
-            usage = _usage(len(g.prompt_ids), n_out)
-            if chat:
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                                "audio": None, "function_call": None, "tool_calls": [], "reasoning": None},
-                    "logprobs": None, "finish_reason": last.finish_reason, "stop_reason": None, "token_ids": None}
-            else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason,
-                          "stop_reason": None, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
             resp: dict[str, Any] = {"id": oid, "object": obj, "created": created, "model": model,
-                                    "choices": [choice], "service_tier": None, "system_fingerprint": None,
-                                    "usage": usage}
+                                    "choices": choices, "service_tier": None, "system_fingerprint": None,
+                                    "usage": _usage(len(g.prompt_ids), n_out)}
             if chat:
                 resp["prompt_logprobs"] = None
                 resp["prompt_token_ids"] = None
@@ -814,40 +913,44 @@ class SimServer:
         # streaming
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         started = False
-        n_out = 0
+        n_outs = [0] * g.n
+        offsets = [0] * g.n  # completions: text already sent per choice (logprobs text_offset)
         try:
-            async for o in outputs:
+            async for i, o in outputs:
                 if not started:
                     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                     started = True
                     if chat:
-                        first = {"id": oid, "object": chunk_obj, "created": created, "model": model,
-                                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]}
-                        if g.continuous_usage:
-                            first["usage"] = _usage(len(g.prompt_ids), 0)
-                        await _send_sse(send, first)
+                        for j in range(g.n):
+                            first = {"id": oid, "object": chunk_obj, "created": created, "model": model,
+                                     "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}
+                            if g.continuous_usage:
+                                first["usage"] = _usage(len(g.prompt_ids), 0)
+                            await _send_sse(send, first)
                 text = dec(o.token_ids())
                 if o.start_index > 0:
                     text = " " + text
-                n_out = o.start_index + len(o.times)
+                n_outs[i] = o.start_index + len(o.times)
+                lp = self._logprobs(g, chat, o, offsets[i])
+                offsets[i] += len(text)
                 if chat:
-                    ch: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                    ch: dict[str, Any] = {"index": i, "delta": {"content": text}, "logprobs": lp,
                                           "finish_reason": o.finish_reason}
                 else:
-                    ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": o.finish_reason}
+                    ch = {"index": i, "text": text, "logprobs": lp, "finish_reason": o.finish_reason}
                 if o.finished:
                     ch["stop_reason"] = None
                 chunk: dict[str, Any] = {"id": oid, "object": chunk_obj, "created": created, "model": model,
                                          "choices": [ch]}
                 if g.continuous_usage:
-                    chunk["usage"] = _usage(len(g.prompt_ids), n_out)
+                    chunk["usage"] = _usage(len(g.prompt_ids), sum(n_outs))
                 if o.finished and o.lease_block_ids is not None:
                     chunk["kv_transfer_params"] = self._kv_params_out(g.request_id, o)
                 await _send_sse(send, chunk)
             if g.include_usage:
                 await _send_sse(send, {"id": oid, "object": chunk_obj, "created": created, "model": model,
-                                       "choices": [], "usage": _usage(len(g.prompt_ids), n_out)})
+                                       "choices": [], "usage": _usage(len(g.prompt_ids), sum(n_outs))})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         except _HttpError:
             if started:
@@ -925,6 +1028,22 @@ class SimServer:
 
 
 # ----------------------------------------------------------------------------- helpers
+MAX_N = 64  # choices per request: bounds what one client request can make the simulated engine do
+_SEED_MASK = 0x7FFFFFFFFFFFFFFF
+
+
+async def _never_disconnects() -> dict[str, Any]:
+    await asyncio.Event().wait()  # a receive() for sub-requests that do not watch the client
+    return {"type": "http.disconnect"}
+
+
+def _merge_logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
+    """One choice's logprobs from the pieces of its outputs (in order)."""
+    if chat:
+        return {"content": [c for p in parts for c in p["content"]]}
+    return {k: [x for p in parts for x in p[k]] for k in ("text_offset", "token_logprobs", "tokens", "top_logprobs")}
+
+
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 

@@ -1,4 +1,5 @@
-"""``GET /ui`` (one static HTML page) and ``GET /ui/api/state`` (the JSON it polls every second).
+"""``GET /ui`` (one static HTML page), ``GET /ui/api/state`` (the JSON it polls every second) and
+``GET /ui/api/history`` (the last hour of traffic points, ``orchestrator/ui/history.py``, polled less often).
 
 Add to a gateway with ``app.include_router(ui_router())``; the page reads ``app.state.runtime``.
 """
@@ -12,7 +13,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from orchestrator.ui.state import fleet_state
+from orchestrator.ui.state import fleet_state, jsonable
 
 
 @cache
@@ -22,6 +23,12 @@ def _page() -> bytes:
 
 async def ui_page(request: Request) -> Response:
     return Response(_page(), media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+
+
+async def ui_history(request: Request) -> Response:
+    history = getattr(request.app.state.runtime, "ui_history", None)
+    view = jsonable(history.view()) if history is not None else {"points": [], "interval_s": None}
+    return Response(orjson.dumps(view), media_type="application/json", headers={"Cache-Control": "no-store"})
 
 
 async def ui_state(request: Request) -> Response:
@@ -34,4 +41,5 @@ def ui_router() -> APIRouter:
     router.add_api_route("/ui", ui_page, methods=["GET"])
     router.add_api_route("/ui/", ui_page, methods=["GET"])
     router.add_api_route("/ui/api/state", ui_state, methods=["GET"])
+    router.add_api_route("/ui/api/history", ui_history, methods=["GET"])
     return router

@@ -70,20 +70,57 @@ def decision_view(decision: dict[str, Any], now: float) -> dict[str, Any]:
     return view
 
 
-def planner_view(planner: Any) -> dict[str, Any]:
+MAX_PLANS = 8
+
+
+def plan_summary(entry: Any) -> dict[str, Any]:
+    """One planner decision as the page's card shows it: when, observed vs forecast load, desired vs
+    current workers per role, actions, reasons."""
+    e = jsonable(entry) if not isinstance(entry, dict) else {k: jsonable(v) for k, v in entry.items()}
+    obs = e.get("observation") or {}
+    fc = e.get("forecast") or {}
+    return {
+        "at": e.get("at"),
+        "desired": e.get("desired") or {},
+        "current": e.get("current") or {},
+        "actions": e.get("actions") or [],
+        "reasons": e.get("reasons") or [],
+        "applied": e.get("applied"),
+        "observed": {"request_rate": obs.get("request_rate"), "ttft_p99_s": obs.get("ttft_p99"),
+                     "itl_mean_s": obs.get("itl_mean"), "mean_isl": obs.get("mean_isl"),
+                     "mean_osl": obs.get("mean_osl")},
+        "forecast": {"request_rate": fc.get("request_rate"), "isl": fc.get("isl"), "osl": fc.get("osl")},
+    }
+
+
+def planner_view(planner: Any, now: float | None = None) -> dict[str, Any]:
     """The planner's latest decision: ``last_recommendation`` if it keeps one, else its newest
-    history entry (``PlannerService.history``)."""
+    history entry (``PlannerService.history``); its targets and limits; its last decisions, newest first."""
     if planner is None:
         return {"enabled": False, "recommendation": None}
     rec = getattr(planner, "last_recommendation", None)
-    history = getattr(planner, "history", None)
+    history = list(getattr(planner, "history", None) or ())
     if rec is None and history:
         rec = history[-1]
+    settings = getattr(getattr(planner, "planner", None), "settings", None)
+    targets = getattr(settings, "targets", None)
+    limits = getattr(settings, "limits", None)
+    recent = []
+    for entry in reversed(history[-MAX_PLANS:]):
+        summary = plan_summary(entry)
+        at = summary.pop("at")
+        summary["age_s"] = jsonable(max(0.0, now - at)) if now is not None and isinstance(at, int | float) else None
+        recent.append(summary)
     return {
         "enabled": True,
         "actuator": getattr(getattr(planner, "actuator", None), "name", None),
         "last_error": getattr(planner, "last_error", None),
         "recommendation": jsonable(rec),
+        "interval_s": jsonable(getattr(settings, "interval_s", None)),
+        "targets": {"ttft_s": jsonable(getattr(targets, "ttft_s", None)),
+                    "itl_s": jsonable(getattr(targets, "itl_s", None))} if targets is not None else None,
+        "budget": jsonable(getattr(limits, "budget", None)),
+        "recent": recent,
     }
 
 
@@ -95,6 +132,9 @@ def fleet_state(runtime: Any) -> dict[str, Any]:
     decisions = list(getattr(router, "recent_decisions", ()))[-MAX_DECISIONS:]
     planner = getattr(runtime, "planner", None)
     views = [worker_view(w, now) for w in workers]
+    history = getattr(runtime, "ui_history", None)
+    cfg = getattr(runtime, "config", None)
+    slo = {"ttft_s": cfg.planner.ttft_target_s, "itl_s": cfg.planner.itl_target_s} if cfg is not None else None
     return {
         "generated_at": time.time(),
         "gateway": {
@@ -105,6 +145,9 @@ def fleet_state(runtime: Any) -> dict[str, Any]:
             "inflight": sum(v["inflight"] for v in views),
         },
         "workers": views,
-        "planner": planner_view(planner),
+        "traffic": jsonable(history.latest()) if history is not None else None,  # over history.window_s
+        "traffic_window_s": history.window * history.interval_s if history is not None else None,
+        "slo": slo,
+        "planner": planner_view(planner, now),
         "decisions": [decision_view(d, now) for d in reversed(decisions)],  # newest first
     }

@@ -106,6 +106,7 @@ def live_fleet() -> Iterator[LiveFleet]:
             "health": {"interval_s": 0.5},
             "scrape": {"interval_s": 0.5},
             "planner": {"enabled": True, "actuator": "recommend", "interval_s": PLANNER_INTERVAL_S},
+            "ui": {"history_interval_s": 0.5, "history_window_s": 2.0},  # the page's charts fill in seconds
         }, environ={})
         gateway = GatewayThread(config).start()
         ready = httpx.get(f"{gateway.url}/ready", timeout=10.0)

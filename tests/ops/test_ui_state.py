@@ -81,3 +81,37 @@ def test_planner_view_uses_last_recommendation_or_history_and_is_json_safe():
         last_recommendation = {"desired": {"decode": 5}, "role": Role.DECODE}
 
     assert planner_view(WithLast())["recommendation"] == {"desired": {"decode": 5}, "role": "decode"}
+
+
+def test_planner_card_has_targets_budget_and_recent_decisions_newest_first():
+    from orchestrator.planner.core import PlannerSettings
+    from orchestrator.planner.solver import Limits, Targets
+
+    class Actuator:
+        name = "role_change"
+
+    class Core:
+        settings = PlannerSettings(targets=Targets(ttft_s=0.3, itl_s=0.04), limits=Limits(budget=6), interval_s=30.0)
+
+    def entry(at, rate, desired, actions=()):
+        return {"at": at, "observation": {"request_rate": rate, "ttft_p99": 0.41, "itl_mean": 0.02},
+                "forecast": {"request_rate": rate * 1.1, "isl": 800.0, "osl": 120.0}, "desired": desired,
+                "current": {"prefill": 1, "decode": 2}, "actions": list(actions), "reasons": ["ttft over target"],
+                "applied": True}
+
+    class Service:
+        actuator = Actuator()
+        planner = Core()
+        last_error = None
+        history = [entry(10.0 * i, 5.0 + i, {"prefill": 1, "decode": 2}) for i in range(10)] + [
+            entry(100.0, 20.0, {"prefill": 2, "decode": 2},
+                  [{"kind": "set_role", "role": "prefill", "worker_id": "d1", "then": None}])]
+
+    view = json.loads(json.dumps(planner_view(Service(), now=105.0)))
+    assert view["targets"] == {"ttft_s": 0.3, "itl_s": 0.04} and view["budget"] == 6 and view["interval_s"] == 30.0
+    assert len(view["recent"]) == 8  # the last eight, newest first
+    newest = view["recent"][0]
+    assert newest["age_s"] == 5.0 and newest["desired"] == {"prefill": 2, "decode": 2}
+    assert newest["actions"][0]["worker_id"] == "d1" and newest["observed"]["request_rate"] == 20.0
+    assert newest["forecast"] == {"request_rate": 22.0, "isl": 800.0, "osl": 120.0}
+    assert [r["age_s"] for r in view["recent"][:3]] == [5.0, 15.0, 25.0]

@@ -80,7 +80,7 @@ def test_chat_stream_chunks_and_include_usage(client):
     ("path", "body", "status", "param"),
     [
         ("/v1/completions", {"model": "nope", "prompt": "a"}, 404, "model"),
-        ("/v1/completions", {"model": "m", "prompt": "a", "n": 2}, 400, "n"),
+        ("/v1/completions", {"model": "m", "prompt": "a", "n": 0}, 400, "n"),
         ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
         ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"model": "m"}, 400, "prompt"),
