@@ -177,11 +177,13 @@ class RateLimiter:
             from redis.backoff import NoBackoff
             from redis.exceptions import ConnectionError as RedisConnectionError
 
-            # One immediate retry: a pooled connection that died with a Redis restart is replaced at once.
+            # One immediate retry on a connection error only: a pooled connection that died with a Redis
+            # restart is replaced at once. Never on a reply timeout: the script may have run and charged
+            # the bucket already, and running it again would charge the request twice.
             self._redis = aioredis.from_url(self.redis_url, socket_timeout=REDIS_TIMEOUT_S,
                                             socket_connect_timeout=REDIS_TIMEOUT_S,
-                                            retry=Retry(NoBackoff(), 1),
-                                            retry_on_error=[RedisConnectionError])
+                                            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                                            retry_on_error=[RedisConnectionError], retry_on_timeout=False)
             self._script = self._redis.register_script(TAKE_LUA)
         # One hash tag per key name: both buckets in the same cluster slot.
         keys = [f"{self.key_prefix}:rl:{{{name}}}:{lim.dimension}" for lim in limits]
