@@ -108,14 +108,6 @@ class LoadSnapshot:
         return self.prefix_cache_hit_rate
 
 
-@dataclass
-class PrefillHandoff:
-    """What the decode side needs after a prefill step (vLLM: the engine's kv_transfer_params)."""
-
-    kv_transfer_params: dict[str, Any] | None = None
-    prompt_tokens: int | None = None
-
-
 class AdapterError(Exception):
     """An engine call made by an adapter failed: unreachable, non-2xx status, or an unexpected body.
 

@@ -372,10 +372,6 @@ def load_trace(path: str | Path, fmt: str, *, scale_len: float = 1.0, time_scale
 # ---------------------------------------------------------------------------------------------- slicing
 
 
-def first_n(reqs: Sequence[TraceRequest], n: int) -> list[TraceRequest]:
-    return list(reqs[:n])
-
-
 def time_window(reqs: Sequence[TraceRequest], start_s: float, end_s: float) -> list[TraceRequest]:
     """Requests arriving in [start_s, end_s), re-based so the window starts at 0."""
     kept = [r for r in reqs if start_s <= r.arrival_s < end_s]

@@ -59,9 +59,6 @@ class Worker:
         b = self.prefill_backlog_tokens
         return float(self.inflight_prefill_tokens) if b is None else b
 
-    def serves(self, model: str) -> bool:
-        return model in self.models
-
     @property
     def accepting(self) -> bool:
         """May receive new requests."""

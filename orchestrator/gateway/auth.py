@@ -78,9 +78,6 @@ class ClientIdentity:
         return max(own, PRIORITIES.index(wanted))
 
 
-ANONYMOUS = ClientIdentity("anonymous")
-
-
 class KeyRing:
     """Resolves ``Authorization: Bearer <key>`` to a ``ClientIdentity``.
 
@@ -121,17 +118,6 @@ class KeyRing:
         if identity is None:
             raise Unauthorized("Invalid API key.", code="invalid_api_key")
         return identity
-
-
-def check_client(request: Request, api_keys: list[str]) -> None:
-    """Plain-key check (``gateway.api_keys``) for callers without a ``KeyRing``."""
-    if not api_keys:
-        return
-    token = bearer(request)
-    if token is None:
-        raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key")
-    if not _matches(token, api_keys):
-        raise Unauthorized("Invalid API key.", code="invalid_api_key")
 
 
 def check_admin(request: Request, admin_token: str | None) -> None:

@@ -55,14 +55,6 @@ def error_in_answer(obj: Any) -> tuple[int, dict[str, Any]] | None:
     return status, err
 
 
-def error_from_object(status: int, err: dict[str, Any]) -> UpstreamError:
-    message = err.get("message")
-    return UpstreamError(status, message if isinstance(message, str) else "the engine answered an error",
-                         engine_type=err.get("type") if isinstance(err.get("type"), str) else None,
-                         param=err.get("param") if isinstance(err.get("param"), str) else None,
-                         code=err.get("code") if isinstance(err.get("code"), (str, int)) else None)
-
-
 @dataclass
 class FiveXxJudge:
     """5xx answers of one request waiting for a second opinion (see the module docstring)."""

@@ -11,10 +11,6 @@ from orchestrator.errors import ApiError, error_body
 JSON = b"application/json"
 
 
-def json_bytes(data: Any) -> bytes:
-    return orjson.dumps(data)
-
-
 def error_payload(err: ApiError) -> bytes:
     return orjson.dumps(err.body())
 

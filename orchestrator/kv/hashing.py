@@ -73,6 +73,3 @@ class BlockHasher:
         return out
 
 
-def hasher_for(namespace: str, block_size: int, salt: str | None = None) -> BlockHasher:
-    """A hasher (cheap to build; the dataclass is immutable so callers may cache it)."""
-    return BlockHasher(namespace=namespace, block_size=block_size, salt=salt)

@@ -196,12 +196,3 @@ def build_service(runtime: Any, read_metrics: Callable[[], bytes | str]) -> Plan
                           metrics=runtime.metrics)
 
 
-def install(runtime: Any, read_metrics: Callable[[], bytes | str]) -> PlannerService | None:
-    """When ``planner.enabled``: set ``runtime.planner`` and run its loop as a runtime task (stopped
-    with the runtime). Call after ``runtime.start()``. Returns the service (None when disabled)."""
-    if not runtime.config.planner.enabled:
-        return None
-    service = build_service(runtime, read_metrics)
-    runtime.planner = service
-    runtime.add_task(service.run(), name="dyad-planner")
-    return service
