@@ -93,7 +93,8 @@ class PlannerSettings:
     decode_headroom: float = 0.25  # decode sized for (1 + this) x the interval's peak streams in flight
     burst_window_s: float = 0.0  # burst floor: prefill sized for seconds-scale peaks, kept this long (0 = off)
     fast_interval_s: float = 0.0  # load-reactive mode: look at queues every this many seconds (0 = off)
-    fast_confirm: int = 2  # consecutive fast looks over capacity before it scales out
+    fast_confirm: int = 1  # consecutive fast looks over capacity before it scales out
+    fast_queue_share: float = 0.5  # fast mode: a prefill queue beyond what clears in this share of the TTFT target
     standby_prefill: int = 0  # warm standby workers kept per role (started, out of rotation)
     standby_decode: int = 0
     standby_wake_s: float = 5.0  # seconds a standby worker takes to serve once activated
@@ -337,6 +338,7 @@ class Planner:
             want = {Role.PREFILL: p, Role.DECODE: d}
         elif s.burst_window_s > 0:
             want, exact = self._capacity_floor(want, exact, counts, now, reasons)
+        want = self._latency_guard(want, counts, obs, reasons)
         target = self._hysteresis(want, exact, counts, now, reasons, budget)
         target = self._decode_floor(target, counts, streams_now[Role.DECODE], planned, reasons)
         changes = self._explain(target, counts, want, reasons)
@@ -359,6 +361,27 @@ class Planner:
             verb = "grow" if target[r] > counts[r] else "shrink"
             out[r.value] = f"{verb} {counts[r]}->{target[r]} (model wants {want[r]})" + (
                 "; " + "; ".join(why) if why else "")
+        return out
+
+    def _latency_guard(self, want: dict[Role, int], counts: dict[Role, int], obs: Observation | None,
+                       reasons: list[str]) -> dict[Role, int]:
+        """What the model cannot explain, met by measurement instead of by a correction: when the
+        interval's observed TTFT (p90) or ITL (mean) broke the target while the model asked for no more
+        workers, add one to that role (and never give one back in that interval)."""
+        if obs is None or self.settings.fixed_fleet:
+            return want
+        s = self.settings
+        out = dict(want)
+        lim = s.limits
+        checks = ((Role.PREFILL, obs.ttft_p90, s.targets.ttft_s, "TTFT p90"),
+                  (Role.DECODE, obs.itl_mean, s.targets.itl_s, "ITL"))
+        for r, seen, target, name in checks:
+            if seen is None or seen <= target or out[r] > counts[r]:
+                continue
+            grown = {**out, r: counts[r] + 1}
+            if lim.fits(grown[Role.PREFILL], grown[Role.DECODE]):
+                out = grown
+                reasons.append(f"{r.value}: observed {name} {seen:.3g}s > target {target:g}s, +1 beyond the model")
         return out
 
     def _decode_streams(self, sizing: Sizing, planned: LoadForecast, peak: float, reasons: list[str]) -> Sizing:
@@ -414,7 +437,8 @@ class Planner:
         serving = self._serving(fleet)
         hit = min(0.99, max(0.0, self.hit_ratio))
         service = self.perf.prefill_time(max(1.0, f.isl * (1 - hit))) * self.correction.ttft
-        per_prefill = max(1.0, s.targets.ttft_s / service)  # requests one worker clears within the target
+        # requests one worker clears within a share of the target: act before the target is breached
+        per_prefill = max(1.0, s.fast_queue_share * s.targets.ttft_s / service)
         context = f.isl + f.osl / 2.0
         per_decode = self.decode_perf.max_decode_concurrency(s.targets.itl_s, context, self.correction.itl) \
             or self.decode_perf.decode_batch_cap(context)
