@@ -63,3 +63,33 @@ def test_plot_without_matplotlib_prints_one_line_naming_the_extra(monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "matplotlib" in err[0] and plan_cli.PLOT_EXTRA in err[0] and "Traceback" not in err[0]
+
+
+async def test_service_timeline_holds_interval_and_load_mode_rows():
+    from adapters.base import Role
+    from orchestrator.clock import VirtualClock
+    from orchestrator.planner.actuators import RecommendOnly
+    from orchestrator.planner.core import Planner, PlannerSettings, WorkerView
+    from orchestrator.planner.metrics_source import Observation
+    from orchestrator.planner.service import PlannerService
+    from orchestrator.planner.solver import Limits, Targets
+
+    class Source:
+        async def observe(self, now: float) -> Observation:
+            return Observation(at=now, window_s=60, request_rate=1.0, mean_isl=4096, mean_osl=50,
+                               ttft_p90=0.3, itl_mean=0.02)
+
+    fleet = [WorkerView("p0", Role.PREFILL), WorkerView("d0", Role.DECODE)]
+    clock = VirtualClock()
+    planner = Planner(PerfModel.from_dict(PROFILE), PlannerSettings(
+        targets=Targets(1.0, 0.05), limits=Limits(budget=10), predictor="constant", fast_interval_s=5))
+    service = PlannerService(planner, Source(), RecommendOnly(), lambda: fleet, clock)
+    clock.set(60.0)
+    await service.run_once()
+    fleet[0].inflight = 20  # a prefill queue builds up between intervals
+    clock.set(65.0)
+    assert await service.react_once() is not None
+    rows = service.status()["timeline"]
+    assert [r["mode"] for r in rows] == ["interval", "load"]
+    assert rows[0]["rate_observed"] == 1.0 and rows[0]["ttft_p90_s"] == 0.3
+    assert rows[1]["changes"]["prefill"].startswith("grow 1->")
