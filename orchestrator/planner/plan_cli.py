@@ -27,9 +27,10 @@ from typing import Any
 from adapters.base import Role
 from orchestrator.planner.baselines import QueueAutoscaler
 from orchestrator.planner.core import Planner, PlannerSettings
+from orchestrator.planner.metrics_source import PEAK_WINDOW_S
 from orchestrator.planner.perf_model import PerfModel, ProfileError
 from orchestrator.planner.predictors import LoadForecast
-from orchestrator.planner.solver import Limits, Targets, solve
+from orchestrator.planner.solver import Limits, Targets, fit_budget, solve
 from orchestrator.sim.profiles import EngineProfile
 from orchestrator.sim.virtual_cli import add_common, fail, load_requests
 from orchestrator.sim.virtual_time import (
@@ -68,9 +69,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="decode sized for (1 + this) x the peak streams in flight within an interval")
     parser.add_argument("--burst-window", type=float, default=600.0,
                         help="burst floor: prefill sized for seconds-scale peaks and kept this many seconds (0 = off)")
-    parser.add_argument("--fast-interval", type=float, default=5.0,
+    parser.add_argument("--fast-interval", type=float, default=2.0,
                         help="load-reactive mode: look at queues every this many seconds between intervals (0 = off)")
-    parser.add_argument("--standby-prefill", type=int, default=0, help="warm standby prefill workers")
+    parser.add_argument("--standby-prefill", type=int, default=1, help="warm standby prefill workers (0 = none)")
     parser.add_argument("--standby-decode", type=int, default=0, help="warm standby decode workers")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
@@ -132,7 +133,7 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         predictor=g(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
         cooldown_s=2 * args.interval, headroom=g(args, "headroom", 0.0),
         decode_headroom=g(args, "decode_headroom", 0.25), burst_window_s=g(args, "burst_window", 600.0),
-        fast_interval_s=g(args, "fast_interval", 5.0), standby_prefill=g(args, "standby_prefill", 0),
+        fast_interval_s=g(args, "fast_interval", 2.0), standby_prefill=g(args, "standby_prefill", 1),
         standby_decode=g(args, "standby_decode", 0), standby_wake_s=g(args, "standby_wake_s", 5.0))
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
     return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
@@ -141,7 +142,8 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
 def neutral_split(args: argparse.Namespace, perf: PerfModel, decode_perf: PerfModel | None,
                   reqs: list[SimRequest], budget: int) -> tuple[tuple[int, int], str]:
     """The split every dynamic strategy starts from. ``P:D`` as given, or ``auto``: the profile's
-    sizing for the first interval's mean load (what an operator deploys for the load at hand)."""
+    sizing for the first interval's load (what an operator deploys for the load at hand): decode for
+    its mean rate, prefill for its peak rate over ``PEAK_WINDOW_S`` (as the planner's burst floor does)."""
     spec = str(getattr(args, "start", "auto"))
     if spec != "auto":
         try:
@@ -154,20 +156,43 @@ def neutral_split(args: argparse.Namespace, perf: PerfModel, decode_perf: PerfMo
     first = [r for r in reqs if r.arrival < reqs[0].arrival + args.interval] or reqs[:1]
     f = LoadForecast(len(first) / args.interval, sum(r.isl for r in first) / len(first),
                      sum(r.osl for r in first) / len(first))
-    s = solve(f, perf, Targets(args.ttft, args.itl), limits_for(args, budget), decode_perf=decode_perf)
-    return (s.prefill, s.decode), (f"auto: the profile's sizing for the first {args.interval:g}s "
-                                   f"({f.request_rate:.2f} req/s, ISL {f.isl:.0f}, OSL {f.osl:.0f})")
+    bins: dict[int, int] = {}
+    for r in first:
+        k = int(r.arrival // PEAK_WINDOW_S)
+        bins[k] = bins.get(k, 0) + 1
+    peak = max(f.request_rate, max(bins.values()) / PEAK_WINDOW_S)
+    lim = limits_for(args, budget)
+    mean = solve(f, perf, Targets(args.ttft, args.itl), lim, decode_perf=decode_perf)
+    burst = solve(LoadForecast(peak, f.isl, f.osl), perf, Targets(args.ttft, args.itl), lim, decode_perf=decode_perf)
+    p, d = burst.prefill, mean.decode
+    if not lim.fits(p, d):
+        p, d = fit_budget(burst.prefill_exact, mean.decode_exact, lim)
+    return (p, d), (f"auto: the profile's sizing for the first {args.interval:g}s: {f.request_rate:.2f} req/s "
+                    f"(peak {peak:.2f} over {PEAK_WINDOW_S:g}s), ISL {f.isl:.0f}, OSL {f.osl:.0f}")
 
 
 # ------------------------------------------------------------------------------ runs
 
 def simulate(args: argparse.Namespace, profile: EngineProfile, reqs: list[SimRequest], spec: FleetSpec,
-             scaler: Any = None, decode_profile: EngineProfile | None = None) -> SimResult:
+             scaler: Any = None, decode_profile: EngineProfile | None = None,
+             give_up_below: float | None = None) -> SimResult:
+    """One replay. ``give_up_below``: stop as soon as so many requests missed the SLO that the
+    attainment cannot reach this goal any more (the static search only needs pass/fail there)."""
     fresh = [SimRequest(r.id, r.arrival, r.isl, r.osl, r.blocks, r.block_tokens) for r in reqs]
     fleet = VirtualFleet(profile, spec, policy=args.policy, scaler=scaler, interval_s=args.interval,
                          start_s=args.start_s, role_change_s=args.role_change_s,
                          role_profiles={Role.DECODE: decode_profile} if decode_profile else None)
-    return fleet.run(fresh)
+    stop = None
+    if give_up_below is not None:
+        allowed = math.floor((1.0 - give_up_below) * len(fresh) + 1e-9)
+        missed = 0
+
+        def stop(r: SimRequest) -> bool:
+            nonlocal missed
+            if r.ttft is None or r.ttft > args.ttft or (r.itl is not None and r.itl > args.itl):
+                missed += 1
+            return missed > allowed
+    return fleet.run(fresh, stop=stop)
 
 
 def search_static(args: argparse.Namespace, profile: EngineProfile, reqs: list[SimRequest],
@@ -180,12 +205,15 @@ def search_static(args: argparse.Namespace, profile: EngineProfile, reqs: list[S
 
     def score(p: int, d: int) -> dict[str, Any]:
         if (p, d) not in cache:
-            res = simulate(args, profile, reqs, FleetSpec(p, d), decode_profile=decode_profile)
+            res = simulate(args, profile, reqs, FleetSpec(p, d), decode_profile=decode_profile,
+                           give_up_below=args.goal)
             summary = res.summary(args.ttft, args.itl)
+            summary["stopped_early"] = summary["finished"] < summary["requests"]
             res.requests = []  # keep the summary, not every request of every split tried
             cache[(p, d)] = (summary, res)
             if log:
-                log(f"  static P={p} D={d}: {100 * cache[(p, d)][0]['slo_attainment']:.2f}%")
+                log(f"  static P={p} D={d}: " + (f"< {100 * args.goal:g}% (stopped early)" if summary["stopped_early"]
+                                                  else f"{100 * summary['slo_attainment']:.2f}%"))
         return cache[(p, d)][0]
 
     def price(split: tuple[int, int]) -> tuple[float, int]:
@@ -217,9 +245,9 @@ def search_static(args: argparse.Namespace, profile: EngineProfile, reqs: list[S
                 lo = mid + 1
         best = (p, hi)
     chosen = best or fallback
-    summary = score(*chosen)
     run_ = simulate(args, profile, reqs, FleetSpec(*chosen), decode_profile=decode_profile)
-    tried = [{"prefill": p, "decode": d, **{k: s[k] for k in ("slo_attainment", "worker_hours")}}
+    summary = run_.summary(args.ttft, args.itl)  # in full, also when the search gave up on it early
+    tried = [{"prefill": p, "decode": d, **{k: s[k] for k in ("slo_attainment", "worker_hours", "stopped_early")}}
              for (p, d), (s, _) in sorted(cache.items())]
     return chosen, summary, tried, run_
 

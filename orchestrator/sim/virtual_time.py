@@ -493,7 +493,10 @@ class VirtualFleet:
             self.apply(complete(self._views()), now)
 
     # -- the loop
-    def run(self, requests: Sequence[SimRequest], horizon_s: float | None = None) -> SimResult:
+    def run(self, requests: Sequence[SimRequest], horizon_s: float | None = None,
+            stop: Callable[[SimRequest], bool] | None = None) -> SimResult:
+        """Replay ``requests``; ``stop`` (planner hook, for searches) sees each finished request and
+        ends the replay early by answering True (the result then covers only what ran)."""
         wall0 = time.perf_counter()
         for r in requests:
             self._push(r.arrival, "arrival", r)
@@ -523,6 +526,8 @@ class VirtualFleet:
                         sw.worker.inflight -= 1
                         self._finished_window.append(r)
                         remaining -= 1
+                        if stop is not None and stop(r):
+                            remaining = 0
                 self._schedule_engine(sw)
                 if sw.state == "draining":
                     self._released(sw, t)
