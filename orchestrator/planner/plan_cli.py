@@ -390,7 +390,7 @@ def plot(path: str, timelines: dict[str, list[dict[str, Any]]], args: argparse.N
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
     fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     ax_load, ax_w, ax_ttft, ax_itl = axes
@@ -408,6 +408,9 @@ def plot(path: str, timelines: dict[str, list[dict[str, Any]]], args: argparse.N
         ax_w.step(t, [r["prefill"] for r in rows], where="post", color=color, linestyle="--",
                   label=f"{short}: prefill")
         ax_w.step(t, [r["decode"] for r in rows], where="post", color=color, label=f"{short}: decode")
+        if any(r.get("standby") for r in rows):
+            ax_w.step(t, [r.get("standby", 0) for r in rows], where="post", color=color, linestyle=":",
+                      label=f"{short}: warm standby")
         ax_ttft.plot(t, [r["ttft_p90_s"] if r["ttft_p90_s"] is not None else math.nan for r in rows],
                      color=color, label=short)
         ax_itl.plot(t, [1000 * r["itl_p90_s"] if r["itl_p90_s"] is not None else math.nan for r in rows],
@@ -418,6 +421,7 @@ def plot(path: str, timelines: dict[str, list[dict[str, Any]]], args: argparse.N
     ax_ttft.axhline(args.ttft, color="red", linestyle=":", label="TTFT SLO")
     ax_ttft.set_ylabel("TTFT p90 (s)")
     ax_ttft.set_yscale("log")
+    ax_ttft.yaxis.set_major_formatter(ScalarFormatter())
     ax_ttft.legend(fontsize=7)
     ax_itl.axhline(1000 * args.itl, color="red", linestyle=":", label="ITL SLO")
     ax_itl.set_ylabel("ITL p90 (ms)")

@@ -93,3 +93,14 @@ async def test_service_timeline_holds_interval_and_load_mode_rows():
     assert [r["mode"] for r in rows] == ["interval", "load"]
     assert rows[0]["rate_observed"] == 1.0 and rows[0]["ttft_p90_s"] == 0.3
     assert rows[1]["changes"]["prefill"].startswith("grow 1->")
+
+
+def test_plot_draws_load_workers_and_latency_against_the_slo(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"t": 30.0 * i, "rate": 1.0 + i, "prefill": 1 + i // 2, "decode": 2, "ttft_p90_s": 0.2 * (i + 1),
+             "itl_p90_s": 0.01} for i in range(6)]
+    args = _args(ttft=1.0, itl=0.05)
+    out = tmp_path / "plan.png"
+    plan_cli.plot(str(out), {"static P=3 D=2 (best in hindsight)": [dict(r, prefill=3) for r in rows],
+                             "dynamic SLO planner": rows}, args)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
