@@ -93,7 +93,8 @@ class PlannerSettings:
     decode_headroom: float = 0.25  # decode sized for (1 + this) x the interval's peak streams in flight
     burst_window_s: float = 0.0  # burst floor: prefill sized for seconds-scale peaks, kept this long (0 = off)
     fast_interval_s: float = 0.0  # load-reactive mode: look at queues every this many seconds (0 = off)
-    fast_confirm: int = 1  # consecutive fast looks over capacity before it scales out
+    fast_confirm: int = 1  # consecutive fast looks over capacity before it wakes warm standby
+    fast_confirm_cold: int = 3  # ... and before it starts cold workers (a spike is left to the standby)
     fast_queue_share: float = 0.5  # fast mode: a prefill queue beyond what clears in this share of the TTFT target
     standby_prefill: int = 0  # warm standby workers kept per role (started, out of rotation)
     standby_decode: int = 0
@@ -459,23 +460,39 @@ class Planner:
         lim = s.limits
         caps = {Role.PREFILL: lim.max_prefill, Role.DECODE: lim.max_decode}
         target = {r: target[r] if caps[r] is None else min(caps[r], target[r]) for r in ROLES}
-        while not lim.fits(target[Role.PREFILL], target[Role.DECODE]):
-            r = max((r for r in ROLES if target[r] > counts[r]), key=lambda r: target[r] - counts[r], default=None)
-            if r is None:
-                break
-            target[r] -= 1
-        if all(target[r] <= counts[r] for r in ROLES):
-            return None
         standby = self._standby_pool(fleet)
-        actions = self._actions(target, counts, fleet, now, standby)
-        self._over = dict.fromkeys(ROLES, 0)
+        pool = {r: [w for w in standby[r] if self._pending.get(w.id) is None] for r in ROLES}
+        actions: list[Action] = []
+        used = dict(counts)
+        for r in ROLES:
+            # warm standby first: a false alarm costs nothing (the interval parks it again)
+            while target[r] > used[r] and pool[r]:
+                actions.append(Action("activate", r, pool[r].pop(0).id))
+                used[r] += 1
+            # cold starts only for pressure that lasts, and within the budget (standby included)
+            if self._over[r] < s.fast_confirm_cold:
+                continue
+            while target[r] > used[r]:
+                grown = {**used, r: used[r] + 1}
+                pool_n = sum(len(pool[x]) for x in ROLES)
+                if not lim.fits(grown[Role.PREFILL] + (pool_n if r is Role.PREFILL else 0),
+                                grown[Role.DECODE] + (pool_n if r is Role.DECODE else 0)):
+                    break
+                actions.append(Action("start", r))
+                used[r] += 1
+        if not actions:
+            return None
+        for r in ROLES:
+            if used[r] > counts[r]:
+                self._last_change[r] = now
+                self._below[r] = 0
+                self._over[r] = 0 if used[r] >= target[r] else self._over[r]
         current = {r.value: counts[r] for r in ROLES}
-        d = PlanDecision(now, None, f, None, {r.value: target[r] for r in ROLES}, current, actions,
-                         asdict(self.correction), self.load.chosen(), reasons, mode="load",
-                         standby={r.value: len(standby[r]) for r in ROLES},
-                         changes={r.value: f"grow {counts[r]}->{target[r]} (load-reactive)" for r in ROLES
-                                  if target[r] > counts[r]})
-        return d
+        return PlanDecision(now, None, f, None, {r.value: used[r] for r in ROLES}, current, actions,
+                            asdict(self.correction), self.load.chosen(), reasons, mode="load",
+                            standby={r.value: len(standby[r]) for r in ROLES},
+                            changes={r.value: f"grow {counts[r]}->{used[r]} (load-reactive)" for r in ROLES
+                                     if used[r] > counts[r]})
 
     def _burst_sizing(self, sizing: Sizing, forecast: LoadForecast, obs: Observation | None,
                       reasons: list[str]) -> Sizing:
@@ -632,6 +649,8 @@ class Planner:
             used_p = target[Role.PREFILL] + len(pool[Role.PREFILL])
             used_d = target[Role.DECODE] + len(pool[Role.DECODE])
             for r in ROLES:
+                if self._below[r] > 0:
+                    continue  # the role is above its need: a worker will be parked, not started
                 while len(pool[r]) < want_pool[r]:
                     np_, nd = (used_p + 1, used_d) if r is Role.PREFILL else (used_p, used_d + 1)
                     if not s.limits.fits(np_, nd):

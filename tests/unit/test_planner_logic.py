@@ -362,20 +362,48 @@ def test_per_role_profiles_size_each_pool_from_its_own_hardware():
     assert split.prefill == same.prefill and split.decode > same.decode
 
 
-def test_load_mode_scales_out_on_a_prefill_queue_in_seconds_and_never_in():
-    pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
-                                         correct_from_latency=False, fast_interval_s=5))
-    pl.step(_obs(60, 1, 4096, 50), _fleet(2, 2), 60)
-    quiet = pl.react(_fleet(2, 2), 65)
-    assert quiet is None
-    fleet = _fleet(2, 2)
+def _queued(p: int, d: int, per_prefill: int, standby: int = 0) -> list[WorkerView]:
+    fleet = _fleet(p, d) + [WorkerView(f"sb{i}", Role.PREFILL, "standby") for i in range(standby)]
     for w in fleet:
-        if w.role is Role.PREFILL:
-            w.inflight = 10  # 20 prompts of ~0.43 s each queued on 2 workers: far over a 1 s TTFT
-    d = pl.react(fleet, 70)
+        if w.role is Role.PREFILL and w.state != "standby":
+            w.inflight = per_prefill
+    return fleet
+
+
+def test_load_mode_wakes_standby_at_once_and_starts_cold_only_for_lasting_pressure():
+    pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
+                                         correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3))
+    pl.step(_obs(60, 1, 4096, 50), _fleet(2, 2), 60)
+    assert pl.react(_fleet(2, 2), 62) is None  # quiet
+    # 20 prompts of ~0.43 s queued on 2 workers, far over a 1 s TTFT; one warm standby worker
+    d = pl.react(_queued(2, 2, 10, standby=1), 64)
     assert d is not None and d.mode == "load"
-    assert d.desired["prefill"] > 2 and all(a.kind == "start" and a.role is Role.PREFILL for a in d.actions)
-    assert pl.react(_fleet(8, 8), 75) is None  # idle: the load mode never scales in
+    assert [(a.kind, a.worker_id) for a in d.actions] == [("activate", "sb0")]  # warm first, nothing cold yet
+    assert pl.react(_queued(3, 2, 10), 66) is None  # 2nd look: still not cold
+    d3 = pl.react(_queued(3, 2, 10), 68)  # 3rd look over capacity: the pressure lasts, start cold
+    assert d3 is not None and d3.desired["prefill"] > 3
+    assert all(a.kind == "start" and a.role is Role.PREFILL for a in d3.actions)
+    assert pl.react(_fleet(8, 8), 70) is None  # idle: the load mode never scales in
+
+
+def test_a_spike_between_intervals_does_not_start_cold_workers():
+    pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
+                                         correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3))
+    pl.step(_obs(60, 1, 4096, 50), _fleet(2, 2), 60)
+    for t in (62, 66, 70, 74):  # over capacity every other look only
+        pl.react(_queued(2, 2, 10), t)
+        assert pl.react(_fleet(2, 2), t + 2) is None
+
+
+def test_an_activated_standby_worker_is_parked_again_not_replaced_by_a_cold_start():
+    settings = PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
+                               correct_from_latency=False, standby_prefill=1, scale_in_intervals=2)
+    pl = Planner(perf(), settings)
+    fleet = _fleet(3, 1)  # one more prefill worker than 0.1 req/s needs (a false alarm woke it)
+    d1 = pl.step(_obs(60, 0.1, 1000, 50), fleet, 60)
+    assert not [a for a in d1.actions if a.kind == "start"]  # no cold standby while a worker is spare
+    d2 = pl.step(_obs(120, 0.1, 1000, 50), fleet, 120)
+    assert ("park", Role.PREFILL) in [(a.kind, a.role) for a in d2.actions]
 
 
 def test_timeline_row_names_the_reason_for_each_change():

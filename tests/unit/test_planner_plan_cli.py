@@ -82,7 +82,8 @@ async def test_service_timeline_holds_interval_and_load_mode_rows():
     fleet = [WorkerView("p0", Role.PREFILL), WorkerView("d0", Role.DECODE)]
     clock = VirtualClock()
     planner = Planner(PerfModel.from_dict(PROFILE), PlannerSettings(
-        targets=Targets(1.0, 0.05), limits=Limits(budget=10), predictor="constant", fast_interval_s=5))
+        targets=Targets(1.0, 0.05), limits=Limits(budget=10), predictor="constant", fast_interval_s=5,
+        fast_confirm_cold=1))
     service = PlannerService(planner, Source(), RecommendOnly(), lambda: fleet, clock)
     clock.set(60.0)
     await service.run_once()
