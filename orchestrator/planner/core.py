@@ -46,6 +46,9 @@ ROLES = (Role.PREFILL, Role.DECODE)
 # Bursts are a prefill problem: arrivals queue for prefill at once (TTFT grows linearly with the
 # queue), while a decode pool absorbs the burst in its batches (ITL grows slowly with batch size).
 FLOORED_ROLES = (Role.PREFILL,)
+# the prefill correction is learned only from intervals at or below this utilization (model's own
+# service time), where TTFT is mostly service time rather than queueing
+PREFILL_LEARN_UTILIZATION = 0.5
 
 
 @dataclass
@@ -179,6 +182,7 @@ class Planner:
         self._stream_sum: dict[Role, float] = dict.fromkeys(ROLES, 0.0)
         self._samples = 0
         self._over: dict[Role, int] = dict.fromkeys(ROLES, 0)
+        self._decode_held: float | None = None  # streams one decode worker held while others queued
         self._forecast: LoadForecast | None = None
         self.last: PlanDecision | None = None
 
@@ -198,7 +202,12 @@ class Planner:
         exp_ttft = exp_itl = None
         if steady[Role.PREFILL]:
             uncached = max(1.0, obs.mean_isl * (1.0 - self.hit_ratio))
-            exp_ttft = self.perf.expected_ttft(obs.request_rate, uncached, serving[Role.PREFILL], tail=1.0)
+            rho = obs.request_rate * self.perf.prefill_time(uncached) / serving[Role.PREFILL]
+            # only where TTFT is mostly service time: the correction scales the service time, and the
+            # M/D/1 queueing term is not what it may correct (a pool queues better than M/D/1 per
+            # worker, which would read as a faster engine and pack the pool to overload)
+            if rho <= PREFILL_LEARN_UTILIZATION:
+                exp_ttft = self.perf.expected_ttft(obs.request_rate, uncached, serving[Role.PREFILL], tail=1.0)
         if steady[Role.DECODE] and obs.itl_mean and obs.mean_osl:
             streams = mean_streams.get(Role.DECODE)
             if streams is None:  # no fast-loop samples: Little's law
@@ -245,9 +254,18 @@ class Planner:
 
     def _sample(self, fleet: Sequence[WorkerView]) -> dict[Role, float]:
         streams = dict.fromkeys(ROLES, 0.0)
+        queued = serving = 0
         for w in fleet:
             if w.role in streams and not w.standby and w.state != "standby":
                 streams[w.role] += w.inflight
+                if w.role is Role.DECODE and w.state == "healthy":
+                    queued += w.waiting
+                    serving += 1
+        if queued > 0 and serving > 0:
+            # a saturated decode pool shows what a worker really holds (KV, preemption), whatever
+            # the profile says: the least seen in this interval
+            held = max(1.0, (streams[Role.DECODE] - queued) / serving)
+            self._decode_held = held if self._decode_held is None else min(self._decode_held, held)
         for r in ROLES:
             self._peak_streams[r] = max(self._peak_streams[r], streams[r])
             self._stream_sum[r] += streams[r]
@@ -324,6 +342,8 @@ class Planner:
             sizing = self._burst_sizing(sizing, planned, obs, reasons)
         sizing = self._decode_streams(sizing, planned, max(peak_streams[Role.DECODE], streams_now[Role.DECODE]),
                                       reasons)
+        decode_saturated = self._decode_held is not None
+        self._decode_held = None
         if sizing.infeasible:
             reasons.append("targets unreachable at any count: " + ", ".join(sizing.infeasible))
         if sizing.over_budget:
@@ -339,7 +359,7 @@ class Planner:
             want = {Role.PREFILL: p, Role.DECODE: d}
         elif s.burst_window_s > 0:
             want, exact = self._capacity_floor(want, exact, counts, now, reasons)
-        want = self._latency_guard(want, counts, obs, reasons)
+        want = self._latency_guard(want, counts, obs, reasons, decode_saturated)
         target = self._hysteresis(want, exact, counts, now, reasons, budget)
         target = self._decode_floor(target, counts, streams_now[Role.DECODE], planned, reasons)
         changes = self._explain(target, counts, want, reasons)
@@ -365,16 +385,19 @@ class Planner:
         return out
 
     def _latency_guard(self, want: dict[Role, int], counts: dict[Role, int], obs: Observation | None,
-                       reasons: list[str]) -> dict[Role, int]:
+                       reasons: list[str], decode_saturated: bool = False) -> dict[Role, int]:
         """What the model cannot explain, met by measurement instead of by a correction: when the
         interval's observed TTFT (p90) or ITL (mean) broke the target while the model asked for no more
-        workers, add one to that role (and never give one back in that interval)."""
+        workers, add one to the pool at fault (and never give one back in that interval). A TTFT
+        broken while decode streams queued is decode's fault (a stream waits for a decode slot before
+        its first token), not prefill's."""
         if obs is None or self.settings.fixed_fleet:
             return want
         s = self.settings
         out = dict(want)
         lim = s.limits
-        checks = ((Role.PREFILL, obs.ttft_p90, s.targets.ttft_s, "TTFT p90"),
+        ttft_pool = Role.DECODE if decode_saturated else Role.PREFILL
+        checks = ((ttft_pool, obs.ttft_p90, s.targets.ttft_s, "TTFT p90"),
                   (Role.DECODE, obs.itl_mean, s.targets.itl_s, "ITL"))
         for r, seen, target, name in checks:
             if seen is None or seen <= target or out[r] > counts[r]:
@@ -384,6 +407,18 @@ class Planner:
                 out = grown
                 reasons.append(f"{r.value}: observed {name} {seen:.3g}s > target {target:g}s, +1 beyond the model")
         return out
+
+    def _decode_per_worker(self, planned: LoadForecast) -> int:
+        """Streams one decode worker holds within the ITL target: the profile's answer, bounded by
+        what a saturated pool showed in the last interval (queued streams while the workers held fewer)."""
+        s = self.settings
+        context = planned.isl + planned.osl / 2.0
+        per = self.decode_perf.max_decode_concurrency(s.targets.itl_s, context, self.correction.itl)
+        if per <= 0:
+            per = self.decode_perf.decode_batch_cap(context)
+        if self._decode_held is not None:
+            per = max(1, min(per, int(self._decode_held)))
+        return per
 
     def _decode_streams(self, sizing: Sizing, planned: LoadForecast, peak: float, reasons: list[str]) -> Sizing:
         """The decode burst floor: size decode for the interval's peak streams in flight plus headroom.
@@ -395,10 +430,7 @@ class Planner:
         s = self.settings
         if peak <= 0:
             return sizing
-        context = planned.isl + planned.osl / 2.0
-        per = self.decode_perf.max_decode_concurrency(s.targets.itl_s, context, self.correction.itl)
-        if per <= 0:
-            per = self.decode_perf.decode_batch_cap(context)
+        per = self._decode_per_worker(planned)
         need = peak * (1 + s.decode_headroom) / per
         if need <= sizing.decode_exact:
             return sizing
@@ -440,9 +472,7 @@ class Planner:
         service = self.perf.prefill_time(max(1.0, f.isl * (1 - hit))) * self.correction.ttft
         # requests one worker clears within a share of the target: act before the target is breached
         per_prefill = max(1.0, s.fast_queue_share * s.targets.ttft_s / service)
-        context = f.isl + f.osl / 2.0
-        per_decode = self.decode_perf.max_decode_concurrency(s.targets.itl_s, context, self.correction.itl) \
-            or self.decode_perf.decode_batch_cap(context)
+        per_decode = self._decode_per_worker(f)
         need = {Role.PREFILL: math.ceil(streams[Role.PREFILL] / per_prefill - 1e-9),
                 Role.DECODE: math.ceil(streams[Role.DECODE] * (1 + s.decode_headroom) / per_decode - 1e-9)}
         target = dict(counts)

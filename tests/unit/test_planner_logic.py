@@ -437,3 +437,18 @@ def test_burst_floor_holds_while_warming_up_then_keeps_the_peak_prefill_only():
     # the burst leaves the window: prefill may shrink now
     later = pl.step(_obs(760, 0.5, 4096, 200), fleet, 760)
     assert later.desired["prefill"] < burst.desired["prefill"]
+
+
+def test_prefill_correction_is_not_learned_from_queueing_at_high_utilization():
+    # A pool of workers queues better than the model's M/D/1 per worker: at high utilization the
+    # observed TTFT is below the model's, which must not read as a faster engine (the old code packed
+    # the pool to overload from it).
+    pl = Planner(perf(), PlannerSettings(targets=Targets(2.0, 0.05), limits=Limits(budget=50), predictor="constant"))
+    m = perf()
+    fleet = _fleet(8, 2)
+    rate = 0.85 * 8 / m.prefill_time(4096)  # utilization 0.85
+    for t in (60, 120, 180):
+        obs = _obs(t, rate, 4096, 100)
+        obs.ttft_mean = 0.5 * m.expected_ttft(rate, 4096, 8, tail=1.0)
+        pl.step(obs, fleet, t)
+    assert pl.correction.ttft == 1.0
