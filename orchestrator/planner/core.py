@@ -182,7 +182,6 @@ class Planner:
         self._stream_sum: dict[Role, float] = dict.fromkeys(ROLES, 0.0)
         self._samples = 0
         self._over: dict[Role, int] = dict.fromkeys(ROLES, 0)
-        self._decode_held: float | None = None  # streams one decode worker held while others queued
         self._forecast: LoadForecast | None = None
         self.last: PlanDecision | None = None
 
@@ -254,18 +253,9 @@ class Planner:
 
     def _sample(self, fleet: Sequence[WorkerView]) -> dict[Role, float]:
         streams = dict.fromkeys(ROLES, 0.0)
-        queued = serving = 0
         for w in fleet:
             if w.role in streams and not w.standby and w.state != "standby":
                 streams[w.role] += w.inflight
-                if w.role is Role.DECODE and w.state == "healthy":
-                    queued += w.waiting
-                    serving += 1
-        if queued > 0 and serving > 0:
-            # a saturated decode pool shows what a worker really holds (KV, preemption), whatever
-            # the profile says: the least seen in this interval
-            held = max(1.0, (streams[Role.DECODE] - queued) / serving)
-            self._decode_held = held if self._decode_held is None else min(self._decode_held, held)
         for r in ROLES:
             self._peak_streams[r] = max(self._peak_streams[r], streams[r])
             self._stream_sum[r] += streams[r]
@@ -342,8 +332,8 @@ class Planner:
             sizing = self._burst_sizing(sizing, planned, obs, reasons)
         sizing = self._decode_streams(sizing, planned, max(peak_streams[Role.DECODE], streams_now[Role.DECODE]),
                                       reasons)
-        decode_saturated = self._decode_held is not None
-        self._decode_held = None
+        peak_d = max(peak_streams[Role.DECODE], streams_now[Role.DECODE])
+        decode_saturated = counts[Role.DECODE] > 0 and peak_d >= 0.9 * counts[Role.DECODE] * self._decode_per_worker(planned)
         if sizing.infeasible:
             reasons.append("targets unreachable at any count: " + ", ".join(sizing.infeasible))
         if sizing.over_budget:
@@ -409,16 +399,11 @@ class Planner:
         return out
 
     def _decode_per_worker(self, planned: LoadForecast) -> int:
-        """Streams one decode worker holds within the ITL target: the profile's answer, bounded by
-        what a saturated pool showed in the last interval (queued streams while the workers held fewer)."""
+        """Streams one decode worker holds within the ITL target (KV and batch cap included)."""
         s = self.settings
         context = planned.isl + planned.osl / 2.0
         per = self.decode_perf.max_decode_concurrency(s.targets.itl_s, context, self.correction.itl)
-        if per <= 0:
-            per = self.decode_perf.decode_batch_cap(context)
-        if self._decode_held is not None:
-            per = max(1, min(per, int(self._decode_held)))
-        return per
+        return per if per > 0 else self.decode_perf.decode_batch_cap(context)
 
     def _decode_streams(self, sizing: Sizing, planned: LoadForecast, peak: float, reasons: list[str]) -> Sizing:
         """The decode burst floor: size decode for the interval's peak streams in flight plus headroom.

@@ -452,3 +452,22 @@ def test_prefill_correction_is_not_learned_from_queueing_at_high_utilization():
         obs.ttft_mean = 0.5 * m.expected_ttft(rate, 4096, 8, tail=1.0)
         pl.step(obs, fleet, t)
     assert pl.correction.ttft == 1.0
+
+
+def test_a_ttft_broken_by_a_saturated_decode_pool_grows_decode_not_prefill():
+    prof = dict(PROFILE, max_concurrency=16)
+    pl = Planner(PerfModel.from_dict(prof), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=40),
+                                                            predictor="constant", correct_from_latency=False))
+    fleet = _fleet(2, 2)
+    for w in fleet:
+        if w.role is Role.DECODE:
+            w.inflight = 16  # both decode workers at their batch cap: new streams wait for a slot
+    obs = _obs(60, 0.5, 1000, 20)
+    obs.ttft_p90 = 5.0  # TTFT broken
+    d = pl.step(obs, fleet, 60)
+    assert d.desired["prefill"] == 2  # the old guard would have added a prefill worker
+    assert d.desired["decode"] >= 3
+    # the same TTFT with an idle decode pool is prefill's
+    pl2 = Planner(PerfModel.from_dict(prof), pl.settings)
+    d2 = pl2.step(obs, _fleet(2, 2), 60)
+    assert d2.desired["prefill"] == 3
