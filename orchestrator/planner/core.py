@@ -43,9 +43,9 @@ from orchestrator.planner.predictors import LoadForecast, LoadPredictor
 from orchestrator.planner.solver import Limits, Sizing, Targets, fit_budget, solve
 
 ROLES = (Role.PREFILL, Role.DECODE)
-# Bursts are a prefill problem: arrivals queue for prefill at once (TTFT grows linearly with the
-# queue), while a decode pool absorbs the burst in its batches (ITL grows slowly with batch size).
-FLOORED_ROLES = (Role.PREFILL,)
+# Both pools keep the burst floor: arrivals queue for prefill at once (TTFT grows linearly with the
+# queue), and a decode pool at its KV or batch cap queues new streams (their first token waits).
+FLOORED_ROLES = ROLES
 # the prefill correction is learned only from intervals at or below this utilization (model's own
 # service time), where TTFT is mostly service time rather than queueing
 PREFILL_LEARN_UTILIZATION = 0.5
@@ -402,8 +402,9 @@ class Planner:
         """Streams one decode worker holds within the ITL target (KV and batch cap included)."""
         s = self.settings
         context = planned.isl + planned.osl / 2.0
-        per = self.decode_perf.max_decode_concurrency(s.targets.itl_s, context, self.correction.itl)
-        return per if per > 0 else self.decode_perf.decode_batch_cap(context)
+        full = planned.isl + planned.osl  # KV a stream holds at its end
+        per = self.decode_perf.max_decode_concurrency(s.targets.itl_s, context, self.correction.itl, kv_context=full)
+        return per if per > 0 else self.decode_perf.decode_batch_cap(full)
 
     def _decode_streams(self, sizing: Sizing, planned: LoadForecast, peak: float, reasons: list[str]) -> Sizing:
         """The decode burst floor: size decode for the interval's peak streams in flight plus headroom.

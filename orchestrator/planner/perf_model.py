@@ -155,11 +155,17 @@ class PerfModel:
         vals = [_interp(*self.decode_curves[x], c) for x in ctxs]
         return max(1e-6, _interp(ctxs, vals, context) if len(ctxs) > 1 else vals[0])
 
-    def max_decode_concurrency(self, itl_target: float, context: float, correction: float = 1.0) -> int:
-        """Largest concurrency whose ITL (corrected) meets the target and whose KV fits; 0 if none."""
+    def max_decode_concurrency(self, itl_target: float, context: float, correction: float = 1.0,
+                               kv_context: float | None = None) -> int:
+        """Largest concurrency whose ITL (corrected) meets the target and whose KV fits; 0 if none.
+
+        ``context`` is the mean context a step attends over (ITL); ``kv_context`` (default: the same)
+        the tokens a stream's KV must hold: the planner passes a stream's final length (ISL + OSL),
+        since long outputs live longest and hold the most KV (a pool sized on the mean context runs out
+        of KV and preempts)."""
         cap = self.max_concurrency
         if self.kv_capacity_tokens:
-            cap = min(cap, int(self.kv_capacity_tokens // max(1.0, context)))
+            cap = min(cap, int(self.kv_capacity_tokens // max(1.0, kv_context or context)))
         if cap < 1 or self.decode_itl(1, context) * correction > itl_target:
             return 0
         lo, hi = 1, cap
@@ -179,9 +185,10 @@ class PerfModel:
             cap = min(cap, int(self.kv_capacity_tokens // max(1.0, context)))
         return max(1, cap)
 
-    def decode_throughput(self, itl_target: float, context: float, correction: float = 1.0) -> float:
+    def decode_throughput(self, itl_target: float, context: float, correction: float = 1.0,
+                          kv_context: float | None = None) -> float:
         """Output tokens/s one decode worker sustains while every stream keeps the ITL target."""
-        c = self.max_decode_concurrency(itl_target, context, correction)
+        c = self.max_decode_concurrency(itl_target, context, correction, kv_context)
         if c == 0:
             return 0.0
         return self.max_utilization * c / (self.decode_itl(c, context) * correction)

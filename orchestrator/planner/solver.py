@@ -85,7 +85,7 @@ def decode_need(rate: float, isl: float, osl: float, perf: PerfModel, targets: T
                 correction: float = 1.0) -> tuple[float, bool]:
     """Fractional decode workers for ``rate`` req/s of ``osl`` output tokens, and whether ITL is reachable."""
     context = isl + osl / 2.0
-    per_decode = perf.decode_throughput(targets.itl_s, context, correction)
+    per_decode = perf.decode_throughput(targets.itl_s, context, correction, kv_context=isl + osl)
     ok = per_decode > 0.0
     if not ok:
         per_decode = perf.max_utilization / (perf.decode_itl(1, context) * correction)
