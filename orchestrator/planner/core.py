@@ -95,6 +95,7 @@ class PlannerSettings:
     headroom: float = 0.0  # plan for (1 + headroom) x the forecast rate: room for surges during start-up
     decode_headroom: float = 0.25  # decode sized for (1 + this) x the interval's peak streams in flight
     burst_window_s: float = 0.0  # burst floor: prefill sized for seconds-scale peaks, kept this long (0 = off)
+    decode_floor: bool = True  # the burst floor keeps decode's peak sizing too (not only prefill's)
     fast_interval_s: float = 0.0  # load-reactive mode: look at queues every this many seconds (0 = off)
     fast_confirm: int = 1  # consecutive fast looks over capacity before it wakes warm standby
     fast_confirm_cold: int = 3  # ... and before it starts cold workers (a spike is left to the standby)
@@ -554,7 +555,8 @@ class Planner:
         caps = {Role.PREFILL: lim.max_prefill, Role.DECODE: lim.max_decode}
         floor_exact: dict[Role, float] = {}
         for r in ROLES:
-            f = max(e[r] for _, e in self._sized) if r in FLOORED_ROLES else exact[r]
+            floored_role = r in FLOORED_ROLES and (r is Role.PREFILL or s.decode_floor)
+            f = max(e[r] for _, e in self._sized) if floored_role else exact[r]
             if warming:
                 f = max(f, float(counts[r]))
             floor_exact[r] = max(exact[r], f)
