@@ -43,8 +43,8 @@ from orchestrator.planner.predictors import LoadForecast, LoadPredictor
 from orchestrator.planner.solver import Limits, Sizing, Targets, fit_budget, solve
 
 ROLES = (Role.PREFILL, Role.DECODE)
-# Both pools keep the burst floor: arrivals queue for prefill at once (TTFT grows linearly with the
-# queue), and a decode pool at its KV or batch cap queues new streams (their first token waits).
+# Prefill keeps the burst floor: arrivals queue for prefill at once (TTFT grows linearly with the
+# queue); decode too with ``decode_floor`` (a decode pool at its KV or batch cap queues new streams).
 FLOORED_ROLES = ROLES
 # the prefill correction is learned only from intervals at or below this utilization (model's own
 # service time), where TTFT is mostly service time rather than queueing
@@ -95,7 +95,8 @@ class PlannerSettings:
     headroom: float = 0.0  # plan for (1 + headroom) x the forecast rate: room for surges during start-up
     decode_headroom: float = 0.25  # decode sized for (1 + this) x the interval's peak streams in flight
     burst_window_s: float = 0.0  # burst floor: prefill sized for seconds-scale peaks, kept this long (0 = off)
-    decode_floor: bool = True  # the burst floor keeps decode's peak sizing too (not only prefill's)
+    decode_floor: bool = False  # the burst floor keeps decode's peak sizing too (default: prefill's only;
+    # decode bursts are met by the interval's peak streams + decode_headroom and by warm standby)
     fast_interval_s: float = 0.0  # load-reactive mode: look at queues every this many seconds (0 = off)
     fast_confirm: int = 1  # consecutive fast looks over capacity before it wakes warm standby
     fast_confirm_cold: int = 3  # ... and before it starts cold workers (a spike is left to the standby)

@@ -69,12 +69,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="decode sized for (1 + this) x the peak streams in flight within an interval")
     parser.add_argument("--burst-window", type=float, default=600.0,
                         help="burst floor: prefill sized for seconds-scale peaks and kept this many seconds (0 = off)")
-    parser.add_argument("--no-decode-floor", action="store_true",
-                        help="the burst floor keeps only prefill's peak sizing (default: both pools')")
+    parser.add_argument("--decode-floor", action="store_true",
+                        help="the burst floor keeps decode's peak sizing too (default: prefill's only)")
     parser.add_argument("--fast-interval", type=float, default=2.0,
                         help="load-reactive mode: look at queues every this many seconds between intervals (0 = off)")
     parser.add_argument("--standby-prefill", type=int, default=1, help="warm standby prefill workers (0 = none)")
-    parser.add_argument("--standby-decode", type=int, default=0, help="warm standby decode workers")
+    parser.add_argument("--standby-decode", type=int, default=1, help="warm standby decode workers (0 = none)")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--keda-prefill-target", type=float, default=1.0,
@@ -135,9 +135,9 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         predictor=g(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
         cooldown_s=2 * args.interval, headroom=g(args, "headroom", 0.0),
         decode_headroom=g(args, "decode_headroom", 0.25), burst_window_s=g(args, "burst_window", 600.0),
-        decode_floor=not g(args, "no_decode_floor", False),
+        decode_floor=g(args, "decode_floor", False),
         fast_interval_s=g(args, "fast_interval", 2.0), standby_prefill=g(args, "standby_prefill", 1),
-        standby_decode=g(args, "standby_decode", 0), standby_wake_s=g(args, "standby_wake_s", 5.0))
+        standby_decode=g(args, "standby_decode", 1), standby_wake_s=g(args, "standby_wake_s", 5.0))
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
     return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
 

@@ -419,22 +419,23 @@ def test_timeline_row_names_the_reason_for_each_change():
     assert row["changes"]["prefill"].startswith("grow 1->")
 
 
-def test_burst_floor_holds_while_warming_up_then_keeps_the_peak_sizing_of_both_pools():
+@pytest.mark.parametrize("decode_floor", [False, True])
+def test_burst_floor_holds_while_warming_up_then_keeps_the_peak_sizing(decode_floor):
     settings = PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=40), predictor="constant",
                                scale_in_intervals=1, scale_in_margin=0.0, burst_window_s=300,
-                               correct_from_latency=False)
+                               correct_from_latency=False, decode_floor=decode_floor)
     pl = Planner(perf(), settings)
     # warming up: light load, but no whole window seen yet → no scale-in of the 6+6 we started with
     d = pl.step(_obs(60, 0.5, 4096, 200), _fleet(6, 6), 60)
     assert d.desired == {"prefill": 6, "decode": 6} and not d.actions
     assert any("warming up" in r for r in d.reasons)
-    # a burst at t=400 (past the warm-up), then quiet: both pools keep the burst's sizing (a decode
-    # pool at its KV/batch cap queues new streams, and their TTFT breaks like a prefill queue's)
+    # a burst at t=400 (past the warm-up), then quiet: prefill keeps the burst's sizing; decode too
+    # with decode_floor (a decode pool at its KV/batch cap queues new streams), else it shrinks
     burst = pl.step(_obs(400, 8, 4096, 200), _fleet(6, 6), 400)
     fleet = _fleet(burst.desired["prefill"], burst.desired["decode"])
     quiet = pl.step(_obs(460, 0.5, 4096, 200), fleet, 460)
     assert quiet.desired["prefill"] == burst.desired["prefill"] >= 4
-    assert quiet.desired["decode"] == burst.desired["decode"]
+    assert (quiet.desired["decode"] == burst.desired["decode"]) is decode_floor
     # the burst leaves the window: prefill may shrink now
     later = pl.step(_obs(760, 0.5, 4096, 200), fleet, 760)
     assert later.desired["prefill"] < burst.desired["prefill"]
