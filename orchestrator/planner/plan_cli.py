@@ -393,7 +393,7 @@ def plot(path: str, timelines: dict[str, list[dict[str, Any]]], args: argparse.N
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     ax_load, ax_w, ax_ttft, ax_itl = axes
@@ -404,8 +404,12 @@ def plot(path: str, timelines: dict[str, list[dict[str, Any]]], args: argparse.N
     ts = [r["t"] / 60.0 for r in any_rows]
     ax_load.step(ts, [r["rate"] for r in any_rows], where="post", color="black")
     ax_load.set_ylabel("arrivals (req/s)")
-    colors = ["tab:gray", "tab:blue", "tab:orange", "tab:green"]
-    for (label, rows), color in zip(timelines.items(), colors, strict=False):
+    def color_of(label: str) -> str:  # the same colour for a strategy in every plot
+        return "tab:gray" if label.startswith("static") else "tab:blue" if label.startswith("dynamic") \
+            else "tab:orange"
+
+    for label, rows in timelines.items():
+        color = color_of(label)
         t = [r["t"] / 60.0 for r in rows]
         short = label.split(" (")[0]
         ax_w.step(t, [r["prefill"] for r in rows], where="post", color=color, linestyle="--",
@@ -424,7 +428,9 @@ def plot(path: str, timelines: dict[str, list[dict[str, Any]]], args: argparse.N
     ax_ttft.axhline(args.ttft, color="red", linestyle=":", label="TTFT SLO")
     ax_ttft.set_ylabel("TTFT p90 (s)")
     ax_ttft.set_yscale("log")
-    ax_ttft.yaxis.set_major_formatter(ScalarFormatter())
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax_ttft.yaxis.set_major_formatter(plain)
+    ax_ttft.yaxis.set_minor_formatter(plain)
     ax_ttft.legend(fontsize=7)
     ax_itl.axhline(1000 * args.itl, color="red", linestyle=":", label="ITL SLO")
     ax_itl.set_ylabel("ITL p90 (ms)")
