@@ -405,6 +405,19 @@ class PlannerConfig(_Section):
                                "the largest prefill sizing of this window; set it well above an engine's start time")
     scale_in_margin: float = Field(0.15, ge=0, description="Headroom kept before giving a worker back")
     scale_in_intervals: int = Field(2, ge=1, description="Intervals below capacity before scaling in")
+    scale_in_step: int = Field(1, ge=1, description="Most workers of one role given back per interval (drained first)")
+    decode_headroom: float = Field(
+        0.25, ge=0, description="Decode sized for (1 + this) x the peak streams in flight within an interval")
+    fast_interval_s: float = Field(
+        0.0, ge=0, description="Load-reactive mode (0 = off): every this many seconds between intervals, scale a "
+                               "role out at once when its queue is beyond what its workers clear within target")
+    prefill_cost: float = Field(1.0, ge=0, description="Price of one prefill worker-hour (any currency)")
+    decode_cost: float = Field(1.0, ge=0, description="Price of one decode worker-hour")
+    cost_budget: float | None = Field(
+        None, gt=0, description="Most spent per hour on prefill + decode workers (None: only max_workers)")
+    decode_profile: str | None = Field(
+        None, description="Performance profile JSON of the decode workers when they run on other hardware "
+                          "(None: profile)")
     cooldown_s: float = Field(0.0, ge=0, description="No scale-in of a role for this long after it changed")
     start_s: float = Field(60.0, ge=0, description="Seconds an engine takes to start (for the actuator choice)")
     role_change_s: float | None = Field(

@@ -5,9 +5,27 @@ the predictors, corrects the performance model from observed latency, sizes the 
 (``solver.solve``), applies hysteresis and cooldown, and turns "how many" into concrete actions
 on the fleet it was shown. It never touches a worker: actuators carry out the ``PlanDecision``.
 
+What it plans for, and why (issue 14):
+
+- **Lead time.** A worker started now serves ``start_s`` later, so scale-out is sized for the
+  highest rate forecast over the next ``ceil(start_s / interval_s) + 1`` intervals, not the next one.
+- **Decode from concurrency.** Decode is sized from the peak number of streams in flight within the
+  interval (sampled by the fast loop) plus ``decode_headroom``, at the streams one worker holds
+  within the ITL target; never below what the streams in flight need at the batch cap.
+- **Separate, bounded corrections** (``LatencyCorrection``), learned only from intervals in which
+  the role's serving workers did not change.
+- **Slow scale-in.** A role shrinks only after ``scale_in_intervals`` intervals below its capacity,
+  by at most ``scale_in_step`` workers per interval, always through ``drain``.
+- **A fast load-reactive mode** (``react``, every ``fast_interval_s``): between intervals, queued
+  prefill work or decode streams beyond what the serving workers hold scale that role out at once.
+  It never scales in.
+- **Warm standby.** ``standby_prefill``/``standby_decode`` workers are kept started but out of
+  rotation; growth activates them first (seconds) and cold starts refill the standby pool.
+
 Scale-in is always two steps: ``drain`` a worker (it finishes its requests, takes no new ones),
-then, once the fleet shows it idle, ``stop`` it or ``set_role`` it to the other pool. A role change
-is preferred over stop+start when the actuator says it is faster than starting an engine.
+then, once the fleet shows it idle, ``stop`` it, ``park`` it in standby or ``set_role`` it to the
+other pool. A role change is preferred over stop+start when the actuator says it is faster than
+starting an engine.
 """
 
 from __future__ import annotations
@@ -25,9 +43,12 @@ from orchestrator.planner.predictors import LoadForecast, LoadPredictor
 from orchestrator.planner.solver import Limits, Sizing, Targets, fit_budget, solve
 
 ROLES = (Role.PREFILL, Role.DECODE)
-# Bursts are a prefill problem: arrivals queue for prefill at once (TTFT grows linearly with the
-# queue), while a decode pool absorbs the burst in its batches (ITL grows slowly with batch size).
-FLOORED_ROLES = (Role.PREFILL,)
+# Prefill keeps the burst floor: arrivals queue for prefill at once (TTFT grows linearly with the
+# queue); decode too with ``decode_floor`` (a decode pool at its KV or batch cap queues new streams).
+FLOORED_ROLES = ROLES
+# the prefill correction is learned only from intervals at or below this utilization (model's own
+# service time), where TTFT is mostly service time rather than queueing
+PREFILL_LEARN_UTILIZATION = 0.5
 
 
 @dataclass
@@ -36,19 +57,20 @@ class WorkerView:
 
     id: str
     role: Role
-    state: str = "healthy"  # starting | healthy | unhealthy | draining
+    state: str = "healthy"  # starting | healthy | unhealthy | draining | standby (started, out of rotation)
     inflight: int = 0
     waiting: int = 0  # engine-reported queue (used by the queue-length baseline)
     stoppable: bool = True  # False: the actuator cannot stop it (e.g. a configured worker under the
     # local actuator); never drained to be stopped, only switched to the other role
+    standby: bool = False  # starting, but bound for the standby pool (not for rotation)
 
 
 @dataclass
 class Action:
-    kind: Literal["start", "drain", "stop", "set_role"]
-    role: Role  # start: role to start; drain/stop: current role; set_role: the new role
+    kind: Literal["start", "drain", "stop", "set_role", "activate", "park"]
+    role: Role  # start: role to start; drain/stop/activate/park: current role; set_role: the new role
     worker_id: str | None = None
-    then: str | None = None  # drain only: "stop" or the new role's value
+    then: str | None = None  # drain: "stop", "standby" or the new role's value; start: "standby" or None
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "role": self.role.value, "worker_id": self.worker_id, "then": self.then}
@@ -63,12 +85,25 @@ class PlannerSettings:
     season: int = 24  # Holt-Winters season, in intervals
     scale_in_margin: float = 0.15  # keep this much headroom before giving a worker back
     scale_in_intervals: int = 2  # consecutive intervals below capacity before scaling in
+    scale_in_step: int = 1  # most workers of one role given back per interval
     cooldown_s: float = 0.0  # after a change to a role, no scale-in of that role for this long
     role_change_s: float | None = None  # time a role change takes (None: actuator cannot)
-    start_s: float = 60.0  # time an engine takes to start
+    start_s: float = 60.0  # time an engine takes to start: the lead time of a scale-out
     correct_from_latency: bool = True
+    prefill_correction_max: float = 1.0  # cap of the prefill (TTFT) correction (Dynamo's: 1)
+    decode_correction_max: float = 2.0  # cap of the decode (ITL) correction
     headroom: float = 0.0  # plan for (1 + headroom) x the forecast rate: room for surges during start-up
+    decode_headroom: float = 0.25  # decode sized for (1 + this) x the interval's peak streams in flight
     burst_window_s: float = 0.0  # burst floor: prefill sized for seconds-scale peaks, kept this long (0 = off)
+    decode_floor: bool = False  # the burst floor keeps decode's peak sizing too (default: prefill's only;
+    # decode bursts are met by the interval's peak streams + decode_headroom and by warm standby)
+    fast_interval_s: float = 0.0  # load-reactive mode: look at queues every this many seconds (0 = off)
+    fast_confirm: int = 1  # consecutive fast looks over capacity before it wakes warm standby
+    fast_confirm_cold: int = 3  # ... and before it starts cold workers (a spike is left to the standby)
+    fast_queue_share: float = 0.5  # fast mode: a prefill queue beyond what clears in this share of the TTFT target
+    standby_prefill: int = 0  # warm standby workers kept per role (started, out of rotation)
+    standby_decode: int = 0
+    standby_wake_s: float = 5.0  # seconds a standby worker takes to serve once activated
     fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
 
 
@@ -84,60 +119,114 @@ class PlanDecision:
     correction: dict[str, float]
     predictors: dict[str, str]
     reasons: list[str]
+    mode: str = "interval"  # interval (the SLO planner) | load (the fast load-reactive mode)
+    lead_rate: float | None = None  # highest forecast rate over the start-up lead
+    peak_decode_streams: float | None = None  # peak streams in flight on decode within the interval
+    standby: dict[str, int] = field(default_factory=dict)
+    changes: dict[str, str] = field(default_factory=dict)  # role → why its count changes
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "at": self.at,
+            "at": self.at, "mode": self.mode,
             "observation": self.observation.to_dict() if self.observation else None,
             "forecast": asdict(self.forecast) if self.forecast else None,
+            "lead_rate": self.lead_rate, "peak_decode_streams": self.peak_decode_streams,
             "sizing": asdict(self.sizing) if self.sizing else None,
-            "desired": self.desired, "current": self.current,
+            "desired": self.desired, "current": self.current, "standby": self.standby,
             "actions": [a.to_dict() for a in self.actions],
             "correction": self.correction, "predictors": self.predictors, "reasons": self.reasons,
+            "changes": self.changes,
+        }
+
+    def timeline_row(self) -> dict[str, Any]:
+        """One line of the per-interval timeline (``dyad plan`` JSON, ``/admin/planner``)."""
+        o, f = self.observation, self.forecast
+
+        def r(v: float | None, n: int = 3) -> float | None:
+            return None if v is None or not math.isfinite(v) else round(v, n)
+
+        return {
+            "t": round(self.at, 3), "mode": self.mode,
+            "rate_observed": r(o.request_rate) if o else None,
+            "rate_predicted": r(f.request_rate) if f else None, "rate_lead": r(self.lead_rate),
+            "peak_rate": r(o.peak_rate) if o else None,
+            "isl": r(o.mean_isl, 1) if o else None, "osl": r(o.mean_osl, 1) if o else None,
+            "ttft_mean_s": r(o.ttft_mean, 4) if o else None, "ttft_p90_s": r(o.ttft_p90, 4) if o else None,
+            "itl_mean_s": r(o.itl_mean, 5) if o else None,
+            "peak_decode_streams": r(self.peak_decode_streams, 1),
+            "prefill": self.current.get("prefill"), "decode": self.current.get("decode"),
+            "desired_prefill": self.desired.get("prefill"), "desired_decode": self.desired.get("decode"),
+            "standby": dict(self.standby),
+            "correction": {k: r(v) for k, v in self.correction.items() if k in ("ttft", "itl")},
+            "changes": dict(self.changes),
+            "actions": [f"{a.kind} {a.role.value}" + (f" {a.worker_id}" if a.worker_id else "")
+                        + (f" -> {a.then}" if a.then else "") for a in self.actions],
         }
 
 
 class Planner:
-    def __init__(self, perf: PerfModel, settings: PlannerSettings | None = None) -> None:
-        self.perf = perf
+    def __init__(self, perf: PerfModel, settings: PlannerSettings | None = None,
+                 decode_perf: PerfModel | None = None) -> None:
+        self.perf = perf  # the prefill workers' profile (and decode's, unless ``decode_perf`` is given)
+        self.decode_perf = decode_perf or perf
         self.settings = settings or PlannerSettings()
-        self.load = LoadPredictor(self.settings.predictor, self.settings.season)
-        self.correction = LatencyCorrection()
+        s = self.settings
+        self.load = LoadPredictor(s.predictor, s.season)
+        self.correction = LatencyCorrection(ttft_hi=s.prefill_correction_max, itl_hi=s.decode_correction_max)
         self.hit_ratio = 0.0
-        self._pending: dict[str, str] = {}  # worker id → "stop" | role value, while draining
+        self._pending: dict[str, str] = {}  # worker id → "stop" | "standby" | role value, while draining
         self._below: dict[Role, int] = dict.fromkeys(ROLES, 0)
         self._last_change: dict[Role, float] = dict.fromkeys(ROLES, -math.inf)
         self._sized: deque[tuple[float, dict[Role, float]]] = deque()  # (time, exact need) for the floor
         self._first_plan: float | None = None
+        self._serving_prev: dict[Role, int] | None = None
+        self._peak_streams: dict[Role, float] = dict.fromkeys(ROLES, 0.0)  # fast-loop samples, this interval
+        self._stream_sum: dict[Role, float] = dict.fromkeys(ROLES, 0.0)
+        self._samples = 0
+        self._over: dict[Role, int] = dict.fromkeys(ROLES, 0)
+        self._forecast: LoadForecast | None = None
         self.last: PlanDecision | None = None
 
     # ------------------------------------------------------------ inputs
-    def _learn(self, obs: Observation, counts: dict[Role, int], reasons: list[str]) -> None:
+    def _learn(self, obs: Observation, serving: dict[Role, int], mean_streams: dict[Role, float | None],
+               reasons: list[str]) -> None:
         if obs.window_s <= 0:
             return
         self.load.observe(obs.request_rate, obs.mean_isl, obs.mean_osl)
         if obs.prefix_hit_ratio is not None:
             self.hit_ratio = 0.5 * self.hit_ratio + 0.5 * min(1.0, max(0.0, obs.prefix_hit_ratio))
+        prev, self._serving_prev = self._serving_prev, dict(serving)
         if not self.settings.correct_from_latency or obs.request_rate <= 0 or not obs.mean_isl:
             return
-        uncached = max(1.0, obs.mean_isl * (1.0 - self.hit_ratio))
-        exp_ttft = self.perf.expected_ttft(obs.request_rate, uncached, counts[Role.PREFILL], tail=1.0)
-        exp_itl = None
-        if obs.itl_mean and obs.mean_osl and counts[Role.DECODE] > 0:
-            conc = obs.request_rate * obs.mean_osl * obs.itl_mean / counts[Role.DECODE]  # Little's law
-            exp_itl = self.perf.decode_itl(conc, obs.mean_isl + obs.mean_osl / 2)
+        # learn a role's correction only when the same workers served it the whole interval
+        steady = {r: prev is not None and prev[r] == serving[r] and serving[r] > 0 for r in ROLES}
+        exp_ttft = exp_itl = None
+        if steady[Role.PREFILL]:
+            uncached = max(1.0, obs.mean_isl * (1.0 - self.hit_ratio))
+            rho = obs.request_rate * self.perf.prefill_time(uncached) / serving[Role.PREFILL]
+            # only where TTFT is mostly service time: the correction scales the service time, and the
+            # M/D/1 queueing term is not what it may correct (a pool queues better than M/D/1 per
+            # worker, which would read as a faster engine and pack the pool to overload)
+            if rho <= PREFILL_LEARN_UTILIZATION:
+                exp_ttft = self.perf.expected_ttft(obs.request_rate, uncached, serving[Role.PREFILL], tail=1.0)
+        if steady[Role.DECODE] and obs.itl_mean and obs.mean_osl:
+            streams = mean_streams.get(Role.DECODE)
+            if streams is None:  # no fast-loop samples: Little's law
+                streams = obs.request_rate * obs.mean_osl * obs.itl_mean
+            exp_itl = self.decode_perf.decode_itl(streams / serving[Role.DECODE], obs.mean_isl + obs.mean_osl / 2)
         before = (self.correction.ttft, self.correction.itl)
         self.correction.update(observed_ttft=obs.ttft_mean, expected_ttft=exp_ttft,
                                observed_itl=obs.itl_mean, expected_itl=exp_itl)
         if (self.correction.ttft, self.correction.itl) != before:
-            reasons.append(f"correction ttft x{self.correction.ttft:.2f} itl x{self.correction.itl:.2f}")
+            reasons.append(f"correction prefill x{self.correction.ttft:.2f} decode x{self.correction.itl:.2f}")
 
     def _counts(self, fleet: Sequence[WorkerView]) -> dict[Role, int]:
-        """Workers that serve (or are about to serve) each role; draining-for-stop ones do not count."""
+        """Workers that serve (or are about to serve) each role; draining-for-stop/standby ones and the
+        standby pool do not count."""
         counts = dict.fromkeys(ROLES, 0)
         for w in fleet:
             then = self._pending.get(w.id)
-            if then == "stop":
+            if then in ("stop", "standby") or w.standby or w.state == "standby":
                 continue
             role = Role(then) if then else w.role
             if role in counts and w.state in ("starting", "healthy", "draining"):
@@ -146,9 +235,41 @@ class Planner:
                 counts[role] += 1
         return counts
 
+    @staticmethod
+    def _serving(fleet: Sequence[WorkerView]) -> dict[Role, int]:
+        out = dict.fromkeys(ROLES, 0)
+        for w in fleet:
+            if w.state == "healthy" and w.role in out and not w.standby:
+                out[w.role] += 1
+        return out
+
+    def _standby_pool(self, fleet: Sequence[WorkerView]) -> dict[Role, list[WorkerView]]:
+        """Standby workers per role (ready ones first), and those draining into standby."""
+        pool: dict[Role, list[WorkerView]] = {r: [] for r in ROLES}
+        for w in fleet:
+            if w.role in pool and (w.state == "standby" or w.standby or self._pending.get(w.id) == "standby"):
+                pool[w.role].append(w)
+        for r in ROLES:
+            pool[r].sort(key=lambda w: (w.state != "standby", w.id))
+        return pool
+
+    def _sample(self, fleet: Sequence[WorkerView]) -> dict[Role, float]:
+        streams = dict.fromkeys(ROLES, 0.0)
+        for w in fleet:
+            if w.role in streams and not w.standby and w.state != "standby":
+                streams[w.role] += w.inflight
+        for r in ROLES:
+            self._peak_streams[r] = max(self._peak_streams[r], streams[r])
+            self._stream_sum[r] += streams[r]
+        self._samples += 1
+        return streams
+
+    def _standby_want(self) -> dict[Role, int]:
+        return {Role.PREFILL: self.settings.standby_prefill, Role.DECODE: self.settings.standby_decode}
+
     # ------------------------------------------------------------ the step
     def complete_drains(self, fleet: Sequence[WorkerView]) -> list[Action]:
-        """Stop (or switch) the workers this planner drained that are now idle.
+        """Stop, park or switch the workers this planner drained that are now idle.
 
         ``step`` calls it first; a fleet may also call it whenever a worker goes idle, so a drained
         worker is released at once instead of at the next interval.
@@ -159,36 +280,67 @@ class Planner:
         for w in fleet:
             then = self._pending.get(w.id)
             if then is not None and w.inflight == 0:
-                out.append(Action("stop", w.role, w.id) if then == "stop" else Action("set_role", Role(then), w.id))
+                if then == "stop":
+                    out.append(Action("stop", w.role, w.id))
+                elif then == "standby":
+                    out.append(Action("park", w.role, w.id))
+                else:
+                    out.append(Action("set_role", Role(then), w.id))
                 del self._pending[w.id]
         return out
 
     def draining(self) -> dict[str, str]:
-        """Worker id → what happens when it is idle ("stop" or the new role)."""
+        """Worker id → what happens when it is idle ("stop", "standby" or the new role)."""
         return dict(self._pending)
+
+    def lead_steps(self) -> int:
+        """Intervals a scale-out must look ahead: until a worker started now serves, plus one."""
+        s = self.settings
+        return max(1, math.ceil(s.start_s / s.interval_s - 1e-9) + 1) if s.interval_s > 0 else 1
 
     def step(self, obs: Observation | None, fleet: Sequence[WorkerView], now: float) -> PlanDecision:
         s = self.settings
         reasons: list[str] = []
         actions: list[Action] = self.complete_drains(fleet)
         counts = self._counts(fleet)
+        serving = self._serving(fleet)
         current = {r.value: counts[r] for r in ROLES}
+        streams_now = self._sample(fleet)
+        peak_streams = dict(self._peak_streams)
+        mean_streams: dict[Role, float | None] = {
+            r: (self._stream_sum[r] / self._samples if self._samples > 1 else None) for r in ROLES}
+        self._peak_streams = dict.fromkeys(ROLES, 0.0)
+        self._stream_sum = dict.fromkeys(ROLES, 0.0)
+        self._samples = 0
         if obs is not None:
-            self._learn(obs, counts, reasons)
+            self._learn(obs, serving, mean_streams, reasons)
         forecast = self.load.forecast()
+        standby = self._standby_pool(fleet)
+        standby_n = {r.value: len(standby[r]) for r in ROLES}
         if forecast is None:
             self.last = PlanDecision(now, obs, None, None, dict(current), current, actions,
-                                     asdict(self.correction), self.load.chosen(), reasons + ["no load observed yet"])
+                                     asdict(self.correction), self.load.chosen(), reasons + ["no load observed yet"],
+                                     standby=standby_n)
             return self.last
-        if s.headroom > 0:
-            forecast = LoadForecast(forecast.request_rate * (1 + s.headroom), forecast.isl, forecast.osl)
-        sizing = solve(forecast, self.perf, s.targets, s.limits, self.hit_ratio, self.correction)
+        lead = self.load.peak_ahead(self.lead_steps()) or forecast.request_rate
+        lead = max(lead, forecast.request_rate)
+        if lead > forecast.request_rate * 1.0001:
+            reasons.append(f"lead: sized for {lead:.2f} req/s forecast within the {s.start_s:g}s start-up")
+        planned = LoadForecast(lead * (1 + s.headroom), forecast.isl, forecast.osl)
+        self._forecast = planned
+        sizing = solve(planned, self.perf, s.targets, s.limits, self.hit_ratio, self.correction,
+                       decode_perf=self.decode_perf)
         if s.burst_window_s > 0:
-            sizing = self._burst_sizing(sizing, forecast, obs, reasons)
+            sizing = self._burst_sizing(sizing, planned, obs, reasons)
+        sizing = self._decode_streams(sizing, planned, max(peak_streams[Role.DECODE], streams_now[Role.DECODE]),
+                                      reasons)
+        peak_d = max(peak_streams[Role.DECODE], streams_now[Role.DECODE])
+        decode_saturated = counts[Role.DECODE] > 0 and peak_d >= 0.9 * counts[Role.DECODE] * self._decode_per_worker(planned)
         if sizing.infeasible:
             reasons.append("targets unreachable at any count: " + ", ".join(sizing.infeasible))
         if sizing.over_budget:
-            reasons.append(f"budget {s.limits.budget} caps the fleet")
+            reasons.append(f"budget {s.limits.budget} workers" + (
+                f" / {s.limits.cost_budget:g} per hour" if s.limits.cost_budget is not None else "") + " caps the fleet")
         want = {Role.PREFILL: sizing.prefill, Role.DECODE: sizing.decode}
         exact = {Role.PREFILL: sizing.prefill_exact, Role.DECODE: sizing.decode_exact}
         budget = s.limits.budget
@@ -199,20 +351,174 @@ class Planner:
             want = {Role.PREFILL: p, Role.DECODE: d}
         elif s.burst_window_s > 0:
             want, exact = self._capacity_floor(want, exact, counts, now, reasons)
+        want = self._latency_guard(want, counts, obs, reasons, decode_saturated)
         target = self._hysteresis(want, exact, counts, now, reasons, budget)
-        actions += self._actions(target, counts, fleet, now)
+        target = self._decode_floor(target, counts, streams_now[Role.DECODE], planned, reasons)
+        changes = self._explain(target, counts, want, reasons)
+        actions += self._actions(target, counts, fleet, now, standby)
         desired = {r.value: target[r] for r in ROLES}
         self.last = PlanDecision(now, obs, forecast, sizing, desired, current, actions,
-                                 asdict(self.correction), self.load.chosen(), reasons)
+                                 asdict(self.correction), self.load.chosen(), reasons, lead_rate=lead,
+                                 peak_decode_streams=max(peak_streams[Role.DECODE], streams_now[Role.DECODE]),
+                                 standby=standby_n, changes=changes)
         return self.last
+
+    def _explain(self, target: dict[Role, int], counts: dict[Role, int], want: dict[Role, int],
+                 reasons: list[str]) -> dict[str, str]:
+        out = {}
+        for r in ROLES:
+            if target[r] == counts[r]:
+                continue
+            why = [x for x in reasons if x.startswith((r.value, "lead", "burst", "budget", "correction"))
+                   or (r is Role.DECODE and x.startswith("decode"))]
+            verb = "grow" if target[r] > counts[r] else "shrink"
+            out[r.value] = f"{verb} {counts[r]}->{target[r]} (model wants {want[r]})" + (
+                "; " + "; ".join(why) if why else "")
+        return out
+
+    def _latency_guard(self, want: dict[Role, int], counts: dict[Role, int], obs: Observation | None,
+                       reasons: list[str], decode_saturated: bool = False) -> dict[Role, int]:
+        """What the model cannot explain, met by measurement instead of by a correction: when the
+        interval's observed TTFT (p90) or ITL (mean) broke the target while the model asked for no more
+        workers, add one to the pool at fault (and never give one back in that interval). A TTFT
+        broken while decode streams queued is decode's fault (a stream waits for a decode slot before
+        its first token), not prefill's."""
+        if obs is None or self.settings.fixed_fleet:
+            return want
+        s = self.settings
+        out = dict(want)
+        lim = s.limits
+        ttft_pool = Role.DECODE if decode_saturated else Role.PREFILL
+        checks = ((ttft_pool, obs.ttft_p90, s.targets.ttft_s, "TTFT p90"),
+                  (Role.DECODE, obs.itl_mean, s.targets.itl_s, "ITL"))
+        for r, seen, target, name in checks:
+            if seen is None or seen <= target or out[r] > counts[r]:
+                continue
+            grown = {**out, r: counts[r] + 1}
+            if lim.fits(grown[Role.PREFILL], grown[Role.DECODE]):
+                out = grown
+                reasons.append(f"{r.value}: observed {name} {seen:.3g}s > target {target:g}s, +1 beyond the model")
+        return out
+
+    def _decode_per_worker(self, planned: LoadForecast) -> int:
+        """Streams one decode worker holds within the ITL target (KV and batch cap included)."""
+        s = self.settings
+        context = planned.isl + planned.osl / 2.0
+        full = planned.isl + planned.osl  # KV a stream holds at its end
+        per = self.decode_perf.max_decode_concurrency(s.targets.itl_s, context, self.correction.itl, kv_context=full)
+        return per if per > 0 else self.decode_perf.decode_batch_cap(full)
+
+    def _decode_streams(self, sizing: Sizing, planned: LoadForecast, peak: float, reasons: list[str]) -> Sizing:
+        """The decode burst floor: size decode for the interval's peak streams in flight plus headroom.
+
+        A decode pool at its batch cap (or out of KV) queues new streams; their first token waits for
+        a whole stream to finish, so TTFT, not ITL, is what breaks. The mean rate hides this: streams
+        arrive in bursts and long outputs keep them in flight for minutes.
+        """
+        s = self.settings
+        if peak <= 0:
+            return sizing
+        per = self._decode_per_worker(planned)
+        need = peak * (1 + s.decode_headroom) / per
+        if need <= sizing.decode_exact:
+            return sizing
+        reasons.append(f"decode: {peak:.0f} streams in flight at peak, {per} per worker within the ITL target")
+        lim = s.limits
+        d = max(lim.min_decode, math.ceil(need - 1e-9))
+        d = d if lim.max_decode is None else min(lim.max_decode, d)
+        p = sizing.prefill
+        over = not lim.fits(p, d)
+        if over:
+            p, d = fit_budget(sizing.prefill_exact, need, lim)
+        return replace(sizing, prefill=p, decode=d, decode_exact=need, over_budget=sizing.over_budget or over)
+
+    def _decode_floor(self, target: dict[Role, int], counts: dict[Role, int], streams: float,
+                      planned: LoadForecast, reasons: list[str]) -> dict[Role, int]:
+        """Never shrink decode below what the streams in flight need at the batch cap."""
+        if target[Role.DECODE] >= counts[Role.DECODE] or streams <= 0:
+            return target
+        cap = self.decode_perf.decode_batch_cap(planned.isl + planned.osl / 2.0)
+        floor = min(counts[Role.DECODE], math.ceil(streams / cap - 1e-9))
+        if floor > target[Role.DECODE]:
+            reasons.append(f"decode: {streams:.0f} streams in flight need {floor} workers at the batch cap {cap}")
+            return {**target, Role.DECODE: floor}
+        return target
+
+    # ------------------------------------------------------------ the fast, load-reactive mode
+    def react(self, fleet: Sequence[WorkerView], now: float) -> PlanDecision | None:
+        """Between SLO intervals (every ``fast_interval_s``): scale a role out at once when its queue
+        is beyond what its workers clear within target. Like Dynamo's load mode, from queue and KV
+        pressure only; it never scales in (that is the interval's job, with hysteresis)."""
+        s = self.settings
+        streams = self._sample(fleet)
+        f = self._forecast
+        if f is None or s.fixed_fleet:
+            return None
+        counts = self._counts(fleet)
+        serving = self._serving(fleet)
+        hit = min(0.99, max(0.0, self.hit_ratio))
+        service = self.perf.prefill_time(max(1.0, f.isl * (1 - hit))) * self.correction.ttft
+        # requests one worker clears within a share of the target: act before the target is breached
+        per_prefill = max(1.0, s.fast_queue_share * s.targets.ttft_s / service)
+        per_decode = self._decode_per_worker(f)
+        need = {Role.PREFILL: math.ceil(streams[Role.PREFILL] / per_prefill - 1e-9),
+                Role.DECODE: math.ceil(streams[Role.DECODE] * (1 + s.decode_headroom) / per_decode - 1e-9)}
+        target = dict(counts)
+        reasons: list[str] = []
+        for r in ROLES:
+            if need[r] > max(counts[r], serving[r]):
+                self._over[r] += 1
+                if self._over[r] >= s.fast_confirm:
+                    target[r] = need[r]
+                    reasons.append(f"{r.value}: load {streams[r]:.0f} in flight > {counts[r]} workers hold")
+            else:
+                self._over[r] = 0
+        if target == counts:
+            return None
+        lim = s.limits
+        caps = {Role.PREFILL: lim.max_prefill, Role.DECODE: lim.max_decode}
+        target = {r: target[r] if caps[r] is None else min(caps[r], target[r]) for r in ROLES}
+        standby = self._standby_pool(fleet)
+        pool = {r: [w for w in standby[r] if self._pending.get(w.id) is None] for r in ROLES}
+        actions: list[Action] = []
+        used = dict(counts)
+        for r in ROLES:
+            # warm standby first: a false alarm costs nothing (the interval parks it again)
+            while target[r] > used[r] and pool[r]:
+                actions.append(Action("activate", r, pool[r].pop(0).id))
+                used[r] += 1
+            # cold starts only for pressure that lasts, and within the budget (standby included)
+            if self._over[r] < s.fast_confirm_cold:
+                continue
+            while target[r] > used[r]:
+                grown = {**used, r: used[r] + 1}
+                pool_n = sum(len(pool[x]) for x in ROLES)
+                if not lim.fits(grown[Role.PREFILL] + (pool_n if r is Role.PREFILL else 0),
+                                grown[Role.DECODE] + (pool_n if r is Role.DECODE else 0)):
+                    break
+                actions.append(Action("start", r))
+                used[r] += 1
+        if not actions:
+            return None
+        for r in ROLES:
+            if used[r] > counts[r]:
+                self._last_change[r] = now
+                self._below[r] = 0
+                self._over[r] = 0 if used[r] >= target[r] else self._over[r]
+        current = {r.value: counts[r] for r in ROLES}
+        return PlanDecision(now, None, f, None, {r.value: used[r] for r in ROLES}, current, actions,
+                            asdict(self.correction), self.load.chosen(), reasons, mode="load",
+                            standby={r.value: len(standby[r]) for r in ROLES},
+                            changes={r.value: f"grow {counts[r]}->{used[r]} (load-reactive)" for r in ROLES
+                                     if used[r] > counts[r]})
 
     def _burst_sizing(self, sizing: Sizing, forecast: LoadForecast, obs: Observation | None,
                       reasons: list[str]) -> Sizing:
         """Size the prefill pool for the interval's burst, not its mean.
 
         Arrivals queue for prefill at once, so what TTFT feels is the arrival rate over seconds
-        (``Observation.peak_rate``), not over the interval. Decode keeps the mean-rate sizing: a decode
-        pool absorbs a burst in its batches (ITL grows slowly with batch size).
+        (``Observation.peak_rate``), not over the interval. Decode has its own burst floor, from the
+        streams in flight (``_decode_streams``).
         """
         s = self.settings
         peak = obs.peak_rate if obs is not None and obs.peak_rate is not None else 0.0
@@ -220,10 +526,10 @@ class Planner:
         if peak <= forecast.request_rate:
             return sizing
         burst = solve(LoadForecast(peak, forecast.isl, forecast.osl), self.perf, s.targets, s.limits,
-                      self.hit_ratio, self.correction)
+                      self.hit_ratio, self.correction, decode_perf=self.decode_perf)
         reasons.append(f"burst: prefill sized for the {PEAK_WINDOW_S:g}s peak {peak:.2f} req/s")
         p, d = burst.prefill, sizing.decode
-        over = p + d > s.limits.budget
+        over = not s.limits.fits(p, d)
         if over:
             p, d = fit_budget(burst.prefill_exact, sizing.decode_exact, s.limits)
         return replace(sizing, prefill=p, decode=d, prefill_exact=burst.prefill_exact, over_budget=over,
@@ -250,13 +556,14 @@ class Planner:
         caps = {Role.PREFILL: lim.max_prefill, Role.DECODE: lim.max_decode}
         floor_exact: dict[Role, float] = {}
         for r in ROLES:
-            f = max(e[r] for _, e in self._sized) if r in FLOORED_ROLES else exact[r]
+            floored_role = r in FLOORED_ROLES and (r is Role.PREFILL or s.decode_floor)
+            f = max(e[r] for _, e in self._sized) if floored_role else exact[r]
             if warming:
                 f = max(f, float(counts[r]))
             floor_exact[r] = max(exact[r], f)
         floored = {r: max(want[r], math.ceil(floor_exact[r] - 1e-9)) for r in ROLES}
         floored = {r: floored[r] if caps[r] is None else min(caps[r], floored[r]) for r in ROLES}
-        if sum(floored.values()) > lim.budget:
+        if not lim.fits(floored[Role.PREFILL], floored[Role.DECODE]):
             p, d = fit_budget(floor_exact[Role.PREFILL], floor_exact[Role.DECODE], lim)
             floored = {Role.PREFILL: p, Role.DECODE: d}
         if floored != want:
@@ -284,25 +591,32 @@ class Planner:
                 continue
             self._below[r] += 1
             if self._below[r] >= s.scale_in_intervals and now - self._last_change[r] >= s.cooldown_s:
-                target[r] = max(keep, want[r])
+                target[r] = max(keep, want[r], have - max(1, s.scale_in_step))
             else:
                 target[r] = have
                 reasons.append(f"{r.value}: holding {have} (wants {max(keep, want[r])}, hysteresis/cooldown)")
         # the budget beats hysteresis: a growing role takes what the shrinking one is holding
-        over = sum(target.values()) - budget
-        if over > 0:
+        over_w = sum(target.values()) - budget
+        for r in ROLES:
+            give = min(max(0, over_w), target[r] - max(want[r], mins[r]))
+            if give > 0:
+                target[r] -= give
+                over_w -= give
+        if lim.cost_budget is not None:
             for r in ROLES:
-                give = min(over, target[r] - max(want[r], mins[r]))
-                if give > 0:
-                    target[r] -= give
-                    over -= give
+                while (lim.cost(target[Role.PREFILL], target[Role.DECODE]) > lim.cost_budget + 1e-9
+                       and target[r] > max(want[r], mins[r])):
+                    target[r] -= 1
         return target
 
     def _actions(self, target: dict[Role, int], counts: dict[Role, int], fleet: Sequence[WorkerView],
-                 now: float) -> list[Action]:
+                 now: float, standby: dict[Role, list[WorkerView]] | None = None) -> list[Action]:
         s = self.settings
+        standby = standby if standby is not None else self._standby_pool(fleet)
         grow = {r: max(0, target[r] - counts[r]) for r in ROLES}
         shrink = {r: max(0, counts[r] - target[r]) for r in ROLES}
+        pool = {r: [w for w in standby[r] if self._pending.get(w.id) is None] for r in ROLES}
+        want_pool = self._standby_want()
         actions: list[Action] = []
         prefer_switch = s.role_change_s is not None and s.role_change_s < s.start_s
         for r in ROLES:
@@ -314,25 +628,53 @@ class Planner:
             if shrink[r] == 0:
                 continue
             other = Role.DECODE if r is Role.PREFILL else Role.PREFILL
-            victims = sorted((w for w in fleet if w.role is r and w.id not in self._pending
+            victims = sorted((w for w in fleet if w.role is r and w.id not in self._pending and not w.standby
                               and w.state in ("healthy", "unhealthy", "starting")),
                              key=lambda w: (w.state == "healthy", w.inflight, w.id))
             for w in victims:
                 if shrink[r] == 0:
                     break
-                if prefer_switch and grow[other] > 0:
+                if prefer_switch and grow[other] > 0 and not pool[other]:
                     grow[other] -= 1
                     then = other.value
+                elif len(pool[r]) < want_pool[r] and w.state == "healthy":
+                    then = "standby"
+                    pool[r].append(w)
                 elif w.stoppable:
                     then = "stop"
                 else:
                     continue  # left serving: draining it would take it out of service for good
                 shrink[r] -= 1
-                if w.inflight == 0 or w.state == "starting":
+                if then == "standby":
+                    if w.inflight == 0:
+                        actions.append(Action("park", r, w.id))
+                    else:
+                        self._pending[w.id] = then
+                        actions.append(Action("drain", r, w.id, then))
+                elif w.inflight == 0 or w.state == "starting":
                     actions.append(Action("stop", r, w.id) if then == "stop" else Action("set_role", other, w.id))
                 else:
                     self._pending[w.id] = then
                     actions.append(Action("drain", r, w.id, then))
         for r in ROLES:
+            # warm standby first (seconds), cold starts for the rest
+            while grow[r] > 0 and pool[r]:
+                w = pool[r].pop(0)
+                actions.append(Action("activate", r, w.id))
+                grow[r] -= 1
             actions += [Action("start", r) for _ in range(grow[r])]
+        # refill the standby pools, within the budget (serving workers first)
+        if not s.fixed_fleet and any(want_pool.values()):
+            used_p = target[Role.PREFILL] + len(pool[Role.PREFILL])
+            used_d = target[Role.DECODE] + len(pool[Role.DECODE])
+            for r in ROLES:
+                if self._below[r] > 0:
+                    continue  # the role is above its need: a worker will be parked, not started
+                while len(pool[r]) < want_pool[r]:
+                    np_, nd = (used_p + 1, used_d) if r is Role.PREFILL else (used_p, used_d + 1)
+                    if not s.limits.fits(np_, nd):
+                        break
+                    used_p, used_d = np_, nd
+                    pool[r].append(WorkerView("(new)", r, "starting", standby=True))
+                    actions.append(Action("start", r, then="standby"))
         return actions

@@ -46,9 +46,11 @@ def settings_from_config(cfg: PlannerConfig) -> PlannerSettings:
     return PlannerSettings(
         targets=Targets(cfg.ttft_target_s, cfg.itl_target_s),
         limits=Limits(budget=cfg.max_workers, min_prefill=cfg.min_prefill, max_prefill=cfg.max_prefill,
-                      min_decode=cfg.min_decode, max_decode=cfg.max_decode),
+                      min_decode=cfg.min_decode, max_decode=cfg.max_decode, prefill_cost=cfg.prefill_cost,
+                      decode_cost=cfg.decode_cost, cost_budget=cfg.cost_budget),
         interval_s=cfg.interval_s, predictor=cfg.predictor, season=cfg.season,
         scale_in_margin=cfg.scale_in_margin, scale_in_intervals=cfg.scale_in_intervals,
+        scale_in_step=cfg.scale_in_step, decode_headroom=cfg.decode_headroom, fast_interval_s=cfg.fast_interval_s,
         cooldown_s=cfg.cooldown_s, role_change_s=role_change_s, start_s=cfg.start_s,
         correct_from_latency=cfg.correct_from_latency, headroom=cfg.headroom,
         burst_window_s=cfg.burst_window_s, fixed_fleet=cfg.actuator == "role_change")
@@ -187,7 +189,8 @@ def stoppable_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
 
 def build_service(runtime: Any, read_metrics: Callable[[], bytes | str]) -> PlannerService:
     cfg: PlannerConfig = runtime.config.planner
-    planner = Planner(perf_model_from_config(cfg), settings_from_config(cfg))
+    decode_perf = PerfModel.load(cfg.decode_profile) if cfg.decode_profile else None
+    planner = Planner(perf_model_from_config(cfg), settings_from_config(cfg), decode_perf=decode_perf)
     runtime.metrics.planner_max_workers.set(cfg.max_workers)
     actuator = actuator_from_config(cfg, runtime)
     stoppable = stoppable_by(actuator)

@@ -155,11 +155,17 @@ class PerfModel:
         vals = [_interp(*self.decode_curves[x], c) for x in ctxs]
         return max(1e-6, _interp(ctxs, vals, context) if len(ctxs) > 1 else vals[0])
 
-    def max_decode_concurrency(self, itl_target: float, context: float, correction: float = 1.0) -> int:
-        """Largest concurrency whose ITL (corrected) meets the target and whose KV fits; 0 if none."""
+    def max_decode_concurrency(self, itl_target: float, context: float, correction: float = 1.0,
+                               kv_context: float | None = None) -> int:
+        """Largest concurrency whose ITL (corrected) meets the target and whose KV fits; 0 if none.
+
+        ``context`` is the mean context a step attends over (ITL); ``kv_context`` (default: the same)
+        the tokens a stream's KV must hold: the planner passes a stream's final length (ISL + OSL),
+        since long outputs live longest and hold the most KV (a pool sized on the mean context runs out
+        of KV and preempts)."""
         cap = self.max_concurrency
         if self.kv_capacity_tokens:
-            cap = min(cap, int(self.kv_capacity_tokens // max(1.0, context)))
+            cap = min(cap, int(self.kv_capacity_tokens // max(1.0, kv_context or context)))
         if cap < 1 or self.decode_itl(1, context) * correction > itl_target:
             return 0
         lo, hi = 1, cap
@@ -171,9 +177,18 @@ class PerfModel:
                 hi = mid - 1
         return lo
 
-    def decode_throughput(self, itl_target: float, context: float, correction: float = 1.0) -> float:
+    def decode_batch_cap(self, context: float) -> int:
+        """Most streams one decode worker can hold at ``context`` tokens each: the batch cap
+        (``max_concurrency``, vLLM's max_num_seqs) or the KV capacity, whichever binds first."""
+        cap = self.max_concurrency
+        if self.kv_capacity_tokens:
+            cap = min(cap, int(self.kv_capacity_tokens // max(1.0, context)))
+        return max(1, cap)
+
+    def decode_throughput(self, itl_target: float, context: float, correction: float = 1.0,
+                          kv_context: float | None = None) -> float:
         """Output tokens/s one decode worker sustains while every stream keeps the ITL target."""
-        c = self.max_decode_concurrency(itl_target, context, correction)
+        c = self.max_decode_concurrency(itl_target, context, correction, kv_context)
         if c == 0:
             return 0.0
         return self.max_utilization * c / (self.decode_itl(c, context) * correction)
@@ -181,25 +196,38 @@ class PerfModel:
 
 @dataclass
 class LatencyCorrection:
-    """Observed/expected latency factors, smoothed; multiply the model's latencies with them.
+    """Observed/expected latency factors, smoothed, one per role; multiply the model's latencies.
 
-    Dynamo's planner does the same (actual/expected TTFT and ITL). Factors are clamped so one odd
-    interval cannot swing the fleet.
+    Dynamo's planner does the same (actual/expected TTFT and ITL). Each factor is bounded by what
+    the model can explain:
+
+    - ``ttft`` (prefill) is capped at ``ttft_hi`` = 1 by default, as Dynamo caps its prefill
+      correction: a TTFT above the model's includes time the prefill model does not describe (KV
+      transfer, the decode side's first step, burst queueing the solver already sizes for through
+      the burst floor), and folding that into the prefill service time would grow the prefill pool
+      for a decode problem. Below 1 it credits what the model misses (prefix hits, a faster engine).
+    - ``itl`` (decode) may go both ways within [``lo``, ``itl_hi``]: ITL is measured per token of
+      running streams, so it is a property of the decode pool alone.
+
+    The planner learns each only from intervals in which that role's serving workers did not change
+    (a worker still starting takes no traffic, and counting it would make the pool look slow).
     """
 
     ttft: float = 1.0
     itl: float = 1.0
     alpha: float = 0.5
     lo: float = 0.5
-    hi: float = 4.0
+    ttft_hi: float = 1.0
+    itl_hi: float = 2.0
 
-    def _blend(self, old: float, ratio: float) -> float:
-        ratio = min(self.hi, max(self.lo, ratio))
-        return min(self.hi, max(self.lo, self.alpha * ratio + (1 - self.alpha) * old))
+    @staticmethod
+    def _blend(old: float, ratio: float, alpha: float, lo: float, hi: float) -> float:
+        ratio = min(hi, max(lo, ratio))
+        return min(hi, max(lo, alpha * ratio + (1 - alpha) * old))
 
     def update(self, *, observed_ttft: float | None = None, expected_ttft: float | None = None,
                observed_itl: float | None = None, expected_itl: float | None = None) -> None:
         if observed_ttft and expected_ttft and math.isfinite(expected_ttft) and expected_ttft > 0:
-            self.ttft = self._blend(self.ttft, observed_ttft / expected_ttft)
+            self.ttft = self._blend(self.ttft, observed_ttft / expected_ttft, self.alpha, self.lo, self.ttft_hi)
         if observed_itl and expected_itl and math.isfinite(expected_itl) and expected_itl > 0:
-            self.itl = self._blend(self.itl, observed_itl / expected_itl)
+            self.itl = self._blend(self.itl, observed_itl / expected_itl, self.alpha, self.lo, self.itl_hi)

@@ -1,50 +1,111 @@
 """``dyad plan``: what prefill/decode split does this trace need, and what does the planner save?
 
     dyad plan --trace /work/shared/traces/aibrix_8min_up_and_down.jsonl --ttft 1 --itl 0.05 --budget 16
+    dyad plan --trace synthetic:daily,peak=4,trough=0.5,osl_ratio=4,seed=1 --budget 24 --plot day.png
 
 Everything runs in virtual time on the simulated fleet (``orchestrator/sim/virtual_time.py``):
 1. static splits: for every prefill count P, the fewest decode workers D that reach the SLO
    attainment goal (binary search), and the cheapest such split ("best static in hindsight");
-2. the dynamic SLO planner (the same ``Planner`` the gateway runs) starting from that split;
-3. the reactive queue-length autoscaler (KEDA/HPA-style baseline), same starting point.
-Reports SLO attainment, worker-hours and goodput per worker as a table, optional JSON and PNG.
+2. the dynamic SLO planner (the same ``Planner`` the gateway runs) and
+3. the reactive queue-length autoscaler (KEDA/HPA-style baseline), both starting from the same
+   neutral split (``--start``; by default what the profile sizes for the first interval's load, the
+   fleet an operator would have deployed for the load at hand — never the hindsight answer).
+Reports SLO attainment, worker-hours, cost and goodput per worker as a table; ``--json`` adds a
+per-interval timeline per strategy (load, ISL/OSL, TTFT/ITL, P and D counts) and the planner's
+decisions with the reason for each change; ``--plot`` draws it (needs the ``plots`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from adapters.base import Role
 from orchestrator.planner.baselines import QueueAutoscaler
 from orchestrator.planner.core import Planner, PlannerSettings
+from orchestrator.planner.metrics_source import PEAK_WINDOW_S
 from orchestrator.planner.perf_model import PerfModel, ProfileError
-from orchestrator.planner.solver import Limits, Targets
+from orchestrator.planner.predictors import LoadForecast
+from orchestrator.planner.solver import Limits, Targets, fit_budget, solve
 from orchestrator.sim.profiles import EngineProfile
 from orchestrator.sim.virtual_cli import add_common, fail, load_requests
-from orchestrator.sim.virtual_time import FleetSpec, SimRequest, SimResult, VirtualFleet, sweep_profile
+from orchestrator.sim.virtual_time import (
+    FleetSpec,
+    SimRequest,
+    SimResult,
+    VirtualFleet,
+    requests_from_trace,
+    sweep_profile,
+)
+
+PLOT_EXTRA = "dyad-serve[plots]"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
     parser.add_argument("--budget", type=int, required=True, help="most workers (prefill + decode) allowed")
     parser.add_argument("--goal", type=float, default=0.99, help="SLO attainment a split must reach (0..1)")
+    parser.add_argument("--start", default="auto",
+                        help="split the planner and the autoscaler start from: P:D, or auto (the profile's "
+                             "sizing for the first interval's load)")
     parser.add_argument("--perf-profile", default=None,
                         help="planner performance profile JSON (from `dyad profile`); default: sweep --profile")
+    parser.add_argument("--decode-profile", default=None,
+                        help="engine profile of the decode workers when they run on other hardware (default: "
+                             "--profile)")
+    parser.add_argument("--decode-perf-profile", default=None,
+                        help="planner performance profile JSON of the decode workers (default: sweep --decode-profile)")
+    parser.add_argument("--prefill-cost", type=float, default=1.0, help="price of a prefill worker-hour")
+    parser.add_argument("--decode-cost", type=float, default=1.0, help="price of a decode worker-hour")
+    parser.add_argument("--cost-budget", type=float, default=None, help="most spent per hour on the fleet")
     parser.add_argument("--predictor", default="auto", choices=["constant", "ewma", "linear", "holt_winters", "auto"])
     parser.add_argument("--headroom", type=float, default=0.0,
                         help="planner plans for (1 + headroom) x the forecast rate (surges during engine start)")
+    parser.add_argument("--decode-headroom", type=float, default=0.25,
+                        help="decode sized for (1 + this) x the peak streams in flight within an interval")
     parser.add_argument("--burst-window", type=float, default=600.0,
                         help="burst floor: prefill sized for seconds-scale peaks and kept this many seconds (0 = off)")
+    parser.add_argument("--decode-floor", action="store_true",
+                        help="the burst floor keeps decode's peak sizing too (default: prefill's only)")
+    parser.add_argument("--fast-interval", type=float, default=2.0,
+                        help="load-reactive mode: look at queues every this many seconds between intervals (0 = off)")
+    parser.add_argument("--standby-prefill", type=int, default=1, help="warm standby prefill workers (0 = none)")
+    parser.add_argument("--standby-decode", type=int, default=1, help="warm standby decode workers (0 = none)")
+    parser.add_argument("--standby-wake-s", type=float, default=5.0,
+                        help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--keda-prefill-target", type=float, default=1.0,
                         help="queue-length baseline: requests per prefill worker")
     parser.add_argument("--keda-decode-target", type=float, default=32.0,
                         help="queue-length baseline: requests per decode worker")
     parser.add_argument("--keda-window", type=float, default=300.0, help="baseline scale-down stabilization, s")
     parser.add_argument("--no-static-search", action="store_true", help="skip the static search (faster)")
-    parser.add_argument("--plot", default=None, help="write a PNG (workers over time per strategy) here")
+    parser.add_argument("--plot", default=None,
+                        help=f"write a PNG here: load, workers, TTFT/ITL vs the SLO per strategy (needs {PLOT_EXTRA})")
+
+
+# ------------------------------------------------------------------------------ inputs
+
+def requests_for(args: argparse.Namespace) -> list[SimRequest]:
+    """``--trace`` as simulator requests: a trace file, or a seeded ``synthetic:`` workload."""
+    from orchestrator.bench.workloads import is_synthetic, load_synthetic
+
+    if not is_synthetic(args.trace):
+        return load_requests(args.trace, args.format, speed=args.speed, scale_len=args.scale_len,
+                             duration_s=args.duration, limit=args.limit)
+    if args.speed <= 0:
+        raise ValueError("--speed must be > 0")
+    reqs = requests_from_trace(load_synthetic(args.trace, time_scale=1.0 / args.speed, scale_len=args.scale_len))
+    if args.duration is not None:
+        reqs = [r for r in reqs if r.arrival < args.duration]
+    if args.limit is not None:
+        reqs = reqs[: args.limit]
+    if not reqs:
+        raise ValueError(f"{args.trace}: no requests")
+    return reqs
 
 
 def perf_model_for(args: argparse.Namespace, profile: EngineProfile) -> PerfModel:
@@ -53,45 +114,130 @@ def perf_model_for(args: argparse.Namespace, profile: EngineProfile) -> PerfMode
     return PerfModel.from_dict(sweep_profile(profile))
 
 
-def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int) -> Planner:
-    settings = PlannerSettings(
-        targets=Targets(args.ttft, args.itl), limits=Limits(budget=budget), interval_s=args.interval,
-        predictor=getattr(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
-        cooldown_s=2 * args.interval, headroom=getattr(args, "headroom", 0.0),
-        burst_window_s=getattr(args, "burst_window", 600.0))
-    return Planner(perf_model_for(args, profile), settings)
+def decode_perf_for(args: argparse.Namespace, profile: EngineProfile) -> PerfModel | None:
+    if getattr(args, "decode_perf_profile", None):
+        return PerfModel.load(args.decode_perf_profile)
+    if getattr(args, "decode_profile", None):
+        return PerfModel.from_dict(sweep_profile(profile))
+    return None
 
+
+def limits_for(args: argparse.Namespace, budget: int) -> Limits:
+    return Limits(budget=budget, prefill_cost=getattr(args, "prefill_cost", 1.0),
+                  decode_cost=getattr(args, "decode_cost", 1.0), cost_budget=getattr(args, "cost_budget", None))
+
+
+def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
+                 decode_profile: EngineProfile | None = None) -> Planner:
+    g = getattr
+    settings = PlannerSettings(
+        targets=Targets(args.ttft, args.itl), limits=limits_for(args, budget), interval_s=args.interval,
+        predictor=g(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
+        cooldown_s=2 * args.interval, headroom=g(args, "headroom", 0.0),
+        decode_headroom=g(args, "decode_headroom", 0.25), burst_window_s=g(args, "burst_window", 600.0),
+        decode_floor=g(args, "decode_floor", False),
+        fast_interval_s=g(args, "fast_interval", 2.0), standby_prefill=g(args, "standby_prefill", 1),
+        standby_decode=g(args, "standby_decode", 1), standby_wake_s=g(args, "standby_wake_s", 5.0))
+    decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
+    return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
+
+
+def neutral_split(args: argparse.Namespace, perf: PerfModel, decode_perf: PerfModel | None,
+                  reqs: list[SimRequest], budget: int) -> tuple[tuple[int, int], str]:
+    """The split every dynamic strategy starts from. ``P:D`` as given, or ``auto``: the profile's
+    sizing for the first interval's load (what an operator deploys for the load at hand): decode for
+    its mean rate, prefill for its peak rate over ``PEAK_WINDOW_S`` (as the planner's burst floor does)."""
+    spec = str(getattr(args, "start", "auto"))
+    if spec != "auto":
+        try:
+            p, d = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise ValueError(f"--start must be P:D or auto (got {spec!r})") from None
+        if p < 1 or d < 1 or p + d > budget:
+            raise ValueError(f"--start {spec}: need P >= 1, D >= 1 and P + D <= --budget {budget}")
+        return (p, d), f"given ({spec})"
+    first = [r for r in reqs if r.arrival < reqs[0].arrival + args.interval] or reqs[:1]
+    f = LoadForecast(len(first) / args.interval, sum(r.isl for r in first) / len(first),
+                     sum(r.osl for r in first) / len(first))
+    bins: dict[int, int] = {}
+    for r in first:
+        k = int(r.arrival // PEAK_WINDOW_S)
+        bins[k] = bins.get(k, 0) + 1
+    peak = max(f.request_rate, max(bins.values()) / PEAK_WINDOW_S)
+    lim = limits_for(args, budget)
+    mean = solve(f, perf, Targets(args.ttft, args.itl), lim, decode_perf=decode_perf)
+    burst = solve(LoadForecast(peak, f.isl, f.osl), perf, Targets(args.ttft, args.itl), lim, decode_perf=decode_perf)
+    p, d = burst.prefill, mean.decode
+    if not lim.fits(p, d):
+        p, d = fit_budget(burst.prefill_exact, mean.decode_exact, lim)
+    return (p, d), (f"auto: the profile's sizing for the first {args.interval:g}s: {f.request_rate:.2f} req/s "
+                    f"(peak {peak:.2f} over {PEAK_WINDOW_S:g}s), ISL {f.isl:.0f}, OSL {f.osl:.0f}")
+
+
+# ------------------------------------------------------------------------------ runs
 
 def simulate(args: argparse.Namespace, profile: EngineProfile, reqs: list[SimRequest], spec: FleetSpec,
-             scaler: Any = None) -> SimResult:
+             scaler: Any = None, decode_profile: EngineProfile | None = None,
+             give_up_below: float | None = None) -> SimResult:
+    """One replay. ``give_up_below``: stop as soon as so many requests missed the SLO that the
+    attainment cannot reach this goal any more (the static search only needs pass/fail there)."""
     fresh = [SimRequest(r.id, r.arrival, r.isl, r.osl, r.blocks, r.block_tokens) for r in reqs]
     fleet = VirtualFleet(profile, spec, policy=args.policy, scaler=scaler, interval_s=args.interval,
-                         start_s=args.start_s, role_change_s=args.role_change_s)
-    return fleet.run(fresh)
+                         start_s=args.start_s, role_change_s=args.role_change_s,
+                         role_profiles={Role.DECODE: decode_profile} if decode_profile else None)
+    stop = None
+    if give_up_below is not None:
+        allowed = math.floor((1.0 - give_up_below) * len(fresh) + 1e-9)
+        missed = 0
+
+        def stop(r: SimRequest) -> bool:
+            nonlocal missed
+            if r.ttft is None or r.ttft > args.ttft or (r.itl is not None and r.itl > args.itl):
+                missed += 1
+            return missed > allowed
+    return fleet.run(fresh, stop=stop)
 
 
 def search_static(args: argparse.Namespace, profile: EngineProfile, reqs: list[SimRequest],
-                  log: Any = None) -> tuple[tuple[int, int], dict[str, Any], list[dict[str, Any]]]:
-    """For each P, the smallest D reaching the goal; returns the cheapest split, its summary, all tried."""
-    cache: dict[tuple[int, int], dict[str, Any]] = {}
+                  log: Any = None, decode_profile: EngineProfile | None = None,
+                  ) -> tuple[tuple[int, int], dict[str, Any], list[dict[str, Any]], SimResult]:
+    """For each P, the smallest D reaching the goal; the cheapest split (by cost per hour, then by
+    workers), its summary, all splits tried, and its run."""
+    cache: dict[tuple[int, int], tuple[dict[str, Any], SimResult]] = {}
+    lim = limits_for(args, args.budget)
 
     def score(p: int, d: int) -> dict[str, Any]:
         if (p, d) not in cache:
-            cache[(p, d)] = simulate(args, profile, reqs, FleetSpec(p, d)).summary(args.ttft, args.itl)
+            res = simulate(args, profile, reqs, FleetSpec(p, d), decode_profile=decode_profile,
+                           give_up_below=args.goal)
+            summary = res.summary(args.ttft, args.itl)
+            summary["stopped_early"] = summary["finished"] < summary["requests"]
+            res.requests = []  # keep the summary, not every request of every split tried
+            cache[(p, d)] = (summary, res)
             if log:
-                log(f"  static P={p} D={d}: {100 * cache[(p, d)]['slo_attainment']:.2f}%")
-        return cache[(p, d)]
+                log(f"  static P={p} D={d}: " + (f"< {100 * args.goal:g}% (stopped early)" if summary["stopped_early"]
+                                                  else f"{100 * summary['slo_attainment']:.2f}%"))
+        return cache[(p, d)][0]
+
+    def price(split: tuple[int, int]) -> tuple[float, int]:
+        return lim.cost(*split), sum(split)
 
     best: tuple[int, int] | None = None
     fallback = (1, 1)
     for p in range(1, args.budget):
-        if best is not None and p + 1 >= sum(best):
+        if best is not None and lim.cost(p + 1, 0) >= price(best)[0] and p + 1 >= sum(best):
             break
-        hi = args.budget - p if best is None else min(args.budget - p, sum(best) - p - 1)
+        hi = args.budget - p
+        if best is not None:  # only cheaper splits are of interest
+            while hi >= 1 and price((p, hi)) >= price(best):
+                hi -= 1
+        if lim.cost_budget is not None:
+            while hi >= 1 and not lim.fits(p, hi):
+                hi -= 1
         if hi < 1 or score(p, hi)["slo_attainment"] < args.goal:
-            top = score(p, args.budget - p)
-            if top["slo_attainment"] > score(*fallback)["slo_attainment"]:
-                fallback = (p, args.budget - p)
+            top = args.budget - p
+            if lim.fits(p, top) and score(p, top)["slo_attainment"] > score(*fallback)["slo_attainment"]:
+                fallback = (p, top)
             continue
         lo = 1
         while lo < hi:
@@ -102,9 +248,59 @@ def search_static(args: argparse.Namespace, profile: EngineProfile, reqs: list[S
                 lo = mid + 1
         best = (p, hi)
     chosen = best or fallback
-    tried = [{"prefill": p, "decode": d, **{k: s[k] for k in ("slo_attainment", "worker_hours")}}
-             for (p, d), s in sorted(cache.items())]
-    return chosen, score(*chosen), tried
+    run_ = simulate(args, profile, reqs, FleetSpec(*chosen), decode_profile=decode_profile)
+    summary = run_.summary(args.ttft, args.itl)  # in full, also when the search gave up on it early
+    tried = [{"prefill": p, "decode": d, **{k: s[k] for k in ("slo_attainment", "worker_hours", "stopped_early")}}
+             for (p, d), (s, _) in sorted(cache.items())]
+    return chosen, summary, tried, run_
+
+
+def interval_rows(res: SimResult, interval: float, ttft: float, itl: float,
+                  start: tuple[int, int]) -> list[dict[str, Any]]:
+    """Per interval (by arrival): load, lengths, TTFT/ITL p90, SLO attainment and P/D counts (serving or
+    starting; a warm standby pool is shown apart)."""
+    if not res.requests:
+        return []
+    end = max(r.arrival for r in res.requests)
+    n = int(end // interval) + 1
+    bins: list[list[SimRequest]] = [[] for _ in range(n)]
+    for r in res.requests:
+        bins[int(r.arrival // interval)].append(r)
+    tl = [(d.at, d.current.get("prefill", 0), d.current.get("decode", 0), sum(d.standby.values()))
+          for d in res.decisions if d.mode == "interval"]
+    rows, j = [], -1
+    counts = (start[0], start[1], 0)
+    for k, b in enumerate(bins):
+        t0 = k * interval
+        while j + 1 < len(tl) and tl[j + 1][0] <= t0 + 1e-9:
+            j += 1
+            counts = (tl[j][1], tl[j][2], tl[j][3])
+        ttfts = sorted(r.ttft for r in b if r.ttft is not None)
+        itls = sorted(r.itl for r in b if r.itl is not None)
+        ok = sum(1 for r in b if r.finish is not None and r.ttft is not None and r.ttft <= ttft
+                 and (r.itl is None or r.itl <= itl))
+        rows.append({
+            "t": t0, "rate": round(len(b) / interval, 4),
+            "isl": round(sum(r.isl for r in b) / len(b), 1) if b else None,
+            "osl": round(sum(r.osl for r in b) / len(b), 1) if b else None,
+            "ttft_p90_s": round(_pct(ttfts, 0.9), 4) if ttfts else None,
+            "itl_p90_s": round(_pct(itls, 0.9), 5) if itls else None,
+            "slo_attainment": round(ok / len(b), 4) if b else None,
+            "prefill": counts[0], "decode": counts[1], "standby": counts[2]})
+    return rows
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def with_cost(summary: dict[str, Any], res: SimResult, lim: Limits) -> dict[str, Any]:
+    rs = res.role_seconds
+    summary["cost"] = round((rs.get("prefill", 0.0) * lim.prefill_cost + rs.get("decode", 0.0) * lim.decode_cost)
+                            / 3600.0, 4)
+    summary["prefill_worker_hours"] = round(rs.get("prefill", 0.0) / 3600.0, 4)
+    summary["decode_worker_hours"] = round(rs.get("decode", 0.0) / 3600.0, 4)
+    return summary
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,11 +310,16 @@ def run(args: argparse.Namespace) -> int:
         return fail("--budget must be at least 2 (one prefill and one decode worker)")
     if not 0 < args.goal <= 1:
         return fail("--goal must be in (0, 1]")
+    if args.plot and not plot_available():
+        return fail(f"--plot needs matplotlib: pip install '{PLOT_EXTRA}'")
     try:
         profile = load_profile(args.profile)
-        reqs = load_requests(args.trace, args.format, speed=args.speed, scale_len=args.scale_len,
-                             duration_s=args.duration, limit=args.limit)
-        perf_model_for(args, profile)
+        decode_profile = load_profile(args.decode_profile) if args.decode_profile else None
+        reqs = requests_for(args)
+        perf = perf_model_for(args, profile)
+        dperf = decode_perf_for(args, decode_profile or profile)
+        lim = limits_for(args, args.budget)
+        start, start_why = neutral_split(args, perf, dperf, reqs, args.budget)
     except (OSError, ValueError, KeyError, ProfileError) as e:
         return fail(str(e))
 
@@ -126,36 +327,50 @@ def run(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     rows: list[dict[str, Any]] = []
-    timelines: dict[str, list[tuple[float, int, int, int]]] = {}
+    timelines: dict[str, list[dict[str, Any]]] = {}
+    decisions: dict[str, list[dict[str, Any]]] = {}
     tried: list[dict[str, Any]] = []
-    if args.no_static_search:
-        start = (1, 1)
-    else:
+    static: tuple[int, int] | None = None
+    if not args.no_static_search:
         log("searching static splits ...")
-        start, best, tried = search_static(args, profile, reqs, log)
-        rows.append({"strategy": f"static P={start[0]} D={start[1]} (best in hindsight)", **best})
-    planner = make_planner(args, profile, args.budget)
-    dyn = simulate(args, profile, reqs, FleetSpec(*start), planner)
-    rows.append({"strategy": "dynamic SLO planner", **dyn.summary(args.ttft, args.itl)})
-    timelines["dynamic SLO planner"] = dyn.timeline
+        static, best, tried, sres = search_static(args, profile, reqs, log, decode_profile)
+        name = f"static P={static[0]} D={static[1]} (best in hindsight)"
+        rows.append({"strategy": name, **with_cost(best, sres, lim)})
+        timelines[name] = interval_rows(sres, args.interval, args.ttft, args.itl, static)
+    planner = make_planner(args, profile, args.budget, decode_profile)
+    dyn = simulate(args, profile, reqs, FleetSpec(*start), planner, decode_profile)
+    rows.append({"strategy": "dynamic SLO planner", **with_cost(dyn.summary(args.ttft, args.itl), dyn, lim)})
+    timelines["dynamic SLO planner"] = interval_rows(dyn, args.interval, args.ttft, args.itl, start)
+    decisions["dynamic SLO planner"] = [d.timeline_row() for d in dyn.decisions]
     keda = QueueAutoscaler(Limits(budget=args.budget), args.keda_prefill_target, args.keda_decode_target,
                            args.keda_window)
-    base = simulate(args, profile, reqs, FleetSpec(*start), keda)
-    rows.append({"strategy": "queue-length autoscaler (KEDA-style)", **base.summary(args.ttft, args.itl)})
-    timelines["queue-length autoscaler"] = base.timeline
+    base = simulate(args, profile, reqs, FleetSpec(*start), keda, decode_profile)
+    name = "queue-length autoscaler (KEDA-style)"
+    rows.append({"strategy": name, **with_cost(base.summary(args.ttft, args.itl), base, lim)})
+    timelines[name] = interval_rows(base, args.interval, args.ttft, args.itl, start)
 
-    print(f"trace {args.trace}: {len(reqs)} requests; targets TTFT {args.ttft}s ITL {args.itl}s; "
-          f"budget {args.budget}; engine profile {profile.name}")
-    print(f"{'strategy':48} {'SLO %':>7} {'worker-h':>9} {'goodput/w':>10} {'TTFT p90':>9} {'ITL p90':>8}")
+    print(f"trace {args.trace}: {len(reqs)} requests; SLO TTFT <= {args.ttft}s and ITL <= {args.itl}s, goal "
+          f"{100 * args.goal:g}%; budget {args.budget} workers"
+          + (f" / {args.cost_budget:g} per hour" if args.cost_budget is not None else "")
+          + f"; engine profile {profile.name}" + (f" (decode: {decode_profile.name})" if decode_profile else ""))
+    print(f"dynamic strategies start from P={start[0]} D={start[1]} ({start_why})")
+    print(f"{'strategy':44} {'SLO %':>7} {'worker-h':>9} {'cost':>8} {'goodput/w':>10} {'TTFT p99':>9} {'ITL p90':>8}")
     for r in rows:
-        print(f"{r['strategy']:48} {100 * r['slo_attainment']:7.2f} {r['worker_hours']:9.3f} "
-              f"{r['goodput_per_worker']:10.3f} {_ms(r['ttft_p90_s']):>9} {_ms(r['itl_p90_s']):>8}")
-    if rows and not args.no_static_search:
+        print(f"{r['strategy']:44} {100 * r['slo_attainment']:7.2f} {r['worker_hours']:9.3f} {r['cost']:8.3f} "
+              f"{r['goodput_per_worker']:10.3f} {_ms(r['ttft_p99_s']):>9} {_ms(r['itl_p90_s']):>8}")
+    if static is not None:
         print(f"dynamic / best static worker-hours: {rows[1]['worker_hours'] / rows[0]['worker_hours']:.3f}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"results": rows, "static_tried": tried}, indent=2))
+        Path(args.json_out).write_text(json.dumps({
+            "trace": args.trace, "requests": len(reqs), "profile": profile.name,
+            "decode_profile": decode_profile.name if decode_profile else None,
+            "slo": {"ttft_s": args.ttft, "itl_s": args.itl, "goal": args.goal},
+            "budget": {"workers": args.budget, "cost_per_hour": args.cost_budget,
+                       "prefill_cost": args.prefill_cost, "decode_cost": args.decode_cost},
+            "interval_s": args.interval, "start": {"prefill": start[0], "decode": start[1], "why": start_why},
+            "results": rows, "static_tried": tried, "timelines": timelines, "decisions": decisions}, indent=1))
     if args.plot:
-        plot(args.plot, timelines, reqs, start)
+        plot(args.plot, timelines, args)
     return 0
 
 
@@ -163,29 +378,64 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}ms"
 
 
-def plot(path: str, timelines: dict[str, list[tuple[float, int, int, int]]], reqs: list[SimRequest],
-         static: tuple[int, int]) -> None:
+# ------------------------------------------------------------------------------ the plot
+
+def plot_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def plot(path: str, timelines: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    end = max(r.arrival for r in reqs)
-    bins = max(1, int(end // 30) + 1)
-    counts = [0] * bins
-    for r in reqs:
-        counts[int(r.arrival // 30)] += 1
-    ax0.step([i * 30 for i in range(bins)], [c / 30 for c in counts], where="post")
-    ax0.set_ylabel("arrivals (req/s)")
-    for name, tl in timelines.items():
-        if tl:
-            ts = [t for t, *_ in tl]
-            ax1.step(ts, [p + d + b for _, p, d, b in tl], where="post", label=f"{name} (total)")
-            ax1.step(ts, [p for _, p, _, _ in tl], where="post", linestyle=":", label=f"{name} (prefill)")
-    ax1.axhline(sum(static), color="gray", linestyle="--", label=f"static P={static[0]} D={static[1]}")
-    ax1.set_ylabel("workers")
-    ax1.set_xlabel("virtual time (s)")
-    ax1.legend(fontsize=7)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    ax_load, ax_w, ax_ttft, ax_itl = axes
+    name = Path(args.trace).name if not args.trace.startswith("synthetic:") else args.trace
+    fig.suptitle(f"dyad plan: {name}\nSLO TTFT <= {args.ttft:g} s, ITL <= {1000 * args.itl:g} ms; "
+                 f"budget {args.budget} workers", fontsize=11)
+    any_rows = next(iter(timelines.values()), [])
+    ts = [r["t"] / 60.0 for r in any_rows]
+    ax_load.step(ts, [r["rate"] for r in any_rows], where="post", color="black")
+    ax_load.set_ylabel("arrivals (req/s)")
+    def color_of(label: str) -> str:  # the same colour for a strategy in every plot
+        return "tab:gray" if label.startswith("static") else "tab:blue" if label.startswith("dynamic") \
+            else "tab:orange"
+
+    for label, rows in timelines.items():
+        color = color_of(label)
+        t = [r["t"] / 60.0 for r in rows]
+        short = label.split(" (")[0]
+        ax_w.step(t, [r["prefill"] for r in rows], where="post", color=color, linestyle="--",
+                  label=f"{short}: prefill")
+        ax_w.step(t, [r["decode"] for r in rows], where="post", color=color, label=f"{short}: decode")
+        if any(r.get("standby") for r in rows):
+            ax_w.step(t, [r.get("standby", 0) for r in rows], where="post", color=color, linestyle=":",
+                      label=f"{short}: warm standby")
+        ax_ttft.plot(t, [r["ttft_p90_s"] if r["ttft_p90_s"] is not None else math.nan for r in rows],
+                     color=color, label=short)
+        ax_itl.plot(t, [1000 * r["itl_p90_s"] if r["itl_p90_s"] is not None else math.nan for r in rows],
+                    color=color, label=short)
+    ax_w.set_ylabel("workers")
+    ax_w.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_w.legend(fontsize=7, ncol=3)
+    ax_ttft.axhline(args.ttft, color="red", linestyle=":", label="TTFT SLO")
+    ax_ttft.set_ylabel("TTFT p90 (s)")
+    ax_ttft.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax_ttft.yaxis.set_major_formatter(plain)
+    ax_ttft.yaxis.set_minor_formatter(plain)
+    ax_ttft.legend(fontsize=7)
+    ax_itl.axhline(1000 * args.itl, color="red", linestyle=":", label="ITL SLO")
+    ax_itl.set_ylabel("ITL p90 (ms)")
+    ax_itl.legend(fontsize=7)
+    ax_itl.set_xlabel(f"time (virtual minutes; one point per {args.interval:g} s interval, by arrival)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -22,6 +22,10 @@ class Predictor(Protocol):
         """Forecast of the next value; ``None`` before the first observation."""
         ...
 
+    def predict_ahead(self, steps: int) -> float | None:
+        """Forecast of the value ``steps`` intervals ahead (1 = ``predict``)."""
+        ...
+
 
 class ConstantPredictor:
     """Next = last (what Dynamo's planner does by default)."""
@@ -35,6 +39,9 @@ class ConstantPredictor:
         self._last = float(value)
 
     def predict(self) -> float | None:
+        return self._last
+
+    def predict_ahead(self, steps: int) -> float | None:
         return self._last
 
 
@@ -56,6 +63,9 @@ class EwmaPredictor:
     def predict(self) -> float | None:
         return self._level
 
+    def predict_ahead(self, steps: int) -> float | None:
+        return self._level
+
 
 class LinearTrendPredictor:
     """Least-squares line through the last ``window`` points, extrapolated one step (never below 0)."""
@@ -71,6 +81,9 @@ class LinearTrendPredictor:
         self._ys.append(float(value))
 
     def predict(self) -> float | None:
+        return self.predict_ahead(1)
+
+    def predict_ahead(self, steps: int) -> float | None:
         n = len(self._ys)
         if n == 0:
             return None
@@ -81,7 +94,7 @@ class LinearTrendPredictor:
         sxx = sum((i - xm) ** 2 for i in range(n))
         sxy = sum((i - xm) * (y - ym) for i, y in enumerate(self._ys))
         slope = sxy / sxx
-        return max(0.0, ym + slope * (n - xm))
+        return max(0.0, ym + slope * (n - 1 + steps - xm))
 
 
 class HoltWintersPredictor:
@@ -136,10 +149,14 @@ class HoltWintersPredictor:
         self._t = 0  # the next observation is season position 0
 
     def predict(self) -> float | None:
+        return self.predict_ahead(1)
+
+    def predict_ahead(self, steps: int) -> float | None:
         if self._level is None:
             return None
-        s = self._seasonal[self._t % self.season] if self._seasonal is not None else 0.0
-        return max(0.0, self._level + self._trend + s)
+        k = max(1, steps)
+        s = self._seasonal[(self._t + k - 1) % self.season] if self._seasonal is not None else 0.0
+        return max(0.0, self._level + k * self._trend + s)
 
 
 @dataclass
@@ -178,6 +195,9 @@ class AutoPredictor:
 
     def predict(self) -> float | None:
         return self.chosen.predict()
+
+    def predict_ahead(self, steps: int) -> float | None:
+        return self.chosen.predict_ahead(steps)
 
     def errors(self) -> dict[str, float]:
         """Rolling mean absolute error per predictor (inf before it has been scored)."""
@@ -234,6 +254,13 @@ class LoadPredictor:
         if r is None:
             return None
         return LoadForecast(request_rate=max(0.0, r), isl=max(1.0, i or 1.0), osl=max(1.0, o or 1.0))
+
+    def peak_ahead(self, steps: int) -> float | None:
+        """The highest forecast request rate over the next ``steps`` intervals (the lead-time horizon:
+        a worker started now serves only after its start-up, so it is sized for what comes then)."""
+        rates = [self.rate.predict_ahead(k) for k in range(1, max(1, steps) + 1)]
+        known = [r for r in rates if r is not None]
+        return max(known) if known else None
 
     def chosen(self) -> dict[str, str]:
         out = {}

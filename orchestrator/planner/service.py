@@ -52,6 +52,8 @@ class PlannerService:
         self.clock = clock
         self.metrics = metrics
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
+        # one row per decision (interval and load mode), what /admin/planner shows as the timeline
+        self.timeline: deque[dict[str, Any]] = deque(maxlen=max(history, 240))
         self.last_error: str | None = None
         self._task: asyncio.Task | None = None
 
@@ -73,18 +75,48 @@ class PlannerService:
                          actions=actions, applied=done)
         if self.metrics is not None and self.actuator.name != "recommend":
             export_metrics(decision, self.metrics)
+        self._record(decision, done)
+        return decision
+
+    def _record(self, decision: PlanDecision, done: Any) -> None:
         entry = decision.to_dict()
         entry["applied"] = done
         entry["actuator"] = self.actuator.name
         self.history.append(entry)
+        self.timeline.append(decision.timeline_row())
+
+    async def react_once(self) -> PlanDecision | None:
+        """The fast load-reactive look (``Planner.react``) between intervals; acts only to scale out."""
+        decision = self.planner.react(self.fleet(), self.clock.now())
+        if decision is not None:
+            done = await self.actuator.apply(decision)
+            self._record(decision, done)
         return decision
+
+    async def _sleep_until_next_interval(self) -> None:
+        """Sleep one interval; with the load mode on, look at the queues every ``fast_interval_s`` meanwhile."""
+        s = self.planner.settings
+        fast = s.fast_interval_s
+        if fast <= 0 or fast >= s.interval_s:
+            await asyncio.sleep(s.interval_s)
+            return
+        left = s.interval_s
+        while left > fast + 1e-9:
+            await asyncio.sleep(fast)
+            left -= fast
+            try:
+                await self.react_once()
+            except Exception as e:  # keep planning; show the error on /admin/planner
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.warning("planner load-mode look failed: %s", self.last_error)
+        await asyncio.sleep(left)
 
     async def run(self) -> None:
         """Plan every ``interval_s`` until cancelled (``GatewayRuntime.add_task`` runs it); on the way
         out the actuator is closed (engines a local actuator started do not outlive the gateway)."""
         try:
             while True:
-                await asyncio.sleep(self.planner.settings.interval_s)
+                await self._sleep_until_next_interval()
                 try:
                     await self.run_once()
                     self.last_error = None
@@ -116,4 +148,5 @@ class PlannerService:
             "draining": self.planner.draining(),
             "last": self.history[-1] if self.history else None,
             "history": list(self.history),
+            "timeline": list(self.timeline),
         }

@@ -202,8 +202,9 @@ class SimWorker:
     engine: ModelEngine
     started_at: float  # when it was asked for (worker-hours count from here)
     ready_at: float
-    state: str = "starting"  # starting | healthy | draining | switching
+    state: str = "starting"  # starting | healthy | draining | switching | standby
     switch_to: Role | None = None
+    to_standby: bool = False  # planner hook: started into the warm standby pool (out of rotation)
 
 
 @dataclass
@@ -221,6 +222,7 @@ class SimResult:
     wall_s: float
     decisions: list[PlanDecision] = field(default_factory=list)
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, prefill, decode, both)
+    role_seconds: dict[str, float] = field(default_factory=dict)  # worker-seconds per role (costs)
 
     def summary(self, ttft_s: float, itl_s: float) -> dict[str, Any]:
         done = [r for r in self.requests if r.finish is not None]
@@ -252,8 +254,10 @@ class VirtualFleet:
                  scaler: Scaler | None = None, interval_s: float = 30.0, start_s: float = 60.0,
                  role_change_s: float = 5.0, block_tokens: int = 512, seed: int = 0,
                  on_decision: Callable[[PlanDecision], None] | None = None,
-                 kv_aware: KvAwareConfig | None = None) -> None:
+                 kv_aware: KvAwareConfig | None = None,
+                 role_profiles: dict[Role, EngineProfile] | None = None) -> None:
         self.profile = profile
+        self.role_profiles = role_profiles or {}  # per-role hardware (a worker keeps its engine on a role change)
         self.clock = VirtualClock()
         self.block_tokens = block_tokens
         self.router_config = RouterConfig(policy=policy, seed=seed, kv_aware=kv_aware or KvAwareConfig())
@@ -266,6 +270,11 @@ class VirtualFleet:
         self.start_s = start_s
         self.role_change_s = role_change_s
         self.on_decision = on_decision
+        # planner hooks: the fast load-reactive loop (``scaler.react``) and warm standby wake-up time
+        self.fast_interval_s = float(getattr(getattr(scaler, "settings", None), "fast_interval_s", 0.0) or 0.0)
+        self.standby_wake_s = float(getattr(getattr(scaler, "settings", None), "standby_wake_s", 5.0))
+        self._role_seconds: dict[str, float] = {}
+        self._roles: dict[str, int] | None = None  # workers per role, for role_seconds
         self.workers: dict[str, SimWorker] = {}
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
@@ -294,12 +303,13 @@ class VirtualFleet:
         wid = f"{role.value[0]}{self._next_id}"
         self._next_id += 1
         w = Worker(id=wid, url=f"sim://{wid}", engine=EngineKind.SIM, role=role, models=["sim"])
-        sw = SimWorker(w, ModelEngine(self.profile, role, self.block_tokens), now,
+        sw = SimWorker(w, ModelEngine(self.role_profiles.get(role, self.profile), role, self.block_tokens), now,
                        now if ready else now + self.start_s, "healthy" if ready else "starting")
         if not ready:
             w.state = WorkerState.UNHEALTHY
             self._push(sw.ready_at, "ready", wid)
         self.workers[wid] = sw
+        self._roles = None
         return sw
 
     def _schedule_engine(self, sw: SimWorker) -> None:
@@ -311,7 +321,15 @@ class VirtualFleet:
 
     def _accrue(self, now: float) -> None:
         if now > self._last_t:
-            self._worker_seconds += len(self.workers) * (now - self._last_t)
+            dt = now - self._last_t
+            self._worker_seconds += len(self.workers) * dt
+            if self._roles is None:  # recounted only after the fleet changed
+                self._roles = {}
+                for sw in self.workers.values():
+                    k = sw.worker.role.value
+                    self._roles[k] = self._roles.get(k, 0) + 1
+            for k, n in self._roles.items():
+                self._role_seconds[k] = self._role_seconds.get(k, 0.0) + n * dt
             self._last_t = now
 
     def counts(self) -> tuple[int, int, int]:
@@ -396,7 +414,7 @@ class VirtualFleet:
             role = sw.switch_to or sw.worker.role
             state = {"switching": "starting"}.get(sw.state, sw.state)
             views.append(WorkerView(sw.worker.id, role, state, sw.worker.inflight,
-                                    waiting=sw.engine.waiting))
+                                    waiting=sw.engine.waiting, standby=sw.to_standby and state == "starting"))
         return views
 
     def _observe(self, now: float) -> Observation:
@@ -426,13 +444,22 @@ class VirtualFleet:
         for a in actions:
             sw = self.workers.get(a.worker_id) if a.worker_id else None
             if a.kind == "start":
-                self._add_worker(a.role, now)
+                self._add_worker(a.role, now).to_standby = a.then == "standby"
+            elif a.kind == "activate" and sw is not None:  # warm standby → rotation
+                if sw.state == "standby":
+                    sw.state = "starting"
+                    self._push(now + self.standby_wake_s, "ready", a.worker_id)
+                sw.to_standby = False
+            elif a.kind == "park" and sw is not None:  # idle → warm standby (out of rotation)
+                sw.state, sw.to_standby = "standby", False
+                sw.worker.state = WorkerState.DRAINING
             elif a.kind == "drain" and sw is not None:
                 sw.state = "draining"
                 sw.worker.state = WorkerState.DRAINING
             elif a.kind == "stop" and sw is not None:
                 self._accrue(now)
                 del self.workers[a.worker_id]
+                self._roles = None
                 for r in sw.engine.abort_all(now):
                     self.inflight.release((r.id, sw.worker.role), now, prefilled=False)
                     self._dispatch(r, sw.worker.role, now)  # a stopped busy worker: its work moves
@@ -450,6 +477,15 @@ class VirtualFleet:
             self.on_decision(d)
         self.apply(d.actions, now)
 
+    def _react(self, now: float) -> None:
+        react = getattr(self.scaler, "react", None)
+        d = react(self._views(), now) if react is not None else None
+        if d is not None:
+            self.decisions.append(d)
+            if self.on_decision:
+                self.on_decision(d)
+            self.apply(d.actions, now)
+
     def _released(self, sw: SimWorker, now: float) -> None:
         """A draining worker went idle: let the planner stop/switch it now, not at the next tick."""
         complete = getattr(self.scaler, "complete_drains", None)
@@ -457,13 +493,18 @@ class VirtualFleet:
             self.apply(complete(self._views()), now)
 
     # -- the loop
-    def run(self, requests: Sequence[SimRequest], horizon_s: float | None = None) -> SimResult:
+    def run(self, requests: Sequence[SimRequest], horizon_s: float | None = None,
+            stop: Callable[[SimRequest], bool] | None = None) -> SimResult:
+        """Replay ``requests``; ``stop`` (planner hook, for searches) sees each finished request and
+        ends the replay early by answering True (the result then covers only what ran)."""
         wall0 = time.perf_counter()
         for r in requests:
             self._push(r.arrival, "arrival", r)
         end_arrivals = max((r.arrival for r in requests), default=0.0)
         if self.scaler is not None:
             self._push(self.interval_s, "tick", None)
+            if self.fast_interval_s > 0:
+                self._push(self.fast_interval_s, "react", None)
         remaining = len(requests)
         while self._heap and remaining > 0:
             t, _, kind, payload = heapq.heappop(self._heap)
@@ -485,6 +526,8 @@ class VirtualFleet:
                         sw.worker.inflight -= 1
                         self._finished_window.append(r)
                         remaining -= 1
+                        if stop is not None and stop(r):
+                            remaining = 0
                 self._schedule_engine(sw)
                 if sw.state == "draining":
                     self._released(sw, t)
@@ -495,15 +538,24 @@ class VirtualFleet:
                 self._dispatch(payload, Role.DECODE, t)
             elif kind == "ready":
                 sw = self.workers.get(payload)
-                if sw is not None and sw.state == "starting":
+                if sw is not None and sw.state == "starting" and sw.to_standby:
+                    sw.state, sw.to_standby = "standby", False  # warm, out of rotation
+                elif sw is not None and sw.state == "starting":
                     sw.state, sw.worker.state = "healthy", WorkerState.HEALTHY
                     self._drain_pending(t)
             elif kind == "switched":
                 sw = self.workers.get(payload)
                 if sw is not None and sw.switch_to is not None:
+                    self._accrue(t)
                     sw.worker.role = sw.engine.role = sw.switch_to
+                    self._roles = None
                     sw.switch_to, sw.state, sw.worker.state = None, "healthy", WorkerState.HEALTHY
                     self._drain_pending(t)
+            elif kind == "react":
+                if t % self.interval_s > 1e-9:  # the interval tick samples on its own
+                    self._react(t)
+                if remaining > 0:
+                    self._push(t + self.fast_interval_s, "react", None)
             elif kind == "tick":
                 p, d, b = self.counts()
                 self.timeline.append((t, p, d, b))
@@ -513,7 +565,7 @@ class VirtualFleet:
         end = self.clock.now()
         self._accrue(end)
         return SimResult(list(requests), end, self._worker_seconds, time.perf_counter() - wall0,
-                         self.decisions, self.timeline)
+                         self.decisions, self.timeline, dict(self._role_seconds))
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -101,7 +101,7 @@ async def test_planner_never_strands_a_configured_worker_under_the_local_actuato
     can_stop = stoppable_by(act)
     planner = Planner(PerfModel.from_dict(PROFILE), PlannerSettings(
         targets=Targets(1.0, 0.05), limits=Limits(budget=8), predictor="constant", scale_in_intervals=1,
-        correct_from_latency=False))
+        scale_in_step=2, correct_from_latency=False))
     drained: list[str] = []
     for i in range(1, 5):
         obs = Observation(at=60.0 * i, window_s=60, request_rate=0.05, mean_isl=500, mean_osl=50)
