@@ -117,6 +117,8 @@ class KubernetesDiscoveryConfig(_Section):
     kv_events_port: str | None = Field(None, description="Container port name of the engine's ZMQ KV-event "
                                                           "PUB socket (e.g. kv-events); None = no KV events")
     kv_replay_port: str | None = Field(None, description="Container port name of its replay socket")
+    bootstrap_port: int | str | None = Field(None, description="SGLang P/D: the prefill pods' bootstrap port (a "
+                                                               "container port name or a number); None = 8998")
     kv_events_topic: str = Field("kv-events", description="KV-event topic")
     draining_annotation: str = Field("dyad.dev/draining", description="Pod annotation that marks a pod "
                                                                       "draining (value \"true\")")
@@ -127,6 +129,8 @@ class KubernetesDiscoveryConfig(_Section):
     def _port(self) -> KubernetesDiscoveryConfig:
         if isinstance(self.port, str) and self.port.isdigit():
             self.port = int(self.port)
+        if isinstance(self.bootstrap_port, str) and self.bootstrap_port.isdigit():
+            self.bootstrap_port = int(self.bootstrap_port)
         return self
 
 

@@ -44,7 +44,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                   "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 3}}, **MONITORING},
     "no-redis-single-gateway": {"redis": {"enabled": False}, "gateway": {"replicas": 1},
                                 "monitoring": {"dashboards": {"enabled": False}}},
+    # the fixed worker list instead of discovery (no gateway RBAC; pods beyond replicas never routed to)
+    "static-workers": {"gateway": {"discovery": "static"}},
 }
+KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 # What a Secret referenced by the chart would hold, for running check-config with the container env.
 SECRET_VALUES = {("dyad-redis-url", "url"): "rediss://from-secret.example:6380/0", ("dyad-admin", "token"): "t0ken"}
 
@@ -170,11 +173,27 @@ def test_rendered_config_passes_check_config_in_every_container(rendered, tmp_pa
         assert r.returncode == 0, f"{name} {w['metadata']['name']} env={env}:\n{r.stderr}"
         assert "ok:" in r.stdout
 
-    # the workers are exactly the engine pods, by their stable DNS names, with their roles
     from orchestrator.config import load_config
 
     clean_env = {k: v for k, v in env_of(dyad_pods[0]["spec"]["template"]["spec"]["containers"][0]).items()}
     cfg = load_config(yaml.safe_load(text), environ=clean_env)
+    if discovers(values):  # the engines are discovered (test_discovery_selects_exactly_the_engine_pods)
+        assert cfg.discovery.source == "kubernetes" and cfg.workers == []
+        assert cfg.discovery.kubernetes.api.namespace == NAMESPACE
+    else:
+        check_static_workers(values, docs, cfg)
+    check_index(values, docs, dyad_pods, cfg)
+    for key, value in values.get("gateway", {}).get("config", {}).items():  # free-form config merged in
+        assert getattr(cfg, key).model_dump(include=set(value)) == value
+
+
+def discovers(values: dict[str, Any]) -> bool:
+    return values.get("gateway", {}).get("discovery", "kubernetes") == "kubernetes"
+
+
+def check_static_workers(values, docs, cfg) -> None:
+    """gateway.discovery=static: the workers are exactly the engine pods, by their stable DNS names."""
+    assert cfg.discovery.source == "static"
     expected = []
     for sts in find(docs, "StatefulSet"):
         svc, pool = sts["spec"]["serviceName"], sts["metadata"]["labels"]["dyad.dev/pool"]
@@ -187,7 +206,10 @@ def test_rendered_config_passes_check_config_in_every_container(rendered, tmp_pa
         assert (w.kv_events is not None) == (not sglang)  # SGLang publishes no KV events
         if sglang and w.role.value == "prefill":
             assert w.bootstrap_port == values["engine"]["sglang"]["bootstrapPort"]
-    # the shared index follows the Redis values
+
+
+def check_index(values, docs, dyad_pods, cfg) -> None:
+    """The shared index follows the Redis values."""
     redis = values.get("redis", {})
     if redis.get("enabled", True):
         assert cfg.index.backend == "redis" and find(docs, "Service", cfg.index.redis_url.split("//")[1].split(".")[0])
@@ -209,8 +231,6 @@ def test_rendered_config_passes_check_config_in_every_container(rendered, tmp_pa
         assert cfg.index.redis_url == SECRET_VALUES[("dyad-redis-url", "url")]
     else:
         assert cfg.index.backend == "memory"
-    for key, value in values.get("gateway", {}).get("config", {}).items():  # free-form config merged in
-        assert getattr(cfg, key).model_dump(include=set(value)) == value
 
 
 def test_engine_arguments_per_engine_and_role(rendered):
@@ -239,30 +259,130 @@ def test_engine_arguments_per_engine_and_role(rendered):
                 assert "--kv-transfer-config" not in args
 
 
-def test_planner_rbac_is_namespaced_and_scales_only_its_pools(rendered):
+def selector_labels(selector: str) -> dict[str, str]:
+    """An equality-based label selector ("a=b,c=d"), the only kind the chart writes."""
+    pairs = [part.split("=") for part in selector.split(",")]
+    assert all(len(p) == 2 and p[0] and p[1] for p in pairs), selector
+    return dict(pairs)
+
+
+def test_discovery_selects_exactly_the_engine_pods(rendered):
+    """Each role's selector matches the pod template of exactly that pool's StatefulSet (and no gateway,
+    planner or Redis pod); a pod made from that template, Ready with an IP, maps (by discovery's own
+    pod_to_spec) to the worker the pool stands for: its role, its named HTTP port, its KV-event ports
+    (vLLM) or its bootstrap port (SGLang prefill)."""
+    from orchestrator.config import load_config
+    from orchestrator.fleet.discovery.kubernetes import pod_to_spec
+
     name, values, docs = rendered
-    planner = [w for w in find(docs, "Deployment") if w["metadata"]["name"].endswith("-planner")]
-    if not values.get("planner", {}).get("enabled", False):
-        assert not planner and not find(docs, "Role")
-        return
-    (role,) = find(docs, "Role")
-    assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
-    (binding,) = find(docs, "RoleBinding")
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": planner[0]["spec"]["template"]["spec"]["serviceAccountName"],
-                                    "namespace": NAMESPACE}]
-    scale = [r for r in role["rules"] if "statefulsets/scale" in r["resources"]]
-    assert sorted(scale[0]["resourceNames"]) == sorted(s["metadata"]["name"] for s in find(docs, "StatefulSet"))
-    assert all("delete" not in r["verbs"] for r in role["rules"])
-    env = {e["name"]: e.get("value") for e in planner[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["DYAD_PLANNER__ENABLED"] == "true" and env["DYAD_PLANNER__ACTUATOR"] == "kubernetes"
-    assert planner[0]["spec"]["replicas"] == 1 and planner[0]["spec"]["strategy"]["type"] == "Recreate"
     (cm,) = [d for d in find(docs, "ConfigMap") if "dyad.yaml" in d["data"]]
-    planner_cfg = yaml.safe_load(cm["data"]["dyad.yaml"])["planner"]
-    assert planner_cfg["prometheus_url"] == values["planner"]["prometheusUrl"]  # the gateways' load, not its own
-    assert planner_cfg["kubernetes_workloads"] == {
-        role: f"statefulsets/{s['metadata']['name']}" for s in find(docs, "StatefulSet")
-        for role in [s["metadata"]["labels"]["dyad.dev/pool"]]}
+    cfg = load_config(yaml.safe_load(cm["data"]["dyad.yaml"]), environ={})
+    if not discovers(values):
+        assert cfg.discovery.source == "static"
+        return
+    k = cfg.discovery.kubernetes
+    engines = {s["metadata"]["labels"]["dyad.dev/pool"]: s for s in find(docs, "StatefulSet")}
+    assert sorted(r.value for r in k.selectors) == sorted(engines), name
+    sglang = values.get("engine", {}).get("type") == "sglang"
+    for role, selector in k.selectors.items():
+        sel = selector_labels(selector)
+        matched = [w["metadata"]["name"] for w in workloads(docs)
+                   if sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        sts = engines[role.value]
+        assert matched == [sts["metadata"]["name"]], (name, role, matched)
+        assert sel == sts["spec"]["selector"]["matchLabels"]  # the pods the StatefulSet owns, no more
+        template = sts["spec"]["template"]
+        for port in (k.port, k.kv_events_port, k.kv_replay_port, k.bootstrap_port if role.value == "prefill" else None):
+            if port is not None:
+                assert any(p["name"] == port for c in template["spec"]["containers"] for p in c.get("ports", [])), \
+                    (name, role, port)
+        pod = {"metadata": {"name": f"{sts['metadata']['name']}-5", "labels": template["metadata"]["labels"]},
+               "spec": template["spec"],
+               "status": {"podIP": "10.9.8.7", "conditions": [{"type": "Ready", "status": "True"}]}}
+        spec = pod_to_spec(pod, role, k)
+        assert spec is not None and not spec.draining, (name, role)
+        w = spec.config
+        assert (w.role, w.url, w.engine.value, w.models) == (
+            role, "http://10.9.8.7:8000", "sglang" if sglang else "vllm", [values.get("model", {}).get("name", "llama-3.1-8b")])
+        if sglang:
+            assert w.kv_events is None
+            want = values["engine"]["sglang"]["bootstrapPort"] if role.value == "prefill" and len(engines) == 2 else None
+            assert w.bootstrap_port == want
+        else:
+            assert (w.kv_events.endpoint, w.kv_events.replay_endpoint) == ("tcp://10.9.8.7:5557", "tcp://10.9.8.7:5558")
+        # the planner's drain mark takes the pod out of routing
+        pod["metadata"]["annotations"] = {k.draining_annotation: "true"}
+        assert pod_to_spec(pod, role, k).draining
+
+
+def grants(docs, namespace: str) -> dict[str, set[tuple]]:
+    """ServiceAccount name → what its RoleBindings grant: (apiGroup, resource, verb, resourceNames)."""
+    roles = {r["metadata"]["name"]: r for r in docs if r["kind"] == "Role"}
+    out: dict[str, set[tuple]] = {}
+    for b in (d for d in docs if d["kind"] == "RoleBinding"):
+        assert b["roleRef"]["kind"] == "Role"
+        for subject in b["subjects"]:
+            assert subject["kind"] == "ServiceAccount" and subject["namespace"] == namespace, b
+            for rule in roles[b["roleRef"]["name"]]["rules"]:
+                names = tuple(sorted(rule.get("resourceNames", [])))
+                out.setdefault(subject["name"], set()).update(
+                    (g, r, v, names) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"])
+    return out
+
+
+def unnamed(g: set[tuple]) -> set[tuple]:
+    return {t[:3] for t in g}
+
+
+def kustomize_grants() -> dict[str, set[tuple]]:
+    docs = [d for p in sorted(KUSTOMIZE.glob("*.yaml")) if p.name != "kustomization.yaml"
+            for d in yaml.safe_load_all(p.read_text()) if d]
+    return grants(docs, "dyad")
+
+
+def test_rbac_is_exactly_what_discovery_and_the_planner_use(rendered):
+    """Namespaced only. Gateways: pods list + watch, as deploy/kubernetes/61-gateway-rbac.yaml. The
+    planner: deploy/kubernetes/60-planner-rbac.yaml's grants, with the scale subresource narrowed by
+    resourceNames to this release's prefill and decode StatefulSets (the ones its actuator scales) and
+    without deployments/scale (the chart has no engine Deployments). Each Dyad pod runs as the
+    ServiceAccount those grants are bound to."""
+    name, values, docs = rendered
+    assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
+    got, ref = grants(docs, NAMESPACE), kustomize_grants()
+    deployments = {w["metadata"]["name"]: w for w in find(docs, "Deployment")}
+    gateway = deployments["dyad-gateway"]["spec"]["template"]["spec"]
+    expected_accounts = set()
+    if discovers(values):
+        assert gateway["serviceAccountName"] == "dyad-gateway" and find(docs, "ServiceAccount", "dyad-gateway")
+        assert got["dyad-gateway"] == {("", "pods", "list", ()), ("", "pods", "watch", ())}
+        assert unnamed(got["dyad-gateway"]) == unnamed(ref["dyad-gateway"])
+        expected_accounts.add("dyad-gateway")
+    else:
+        assert "serviceAccountName" not in gateway and not find(docs, "ServiceAccount", "dyad-gateway")
+    planner = deployments.get("dyad-planner")
+    if values.get("planner", {}).get("enabled", False):
+        assert planner["spec"]["template"]["spec"]["serviceAccountName"] == "dyad-planner"
+        planner_cfg = yaml.safe_load(find(docs, "ConfigMap", "dyad-config")[0]["data"]["dyad.yaml"])["planner"]
+        scaled = sorted(w.split("/")[1] for w in planner_cfg["kubernetes_workloads"].values())
+        assert scaled == sorted(s["metadata"]["name"] for s in find(docs, "StatefulSet"))
+        assert all(w.startswith("statefulsets/") for w in planner_cfg["kubernetes_workloads"].values())
+        assert got["dyad-planner"] == {("apps", "statefulsets/scale", "get", tuple(scaled)),
+                                       ("apps", "statefulsets/scale", "patch", tuple(scaled)),
+                                       ("", "pods", "list", ()), ("", "pods", "watch", ()), ("", "pods", "patch", ())}
+        assert unnamed(got["dyad-planner"]) == {t for t in unnamed(ref["dyad-planner"]) if t[1] != "deployments/scale"}
+        assert unnamed(got["dyad-gateway"]) <= unnamed(got["dyad-planner"])  # the planner discovers engines too
+        assert (planner_cfg["kubernetes_namespace"], planner_cfg["kubernetes_drain_settle_s"],
+                planner_cfg["kubernetes_drain_timeout_s"]) == (NAMESPACE, 5, 600)
+        env = {e["name"]: e.get("value") for e in planner["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["DYAD_PLANNER__ENABLED"] == "true" and env["DYAD_PLANNER__ACTUATOR"] == "kubernetes"
+        assert planner["spec"]["replicas"] == 1 and planner["spec"]["strategy"]["type"] == "Recreate"
+        assert planner_cfg["prometheus_url"] == values["planner"]["prometheusUrl"]  # the gateways' load, not its own
+        expected_accounts.add("dyad-planner")
+    else:
+        assert planner is None
+    assert set(got) == expected_accounts, name
+    assert {r["metadata"]["name"] for r in find(docs, "Role")} == expected_accounts
+    assert {s["metadata"]["name"] for s in find(docs, "ServiceAccount")} == expected_accounts
 
 
 def test_prometheus_rule_is_our_tested_rules_and_passes_promtool(rendered, tmp_path):
@@ -319,6 +439,8 @@ def test_bad_values_fail_the_render_naming_the_value():
         "pools.prefill": {"pools": {"decode": {"enabled": False}}, "planner": {"enabled": False}},
         "pools: enable at least one": {"pools": {"prefill": {"enabled": False}, "decode": {"enabled": False}},
                                        "planner": {"enabled": False}},
+        "gateway.discovery: the planner": {"gateway": {"discovery": "static"},
+                                           "planner": {"enabled": True, "prometheusUrl": "http://prom:9090"}},
     }
     for message, values in cases.items():
         with pytest.raises(helm.HelmRenderError, match=message):
@@ -335,6 +457,7 @@ def test_values_schema_names_a_misspelt_or_mistyped_value():
         "at '/engine/type'": {"engine": {"type": "trtllm"}},
         "at '/pools/decode/replicas'": {"pools": {"decode": {"replicas": -1}}},
         "at '/gateway/policy'": {"gateway": {"policy": "cache_aware"}},
+        "at '/gateway/discovery'": {"gateway": {"discovery": "dns"}},
     }
     for message, values in cases.items():
         with pytest.raises(helm.HelmValuesError, match=re.escape(message)):

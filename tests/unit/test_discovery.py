@@ -142,6 +142,18 @@ def test_pod_to_worker_mapping():
     assert pod_to_spec(pod(ip="fd00::5"), Role.DECODE, v6).config.url == "http://[fd00::5]:9000"
 
 
+def test_sglang_prefill_pods_carry_their_named_bootstrap_port():
+    cfg = KubernetesDiscoveryConfig(selectors={Role.PREFILL: "a", Role.DECODE: "b"}, engine="sglang",
+                                    bootstrap_port="bootstrap")
+    ports = [{"name": "http", "containerPort": 8000}, {"name": "bootstrap", "containerPort": 9001}]
+    assert pod_to_spec(pod(ports=ports), Role.PREFILL, cfg).config.bootstrap_port == 9001
+    # a decode pod has no bootstrap server; without the setting the engine default (None) stays
+    assert pod_to_spec(pod(ports=ports), Role.DECODE, cfg).config.bootstrap_port is None
+    assert pod_to_spec(pod(ports=ports), Role.PREFILL, K8S).config.bootstrap_port is None
+    numbered = KubernetesDiscoveryConfig(selectors={Role.PREFILL: "a"}, bootstrap_port="9100")
+    assert pod_to_spec(pod(), Role.PREFILL, numbered).config.bootstrap_port == 9100
+
+
 def test_a_pod_two_selectors_match_counts_once():
     caches = [(Role.PREFILL, {"e-0": pod()}), (Role.DECODE, {"e-0": pod(), "e-1": pod("e-1")})]
     out = desired_from_pods(caches, K8S)

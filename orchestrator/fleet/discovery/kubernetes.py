@@ -85,9 +85,11 @@ def pod_to_spec(pod: Pod, selector_role: Role, cfg: KubernetesDiscoveryConfig) -
     node = (pod.get("spec") or {}).get("nodeName")
     if node:
         labels["node"] = node
-    config = WorkerConfig(id=name, url=f"{cfg.scheme}://{host}:{port}", engine=cfg.engine,
-                          role=pod_role(pod, selector_role, cfg.role_label), models=list(cfg.models),
-                          labels=labels, kv_events=kv_events)
+    role = pod_role(pod, selector_role, cfg.role_label)
+    bootstrap = container_port(pod, cfg.bootstrap_port) if cfg.bootstrap_port is not None and role == Role.PREFILL \
+        else None
+    config = WorkerConfig(id=name, url=f"{cfg.scheme}://{host}:{port}", engine=cfg.engine, role=role,
+                          models=list(cfg.models), labels=labels, kv_events=kv_events, bootstrap_port=bootstrap)
     marked = (meta.get("annotations") or {}).get(cfg.draining_annotation, "").lower() == "true"
     return WorkerSpec(config, draining=marked or meta.get("deletionTimestamp") is not None)
 

@@ -70,6 +70,37 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if or .Values.redis.enabled .Values.redis.url .Values.redis.urlSecret.name -}}true{{- end -}}
 {{- end -}}
 
+{{/* The labels that select one pool's engine pods: the StatefulSet's selector (one definition for both). */}}
+{{- define "dyad.engineSelector" -}}
+{{- $ := index . 0 -}}
+{{ include "dyad.selector" $ }}
+app.kubernetes.io/component: engine
+dyad.dev/pool: {{ index . 1 }}
+{{- end -}}
+
+{{/* discovery.kubernetes: the gateways (and the planner) watch each pool's engine pods by the
+     StatefulSet's own selector, in the release namespace; ports by the engine containers' names. */}}
+{{- define "dyad.discovery" -}}
+{{- $selectors := dict -}}
+{{- range $pool := include "dyad.pools" . | fromJsonArray -}}
+{{- $parts := list -}}
+{{- range $k, $v := include "dyad.engineSelector" (list $ $pool) | fromYaml -}}
+{{- $parts = append $parts (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- $_ := set $selectors $pool (join "," $parts) -}}
+{{- end -}}
+{{- $sglang := eq .Values.engine.type "sglang" -}}
+{{- $k := dict "api" (dict "namespace" .Release.Namespace) "selectors" $selectors "role_label" "dyad.dev/role" "port" "http" "engine" .Values.engine.type "models" (list .Values.model.name) -}}
+{{- if and (not $sglang) .Values.engine.kvEvents -}}
+{{- $_ := set $k "kv_events_port" "kv-events" -}}
+{{- $_ := set $k "kv_replay_port" "kv-replay" -}}
+{{- end -}}
+{{- if and $sglang (include "dyad.pd" .) -}}
+{{- $_ := set $k "bootstrap_port" "bootstrap" -}}
+{{- end -}}
+{{- toYaml $k -}}
+{{- end -}}
+
 {{/* The gateway configuration (orchestrator/config.py), as YAML. */}}
 {{- define "dyad.config" -}}
 {{- $full := include "dyad.fullname" . -}}
@@ -77,6 +108,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $port := int .Values.engine.port -}}
 {{- $sglang := eq .Values.engine.type "sglang" -}}
 {{- $workers := list -}}
+{{- if eq .Values.gateway.discovery "static" -}}
 {{- range $pool := include "dyad.pools" . | fromJsonArray -}}
 {{- $p := index $.Values.pools $pool -}}
 {{- range $i := until (int $p.replicas) -}}
@@ -91,9 +123,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $workers = append $workers $w -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
 {{- $model := dict "name" .Values.model.name "block_size" (int .Values.model.blockSize) -}}
 {{- if .Values.model.aliases -}}{{- $_ := set $model "aliases" .Values.model.aliases -}}{{- end -}}
 {{- $cfg := dict "models" (list $model) "workers" $workers "router" (dict "policy" .Values.gateway.policy) "gateway" (dict "host" "0.0.0.0" "port" (int .Values.gateway.port)) -}}
+{{- if eq .Values.gateway.discovery "kubernetes" -}}
+{{- $_ := set $cfg "discovery" (dict "source" "kubernetes" "kubernetes" (include "dyad.discovery" . | fromYaml)) -}}
+{{- end -}}
 {{- if include "dyad.usesRedis" . -}}
 {{- $_ := set $cfg "index" (dict "backend" "redis" "redis_url" (include "dyad.redisUrl" . | default "redis://set-by-env:6379/0")) -}}
 {{- end -}}
@@ -101,7 +137,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $cfg "disagg" (dict "enabled" true "connector" "nixl") -}}
 {{- end -}}
 {{- if .Values.planner.enabled -}}
-{{- $planner := dict "enabled" false "interval_s" .Values.planner.intervalS "ttft_target_s" .Values.planner.ttftTargetS "itl_target_s" .Values.planner.itlTargetS "max_workers" (int .Values.planner.maxWorkers) "kubernetes_namespace" $ns "kubernetes_workloads" (dict "prefill" (printf "statefulsets/%s-prefill" $full) "decode" (printf "statefulsets/%s-decode" $full)) -}}
+{{- $planner := dict "enabled" false "interval_s" .Values.planner.intervalS "ttft_target_s" .Values.planner.ttftTargetS "itl_target_s" .Values.planner.itlTargetS "max_workers" (int .Values.planner.maxWorkers) "kubernetes_namespace" $ns "kubernetes_workloads" (dict "prefill" (printf "statefulsets/%s-prefill" $full) "decode" (printf "statefulsets/%s-decode" $full)) "kubernetes_drain_settle_s" .Values.planner.drainSettleS "kubernetes_drain_timeout_s" .Values.planner.drainTimeoutS -}}
 {{- if .Values.planner.prometheusUrl -}}{{- $_ := set $planner "prometheus_url" .Values.planner.prometheusUrl -}}{{- end -}}
 {{- $_ := set $cfg "planner" $planner -}}
 {{- end -}}
@@ -142,6 +178,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- if not (has .Values.engine.type (list "vllm" "sglang")) -}}
 {{- fail (printf "engine.type: %q is not vllm or sglang" .Values.engine.type) -}}
+{{- end -}}
+{{- if and .Values.planner.enabled (ne .Values.gateway.discovery "kubernetes") -}}
+{{- fail "gateway.discovery: the planner adds and drains engine pods, which only discovery (kubernetes) sees; set gateway.discovery=kubernetes, or planner.enabled=false" -}}
 {{- end -}}
 {{- if and .Values.planner.enabled (lt (int .Values.planner.maxWorkers) 2) -}}
 {{- fail "planner.maxWorkers: at least 2 (one prefill, one decode)" -}}
