@@ -179,6 +179,16 @@ class EngineAdapter(ABC):
         return body
 
     async def list_models(self, client: httpx.AsyncClient, base_url: str, timeout: float) -> list[str]:
+        return list(await self.model_cards(client, base_url, timeout))
+
+    async def model_cards(self, client: httpx.AsyncClient, base_url: str, timeout: float) -> dict[str, int | None]:
+        """The engine's models (``/v1/models``), each with its context length (``max_model_len``, which
+        vLLM and SGLang report on each model card) or None when the engine does not say."""
         r = await client.get(f"{base_url}/v1/models", timeout=timeout)
         r.raise_for_status()
-        return [m["id"] for m in r.json().get("data", [])]
+        cards: dict[str, int | None] = {}
+        for m in r.json().get("data", []):
+            if isinstance(m, dict) and isinstance(m.get("id"), str):
+                n = m.get("max_model_len")
+                cards[m["id"]] = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        return cards

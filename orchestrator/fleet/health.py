@@ -39,11 +39,17 @@ class HealthChecker:
             if not ok:
                 error = "health probe failed"
             elif not worker.models:
-                models = await adapter.list_models(self.http, worker.url, self.config.timeout_s)
-                if models:
-                    worker.models = list(models)
+                cards = await adapter.model_cards(self.http, worker.url, self.config.timeout_s)
+                self._learn_limits(worker, cards)
+                if cards:
+                    worker.models = list(cards)
                 else:
                     ok, error = False, "engine reports no models"
+            elif not worker.model_cards_read:  # configured models: read the context lengths once
+                try:
+                    self._learn_limits(worker, await adapter.model_cards(self.http, worker.url, self.config.timeout_s))
+                except Exception:  # noqa: BLE001 - optional information: a failure here is not a failed probe
+                    worker.model_cards_read = True
         except Exception as e:  # any failure of the probe is a failed probe, never a dead loop
             ok, error = False, f"{type(e).__name__}: {e}"
         was = worker.state
@@ -52,6 +58,11 @@ class HealthChecker:
             log.log(logging.INFO if ok else logging.WARNING,"worker %s (%s): %s -> %s%s", worker.id, worker.url, was.value, worker.state.value,
                         f" ({error})" if error else "")
         return ok
+
+    @staticmethod
+    def _learn_limits(worker: Worker, cards: dict[str, int | None]) -> None:
+        worker.model_cards_read = True
+        worker.max_model_len = {m: n for m, n in cards.items() if n is not None}
 
     async def check_all(self) -> None:
         workers = self.fleet.workers()

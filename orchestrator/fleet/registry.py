@@ -111,6 +111,12 @@ class FleetRegistry:
             seen.update(dict.fromkeys(w.models))
         return list(seen)
 
+    def max_model_len(self, model: str) -> int | None:
+        """The context length every worker serving ``model`` accepts (the smallest one reported), or None
+        when no worker has reported one."""
+        lengths = [w.max_model_len[model] for w in self._snapshot if model in w.max_model_len]
+        return min(lengths) if lengths else None
+
     def knows_model(self, model: str) -> bool:
         return model in self._configured_models or any(model in w.models for w in self._snapshot)
 

@@ -51,6 +51,9 @@ class Worker:
     api_key: str | None = None
     bootstrap_port: int | None = None
     configured_models: bool = False  # models came from config (else discovered from the engine)
+    # model -> context length the engine reports on /v1/models (read once, at the first good probe)
+    max_model_len: dict[str, int] = field(default_factory=dict)
+    model_cards_read: bool = False
     kv_events: KvEventsConfig | None = None  # where the engine publishes KV events, if it does
 
     @property

@@ -166,6 +166,12 @@ async def list_models(request: Request) -> Response:
     rt: GatewayRuntime = request.app.state.runtime
     request_id_of(request)
     client = rt.intake.authenticate(request)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "dyad"} for name in rt.fleet.models()
-            if client.allows(name)]
+    data = []
+    for name in rt.fleet.models():
+        if client.allows(name):
+            card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "dyad"}
+            limit = rt.fleet.max_model_len(name)
+            if limit is not None:
+                card["max_model_len"] = limit  # as vLLM reports it: the smallest of the workers serving it
+            data.append(card)
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

@@ -70,6 +70,9 @@ def test_two_workers_from_flags_serve_with_the_model_learned_from_the_engines():
         # no --model: the gateway asked each engine's /v1/models
         models = httpx.get(f"{gw}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == [MODEL]
+        # the context length, as the engines report it on their own model cards
+        engine_len = httpx.get(f"{a}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+        assert models["data"][0]["max_model_len"] == engine_len
         served_by = set()
         for _ in range(4):
             r = _chat(gw)

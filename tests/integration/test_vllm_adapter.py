@@ -25,6 +25,8 @@ async def test_health_and_models(vllm_engine: VllmEngine):
     async with httpx.AsyncClient() as c:
         assert await adapter.health(c, vllm_engine.url, timeout=5) is True
         assert await adapter.list_models(c, vllm_engine.url, timeout=5) == [vllm_engine.model]
+        cards = await adapter.model_cards(c, vllm_engine.url, timeout=5)
+        assert isinstance(cards[vllm_engine.model], int) and cards[vllm_engine.model] > 0  # vLLM's max_model_len
 
 
 async def test_tokenize_matches_tokens_the_engine_used(vllm_engine: VllmEngine):

@@ -86,6 +86,14 @@ def test_models_union_and_knows_model():
     assert reg.knows_model("cfg") and reg.knows_model("y") and not reg.knows_model("z")
 
 
+def test_max_model_len_is_the_smallest_reported_by_the_workers_serving_the_model():
+    reg = FleetRegistry([Worker("a", "http://a", models=["x"], max_model_len={"x": 8192})])
+    reg.add(Worker("b", "http://b", models=["x", "y"], max_model_len={"x": 4096}))  # y: not reported
+    assert reg.max_model_len("x") == 4096  # a request that fits must fit wherever it is routed
+    assert reg.max_model_len("y") is None
+    assert reg.max_model_len("unknown") is None
+
+
 def test_add_remove_and_listeners():
     reg = FleetRegistry()
     events: list[tuple[str, str]] = []
