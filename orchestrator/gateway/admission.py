@@ -373,19 +373,20 @@ class Intake:
         return identity.priority_from(headers.get(name), name)
 
     async def admit(self, identity: ClientIdentity, req: RouteRequest, headers: Any,
-                    gone: Callable[[], Awaitable[Any]] | None = None) -> bool:
-        """Rate limits, admission control, then a dispatch slot. True when a slot is held (``wrap`` the
-        response so it is released). ``gone`` returns when the client disconnects (``AdmissionGate.acquire``)."""
+                    gone: Callable[[], Awaitable[Any]] | None = None) -> tuple[bool, list[tuple[bytes, bytes]]]:
+        """Rate limits, admission control, then a dispatch slot. Returns (a slot is held — ``wrap`` the
+        response so it is released —, the ``x-ratelimit-*`` headers for the answer). ``gone`` returns when
+        the client disconnects (``AdmissionGate.acquire``)."""
         rank = self.rank(identity, headers)
         req.priority = rank
         tokens = req.prompt_tokens + (req.max_tokens if isinstance(req.max_tokens, int) else 0)
-        await self.limiter.check(identity, tokens)
+        limit_headers = await self.limiter.check(identity, tokens)
         if self.config.ttft_slo_s is not None:
             self.check_ttft(req)
         if self.gate is None:
-            return False
+            return False, limit_headers
         await self.gate.acquire(req.model, rank, gone)
-        return True
+        return True, limit_headers
 
     def check_ttft(self, req: RouteRequest) -> None:
         slo = self.config.ttft_slo_s

@@ -47,6 +47,26 @@ class Limit:
         return self.capacity / 60.0
 
 
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``1s``, ``6m0s``, ``250ms``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    return f"{whole // 60}m{whole % 60}s" if whole >= 60 else f"{whole}s"
+
+
+def ratelimit_headers(limits: list[Limit], levels: list[float]) -> list[tuple[bytes, bytes]]:
+    """OpenAI's ``x-ratelimit-limit|remaining|reset-<requests|tokens>`` for each bucket: the budget per
+    minute, what is left now, and how long until the bucket is full again."""
+    out = []
+    for lim, level in zip(limits, levels, strict=True):
+        d = lim.dimension.encode()
+        out.append((b"x-ratelimit-limit-" + d, str(int(lim.capacity)).encode()))
+        out.append((b"x-ratelimit-remaining-" + d, str(max(0, math.floor(level))).encode()))
+        out.append((b"x-ratelimit-reset-" + d, _duration(max(0.0, lim.capacity - level) / lim.per_s).encode()))
+    return out
+
+
 def limits_for(identity: ClientIdentity, tokens: int) -> list[Limit]:
     out = []
     if identity.rpm:
@@ -63,9 +83,9 @@ class LocalBuckets:
         self._buckets: dict[tuple[str, str], list[float]] = {}  # (key, dimension) → [level, updated]
         self.max_keys = max_keys
 
-    def take(self, key: str, limits: list[Limit], now: float) -> tuple[float, int]:
-        """Charge every bucket and return (0, -1), or charge nothing and return (seconds to wait,
-        index of the limit that needs the longest wait)."""
+    def take(self, key: str, limits: list[Limit], now: float) -> tuple[float, int, list[float]]:
+        """Charge every bucket and return (0, -1, levels after the charge), or charge nothing and return
+        (seconds to wait, index of the limit that needs the longest wait, levels now)."""
         levels = []
         wait, short = 0.0, -1
         for i, lim in enumerate(limits):
@@ -76,16 +96,19 @@ class LocalBuckets:
                 wait, short = (need - level) / lim.per_s, i
             levels.append(level)
         if wait > 0:
-            return wait, short
+            return wait, short, levels
         if len(self._buckets) > self.max_keys:
             self._buckets.clear()  # a full bucket is the default state: forgetting only forgives
-        for lim, level in zip(limits, levels, strict=True):
-            self._buckets[(key, lim.dimension)] = [level - lim.cost, now]
-        return 0.0, -1
+        left = [level - lim.cost for lim, level in zip(limits, levels, strict=True)]
+        for lim, level in zip(limits, left, strict=True):
+            self._buckets[(key, lim.dimension)] = [level, now]
+        return 0.0, -1, left
 
 
 # KEYS: one bucket hash per limit. ARGV: capacity, refill per ms, cost for each key in order.
-# Returns {0, 0} when charged, else {milliseconds to wait, 1-based index of the shortest bucket}. Time is Redis' own (TIME), so replicas agree.
+# Returns {0, 0, levels after the charge...} when charged, else {milliseconds to wait, 1-based index of the
+# shortest bucket, levels now...} (levels as strings: Lua numbers would be truncated to integers).
+# Time is Redis' own (TIME), so replicas agree.
 TAKE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -106,15 +129,21 @@ for i, key in ipairs(KEYS) do
   if level < need and (need - level) / rate > wait then wait, short = (need - level) / rate, i end
   levels[i] = level
 end
-if wait > 0 then return {math.ceil(wait), short} end
+if wait > 0 then
+  local out = {math.ceil(wait), short}
+  for i = 1, #KEYS do out[i + 2] = tostring(levels[i]) end
+  return out
+end
+local out = {0, 0}
 for i, key in ipairs(KEYS) do
   local cap = tonumber(ARGV[3 * i - 2])
   local rate = tonumber(ARGV[3 * i - 1])
   local left = levels[i] - tonumber(ARGV[3 * i])
   redis.call('HSET', key, 'level', tostring(left), 'ts', tostring(now))
   redis.call('PEXPIRE', key, math.ceil((cap - left) / rate) + 1000)
+  out[i + 2] = tostring(left)
 end
-return {0, 0}
+return out
 """
 
 
@@ -137,20 +166,25 @@ class RateLimiter:
     def shared(self) -> bool:
         return self.redis_url is not None
 
-    async def check(self, identity: ClientIdentity, tokens: int) -> None:
+    async def check(self, identity: ClientIdentity, tokens: int) -> list[tuple[bytes, bytes]]:
+        """Charge the request to its key's buckets; returns the ``x-ratelimit-*`` headers for the answer
+        (none for a key without limits), or raises ``RateLimited`` carrying them."""
         limits = limits_for(identity, tokens)
         if not limits:
-            return
-        wait, short = await self._take(identity.name, limits)
+            return []
+        wait, short, levels = await self._take(identity.name, limits)
+        headers = ratelimit_headers(limits, levels)
         if wait > 0:
             lim = limits[short]
             what = f"{lim.capacity:g} {lim.dimension} per minute"
             retry = max(1, math.ceil(wait))
             raise RateLimited(f"Rate limit of API key '{identity.name}' reached ({what}). Retry in {retry} s.",
                               code="tpm_exceeded" if lim.dimension == "tokens" else "rpm_exceeded",
-                              headers={"Retry-After": str(retry)})
+                              headers={"Retry-After": str(retry),
+                                       **{k.decode(): v.decode() for k, v in headers}})
+        return headers
 
-    async def _take(self, name: str, limits: list[Limit]) -> tuple[float, int]:
+    async def _take(self, name: str, limits: list[Limit]) -> tuple[float, int, list[float]]:
         now = self.clock.now()
         if self.redis_url is not None and now >= self._redis_down_until:
             try:
@@ -170,7 +204,7 @@ class RateLimiter:
             self.metrics.rate_limit_fallbacks.inc()
         return self.local.take(name, limits, now)
 
-    async def _take_redis(self, name: str, limits: list[Limit]) -> tuple[float, int]:
+    async def _take_redis(self, name: str, limits: list[Limit]) -> tuple[float, int, list[float]]:
         if self._redis is None:
             import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
@@ -190,8 +224,8 @@ class RateLimiter:
         args: list[float] = []
         for lim in limits:
             args += [lim.capacity, lim.per_s / 1000.0, lim.cost]
-        wait_ms, short = await self._script(keys=keys, args=args)
-        return int(wait_ms) / 1000.0, int(short) - 1
+        wait_ms, short, *levels = await self._script(keys=keys, args=args)
+        return int(wait_ms) / 1000.0, int(short) - 1, [float(v) for v in levels]
 
     async def close(self) -> None:
         if self._redis is not None:

@@ -83,7 +83,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         client_key = key
         # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
         with tracing.span("dyad.admission", model=model):
-            slot = await intake.admit(client, route_req, request.headers, request.receive)
+            slot, limit_headers = await intake.admit(client, route_req, request.headers, request.receive)
     except BaseException as err:
         intake.leave(client_key)
         if not isinstance(err, ApiError):
@@ -96,7 +96,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     strip_usage = stream and rq.ask_for_usage(body)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
     child(rt.metrics.inflight, model).inc()
-    return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record, strip_usage), model, rid, slot,
+    return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record, strip_usage, limit_headers), model, rid, slot,
                        client_key)
 
 
@@ -136,7 +136,7 @@ async def _passthrough(request: Request, endpoint: str, label: str) -> Any:
         route_req = RouteRequest(request_id=rid, model=model, prompt_tokens=1)
         intake.enter(key := intake.client_key(client, request))
         client_key = key
-        slot = await intake.admit(client, route_req, request.headers, request.receive)
+        slot, limit_headers = await intake.admit(client, route_req, request.headers, request.receive)
     except BaseException as err:
         intake.leave(client_key)
         rt.shutdown.finished()
@@ -147,7 +147,7 @@ async def _passthrough(request: Request, endpoint: str, label: str) -> Any:
         raise
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=False, generation=False)
     child(rt.metrics.inflight, model).inc()
-    return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record), model, rid, slot, client_key)
+    return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record, extra_headers=limit_headers), model, rid, slot, client_key)
 
 
 async def embeddings(request: Request) -> ProxyResponse:

@@ -58,7 +58,8 @@ class _Retry(Exception):
 
 class ProxyResponse:
     def __init__(self, runtime: GatewayRuntime, call: UpstreamCall, req: RouteRequest, endpoint_label: str,
-                 started: float, record: AccessRecord | None = None, strip_usage: bool = False) -> None:
+                 started: float, record: AccessRecord | None = None, strip_usage: bool = False,
+                 extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self.rt = runtime
         self.call = call
         self.req = req
@@ -70,6 +71,7 @@ class ProxyResponse:
         self.record = record or AccessRecord(request_id=call.request_id, model=call.model, endpoint=call.endpoint,
                                              stream=call.stream)
         self.root_span: tracing.OpenSpan = tracing.OpenSpan(None)  # dyad.request, begun by the route handler
+        self.extra_headers = extra_headers or []  # e.g. x-ratelimit-* from intake
         self.strip_usage = strip_usage  # the gateway asked for the stream's usage chunk: do not relay it
         self.usage: dict[str, Any] | None = None  # the engine's usage, when it gave one
         self.relayed_tokens = 0  # content events relayed (the count when the engine gives no usage)
@@ -150,7 +152,7 @@ class ProxyResponse:
         return self.attempt.worker_id if self.attempt else "none"
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
-        headers = [(b"x-request-id", self.call.request_id.encode())]
+        headers = [(b"x-request-id", self.call.request_id.encode()), *self.extra_headers]
         if self.attempt is not None and self.rt.config.router.debug_headers:
             d = self.attempt.decision
             headers.append((b"x-dyad-worker", d.worker.id.encode()))

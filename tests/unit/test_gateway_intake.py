@@ -79,9 +79,13 @@ def test_rate_limited_key_gets_429_with_retry_after(engine):
     keys = [{"name": "slow", "sha256": hash_key("k"), "rpm": 2}, {"name": "fast", "sha256": hash_key("f")}]
     gw = _gateway(engine, auth={"keys": keys})
     try:
-        assert [_complete(gw.url, "k").status_code for _ in range(2)] == [200, 200]
+        answers = [_complete(gw.url, "k") for _ in range(2)]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == ["1", "0"]
+        assert answers[0].headers["x-ratelimit-limit-requests"] == "2"
         r = _complete(gw.url, "k")
         assert r.status_code == 429 and r.json()["error"]["code"] == "rpm_exceeded"
+        assert r.headers["x-ratelimit-remaining-requests"] == "0" and r.headers["x-ratelimit-limit-requests"] == "2"
         assert 1 <= int(r.headers["retry-after"]) <= 30
         assert _complete(gw.url, "f").status_code == 200  # other keys are not affected
         assert _metric(gw, 'dyad_rejected_requests_total{reason="rpm_exceeded"}') == 1

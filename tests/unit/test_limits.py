@@ -15,19 +15,19 @@ from tests.fixtures.redis import redis_server, unique_prefix  # noqa: F401
 def test_bucket_refills_at_the_per_minute_rate():
     b = LocalBuckets()
     rpm = [Limit("requests", 60, 1)]
-    assert all(b.take("k", rpm, 0.0) == (0.0, -1) for _ in range(60))  # a full minute's burst
-    wait, short = b.take("k", rpm, 0.0)
+    assert all(b.take("k", rpm, 0.0)[:2] == (0.0, -1) for _ in range(60))  # a full minute's burst
+    wait, short, _ = b.take("k", rpm, 0.0)
     assert wait == pytest.approx(1.0) and short == 0
     assert b.take("k", rpm, 0.5)[0] == pytest.approx(0.5)
-    assert b.take("k", rpm, 1.0) == (0.0, -1)
-    assert b.take("other", rpm, 1.0) == (0.0, -1)  # keys do not share buckets
+    assert b.take("k", rpm, 1.0)[:2] == (0.0, -1)
+    assert b.take("other", rpm, 1.0)[:2] == (0.0, -1)  # keys do not share buckets
 
 
 def test_both_buckets_are_charged_together_or_not_at_all():
     b = LocalBuckets()
     limits = [Limit("requests", 10, 1), Limit("tokens", 1000, 800)]
     assert b.take("k", limits, 0.0)[0] == 0
-    wait, short = b.take("k", limits, 0.0)  # tokens short: 200 left, 800 needed
+    wait, short, _ = b.take("k", limits, 0.0)  # tokens short: 200 left, 800 needed
     assert short == 1 and wait == pytest.approx(600 / (1000 / 60))
     # the refused request did not take a request token: 9 one-token requests still fit
     assert all(b.take("k", [limits[0]], 0.0)[0] == 0 for _ in range(9))
@@ -45,11 +45,15 @@ async def test_limiter_raises_429_with_retry_after():
     clock = VirtualClock()
     lim = RateLimiter(clock)
     who = ClientIdentity("team", rpm=2)
-    await lim.check(who, 10)
-    await lim.check(who, 10)
+    first = dict(await lim.check(who, 10))
+    assert first == {b"x-ratelimit-limit-requests": b"2", b"x-ratelimit-remaining-requests": b"1",
+                     b"x-ratelimit-reset-requests": b"30s"}  # OpenAI's headers: 1 left, full again in 30 s
+    assert dict(await lim.check(who, 10))[b"x-ratelimit-remaining-requests"] == b"0"
     with pytest.raises(RateLimited) as e:
         await lim.check(who, 10)
     assert e.value.status == 429 and e.value.code == "rpm_exceeded" and e.value.headers["Retry-After"] == "30"
+    assert e.value.headers["x-ratelimit-remaining-requests"] == "0"
+    assert e.value.headers["x-ratelimit-reset-requests"] == "1m0s"  # empty bucket: a whole minute to refill
     assert "'team'" in e.value.message and "2 requests per minute" in e.value.message
     clock.advance(30)
     await lim.check(who, 10)
@@ -68,8 +72,9 @@ async def test_replicas_share_buckets_in_redis_and_fall_back_locally_when_it_is_
     b = RateLimiter(VirtualClock(), metrics, redis_url=redis_server.url, key_prefix=prefix)
     who = ClientIdentity("shared", rpm=6, tpm=1000)
     try:
-        for lim in (a, b, a, b, a, b):  # six requests between two replicas: the whole budget
-            await lim.check(who, 10)
+        seen = [dict(await lim.check(who, 10))[b"x-ratelimit-remaining-requests"]
+                for lim in (a, b, a, b, a, b)]  # six requests between two replicas: the whole budget
+        assert seen == [b"5", b"4", b"3", b"2", b"1", b"0"]  # one shared bucket, counted in Redis
         for lim in (a, b):
             with pytest.raises(RateLimited) as e:
                 await lim.check(who, 10)
