@@ -59,7 +59,7 @@ class InputGate:
         self._seen: dict[str, _Seen] = {}
 
     def _remember(self, obs: Observation) -> None:
-        for name in ("mean_isl", "mean_osl", "ttft_mean", "itl_mean"):
+        for name in ("mean_isl", "mean_osl", "ttft_mean", "ttft_p90", "itl_mean", "itl_p90"):
             v = getattr(obs, name)
             if v is not None:
                 self._seen[name] = _Seen(float(v), obs.at)
@@ -85,9 +85,9 @@ class InputGate:
         if osl is None:
             return Hold(OSL_MISSING, f"requests arrive but their output length is {self._age('mean_osl', now)}")
         if self.need_latency:
-            if self._fresh("ttft_mean", now) is None:
+            if self._fresh("ttft_mean", now) is None and self._fresh("ttft_p90", now) is None:
                 return Hold(LATENCY_MISSING, f"requests arrive but TTFT is {self._age('ttft_mean', now)}")
-            if osl > 1.5 and self._fresh("itl_mean", now) is None:
+            if osl > 1.5 and self._fresh("itl_mean", now) is None and self._fresh("itl_p90", now) is None:
                 return Hold(LATENCY_MISSING, f"requests decode but ITL is {self._age('itl_mean', now)}")
         # lengths carried over; latency is not (the correction compares it with this interval's load)
         return replace(obs, mean_isl=isl, mean_osl=osl)

@@ -50,7 +50,7 @@ def test_gate_holds_without_a_measured_rate():
 def test_gate_holds_when_lengths_or_latency_were_never_seen():
     g = InputGate(max_age_s=30)
     cases = [(dict(mean_isl=None), ISL_MISSING), (dict(mean_osl=None), OSL_MISSING),
-             (dict(ttft_mean=None), LATENCY_MISSING), (dict(itl_mean=None), LATENCY_MISSING)]
+             (dict(ttft_mean=None, ttft_p90=None), LATENCY_MISSING), (dict(itl_mean=None), LATENCY_MISSING)]
     for missing, reason in cases:
         out = InputGate(max_age_s=30).check(full(10, **missing), 10)
         assert isinstance(out, Hold) and out.reason == reason, (missing, out)
