@@ -398,8 +398,8 @@ class PlannerConfig(_Section):
     min_decode: int = Field(1, ge=1, description="Fewest decode workers")
     max_decode: int | None = Field(None, ge=1, description="Most decode workers (None: budget bound only)")
     profile: str | None = Field(
-        None, description="Performance profile JSON from `dyad profile`; None = a sweep of the simulator's "
-                          "gpu-like profile (replace it with a profile of your engines)")
+        None, description="Performance profile JSON from `dyad profile`; None = the shipped profile of a "
+                          "simulated GPU-like engine (replace it with a profile of your engines)")
     predictor: Literal["constant", "ewma", "linear", "holt_winters", "auto"] = Field(
         "auto", description="Load predictor; auto = lowest rolling backtest error")
     season: int = Field(24, ge=2, description="Holt-Winters season length, in intervals")
@@ -428,6 +428,9 @@ class PlannerConfig(_Section):
         None, ge=0, description="Seconds a role change takes; set it to let the planner move workers between "
                                 "roles (always on for actuator role_change)")
     correct_from_latency: bool = Field(True, description="Correct the profile from observed TTFT/ITL")
+    input_max_age_s: float | None = Field(
+        None, gt=0, description="Plan only on inputs measured this recently: ISL/OSL/latency older than this "
+                                "(default: 3 x interval_s) make the planner hold its sizes and say why")
     prometheus_url: str | None = Field(
         None, description="Read inputs from this Prometheus (HTTP API); None = scrape the gateway's own metrics")
     prometheus_window_s: float | None = Field(

@@ -21,6 +21,11 @@ from orchestrator.router.pd_selection import (
 )
 from orchestrator.router.types import RouteDecision, RouteRequest
 
+# ``threshold_from_profile`` of the simulator's GPU-like engine profile (an 8B-class model on one
+# H100-class GPU), written out so the gateway does not import the simulator (a leaf);
+# tests/unit/test_disagg_flows.py checks it still equals the derivation.
+GPU_LIKE_MIN_PREFILL_TOKENS = 141
+
 
 def resolve_min_prefill_tokens(configured: int | None, profile: Any | None = None) -> int:
     """``disagg.min_prefill_tokens`` when set; else derived from the engine profile (default: the
@@ -28,8 +33,7 @@ def resolve_min_prefill_tokens(configured: int | None, profile: Any | None = Non
     if configured is not None:
         return configured
     if profile is None:
-        from orchestrator.sim.profiles import GPU_LIKE
-        profile = GPU_LIKE
+        return GPU_LIKE_MIN_PREFILL_TOKENS
     return threshold_from_profile(profile)
 
 

@@ -44,7 +44,7 @@ from adapters.base import EngineAdapter, EngineKind
 from orchestrator.config import DyadConfig
 from orchestrator.fleet.worker import Worker
 from orchestrator.kv.hashing import BlockHasher
-from orchestrator.sim.tokenizer import SimTokenizer
+from orchestrator.kv.word_tokenizer import SimTokenizer
 
 log = logging.getLogger("dyad.kv.tokenization")
 

@@ -9,8 +9,11 @@ stop), Kubernetes, or role changes through the disagg ``RoleManager`` (``runtime
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +30,7 @@ from orchestrator.planner.actuators import (
     RoleChangeActuator,
 )
 from orchestrator.planner.core import Planner, PlannerSettings
+from orchestrator.planner.inputs import InputGate
 from orchestrator.planner.metrics_source import DirectSource, PrometheusSource
 from orchestrator.planner.perf_model import PerfModel
 from orchestrator.planner.service import PlannerService, Source, views_from_workers
@@ -34,6 +38,7 @@ from orchestrator.planner.solver import Limits, Targets
 
 log = logging.getLogger("dyad.planner")
 
+STOP_GRACE_S = 30.0  # longest a stop waits (in the background) for requests routed after the planner saw it idle
 ROLE_CHANGE_S = 1.0  # what a role change costs when the config does not say: a drain, no restart
 
 
@@ -56,16 +61,19 @@ def settings_from_config(cfg: PlannerConfig) -> PlannerSettings:
         burst_window_s=cfg.burst_window_s, fixed_fleet=cfg.actuator == "role_change")
 
 
+# Shipped as package data: `dyad profile --sim gpu-like --out orchestrator/planner/profiles/gpu-like.json`
+# (a virtual-time sweep of the simulator's GPU-like engine). The gateway reads the JSON; it never runs
+# the simulator (tests/unit/test_sim_is_a_leaf.py keeps it that way and checks the file is current).
+DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "gpu-like.json"
+
+
 def perf_model_from_config(cfg: PlannerConfig) -> PerfModel:
-    """The configured profile, or a sweep of the simulator's gpu-like profile (a stand-in)."""
+    """The configured profile, or the shipped pre-swept gpu-like profile (a stand-in)."""
     if cfg.profile:
         return PerfModel.load(cfg.profile)
-    from orchestrator.sim.profiles import load_profile
-    from orchestrator.sim.virtual_time import sweep_profile
-
-    log.warning("planner.profile is not set: planning with the simulator's gpu-like profile; "
-                "run `dyad profile --url <engine>` and set planner.profile")
-    return PerfModel.from_dict(sweep_profile(load_profile("gpu-like")))
+    log.warning("planner.profile is not set: planning with the shipped profile of a simulated GPU-like engine "
+                "(%s); run `dyad profile --url <engine>` and set planner.profile", DEFAULT_PROFILE.name)
+    return PerfModel.load(DEFAULT_PROFILE)
 
 
 def source_from_config(cfg: PlannerConfig, read_metrics: Callable[[], bytes | str], http: Any = None) -> Source:
@@ -157,16 +165,44 @@ class _DrainingLocal:
     def __init__(self, local: LocalProcessActuator, runtime: Any) -> None:
         self.local = local
         self.runtime = runtime
+        self._stopping: dict[str, asyncio.Task[None]] = {}  # worker id → stop once idle
 
     async def close(self) -> None:
+        for task in list(self._stopping.values()):
+            task.cancel()
+        await asyncio.gather(*self._stopping.values(), return_exceptions=True)
         await self.local.close()
+
+    async def _stop_when_idle(self, worker: Worker) -> None:
+        try:
+            deadline = asyncio.get_running_loop().time() + STOP_GRACE_S
+            while worker.inflight > 0 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            await self.local.stop(worker.id)
+        finally:
+            self._stopping.pop(worker.id, None)
 
     async def apply(self, decision: Any) -> list[str]:
         done = []
+        fleet = self.runtime.fleet
+        later = set()
         for a in decision.actions:
-            if a.kind == "drain" and a.worker_id and self.runtime.fleet.get(a.worker_id) is not None:
-                self.runtime.fleet.drain(a.worker_id)
+            if a.kind == "drain" and a.worker_id and fleet.get(a.worker_id) is not None:
+                fleet.drain(a.worker_id)
                 done.append(f"draining {a.worker_id}")
+            elif a.kind == "stop" and a.worker_id and (w := fleet.get(a.worker_id)) is not None:
+                # The planner saw it idle, but the router may have sent it a request since: take it out of
+                # rotation first; if something is in flight, stop it once that finished (the loop goes on).
+                if w.state is not WorkerState.DRAINING:
+                    fleet.drain(w.id)
+                if w.inflight > 0 and a.worker_id in self.local.processes:
+                    later.add(a.worker_id)
+                    if a.worker_id not in self._stopping:
+                        self._stopping[a.worker_id] = asyncio.create_task(self._stop_when_idle(w))
+                    done.append(f"stopping {a.worker_id} once its {w.inflight} request(s) finish")
+        if later:
+            decision = replace(decision, actions=[a for a in decision.actions
+                                                  if not (a.kind == "stop" and a.worker_id in later)])
         return done + await self.local.apply(decision)
 
 
@@ -187,6 +223,24 @@ def stoppable_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
     return None
 
 
+def starting_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
+    """Which unhealthy workers are engines the local actuator started that have not been healthy yet
+    (a worker that was healthy once and fell over is unhealthy, not starting)."""
+    local = actuator.local if isinstance(actuator, _DrainingLocal) else getattr(actuator, "fallback", None)
+    if not isinstance(local, LocalProcessActuator):
+        return None
+    served: set[str] = set()
+
+    def starting(w: Worker) -> bool:
+        if w.id not in local.processes:
+            return False
+        if w.health_ok or w.last_served_at is not None:
+            served.add(w.id)
+        return w.id not in served
+
+    return starting
+
+
 def build_service(runtime: Any, read_metrics: Callable[[], bytes | str]) -> PlannerService:
     cfg: PlannerConfig = runtime.config.planner
     decode_perf = PerfModel.load(cfg.decode_profile) if cfg.decode_profile else None
@@ -194,8 +248,10 @@ def build_service(runtime: Any, read_metrics: Callable[[], bytes | str]) -> Plan
     runtime.metrics.planner_max_workers.set(cfg.max_workers)
     actuator = actuator_from_config(cfg, runtime)
     stoppable = stoppable_by(actuator)
+    starting = starting_by(actuator)
+    gate = InputGate(cfg.input_max_age_s or 3 * cfg.interval_s, need_latency=cfg.correct_from_latency)
     return PlannerService(planner, source_from_config(cfg, read_metrics), actuator,
-                          fleet=lambda: views_from_workers(runtime.fleet.workers(), stoppable), clock=runtime.clock,
-                          metrics=runtime.metrics)
+                          fleet=lambda: views_from_workers(runtime.fleet.workers(), stoppable, starting), clock=runtime.clock,
+                          metrics=runtime.metrics, gate=gate)
 
 

@@ -1,5 +1,12 @@
 """Where the planner's inputs come from: one ``Observation`` per interval.
 
+Demand, not throughput: the request rate is *arrivals* (``dyad_request_arrivals_total``, counted when a
+request arrives, whether it is then served, queued or refused) and the mean ISL is arrived prompt
+tokens over arrivals (``dyad_request_arrival_prompt_tokens_total``). Under overload the finished-request
+rate is what the fleet manages, not what it is asked for; sizing from it under-provisions while the
+queue grows and overshoots once the backlog clears. Finished requests give only what needs a finish:
+the mean OSL (generated tokens) and latency (TTFT/ITL).
+
 Two sources, same output:
 - ``PrometheusSource`` asks a Prometheus server (HTTP API, instant queries over ``dyad_*`` series
   the gateway exports); use it when Prometheus already scrapes the gateway.
@@ -28,8 +35,9 @@ class Observation:
 
     at: float
     window_s: float
-    request_rate: float = 0.0  # finished requests per second
-    peak_rate: float | None = None  # highest rate over PEAK_WINDOW_S sub-windows: how bursty arrivals are
+    request_rate: float | None = 0.0  # arriving requests per second (None = not measured)
+    peak_rate: float | None = None  # highest arrival rate over PEAK_WINDOW_S sub-windows: how bursty
+    finished_rate: float | None = None  # finished requests per second (throughput; not used for sizing)
     mean_isl: float | None = None
     mean_osl: float | None = None
     ttft_mean: float | None = None
@@ -71,10 +79,12 @@ def prometheus_queries(window: str, model: str | None = None) -> dict[str, str]:
         return f"histogram_quantile({p}, sum by (le) (rate({h}_bucket{sel}[{window}])))"
 
     return {
-        "request_rate": f"sum(rate(dyad_request_e2e_seconds_count{sel}[{window}]))",
-        "peak_rate": (f"max_over_time(sum(rate(dyad_request_e2e_seconds_count{sel}[{PEAK_WINDOW_S:g}s]))"
+        "request_rate": f"sum(rate(dyad_request_arrivals_total{sel}[{window}]))",
+        "peak_rate": (f"max_over_time(sum(rate(dyad_request_arrivals_total{sel}[{PEAK_WINDOW_S:g}s]))"
                       f"[{window}:1s])"),
-        "mean_isl": mean("dyad_request_prompt_tokens"),
+        "finished_rate": f"sum(rate(dyad_request_e2e_seconds_count{sel}[{window}]))",
+        "mean_isl": (f"sum(rate(dyad_request_arrival_prompt_tokens_total{sel}[{window}])) / "
+                     f"sum(rate(dyad_request_arrivals_total{sel}[{window}]))"),
         "mean_osl": mean("dyad_request_generation_tokens"),
         "ttft_mean": mean("dyad_request_ttft_seconds"),
         "ttft_p90": q("dyad_request_ttft_seconds", 0.9),
@@ -138,7 +148,7 @@ class PrometheusSource:
         values = dict(zip(queries, answers, strict=True))
         rate = values.pop("request_rate")
         if rate is None:
-            raise NoPrometheusData(f"Prometheus at {self.url} has no dyad_request_e2e_seconds_count samples over "
+            raise NoPrometheusData(f"Prometheus at {self.url} has no dyad_request_arrivals_total samples over "
                                    f"the last {window} (just restarted, or not scraping the gateway); holding")
         return Observation(at=now, window_s=self.window_s, request_rate=rate, **values)
 
@@ -153,11 +163,13 @@ class Scrape:
     histograms: dict[str, Histogram]
     counters: dict[str, float]
     gauges: dict[str, list[float]]
+    has_arrivals: bool = True  # the arrival counter family was exported (its absence: rate unknown)
 
 
 _HISTS = ("dyad_request_ttft_seconds", "dyad_request_itl_seconds", "dyad_request_prompt_tokens",
           "dyad_request_generation_tokens", "dyad_request_e2e_seconds")
-_COUNTERS = ("dyad_predicted_cached_tokens_total", "dyad_routed_prompt_tokens_total")
+_COUNTERS = ("dyad_predicted_cached_tokens_total", "dyad_routed_prompt_tokens_total",
+             "dyad_request_arrivals_total", "dyad_request_arrival_prompt_tokens_total")
 _GAUGES = ("dyad_worker_waiting_requests", "dyad_worker_running_requests", "dyad_worker_kv_usage_ratio")
 
 
@@ -168,7 +180,10 @@ def parse_gateway_metrics(text: str, at: float) -> Scrape:
     counts = dict.fromkeys(_HISTS, 0.0)
     counters = dict.fromkeys(_COUNTERS, 0.0)
     gauges: dict[str, list[float]] = {g: [] for g in _GAUGES}
+    has_arrivals = False
     for fam in text_string_to_metric_families(text):
+        if fam.name == "dyad_request_arrivals":
+            has_arrivals = True
         for s in fam.samples:
             name = s.name
             if name.endswith("_bucket") and name[:-7] in buckets:
@@ -184,7 +199,7 @@ def parse_gateway_metrics(text: str, at: float) -> Scrape:
             elif name in gauges:
                 gauges[name].append(s.value)
     hists = {h: Histogram(sorted(buckets[h].items()), sums[h], counts[h]) for h in _HISTS}
-    return Scrape(at=at, histograms=hists, counters=counters, gauges=gauges)
+    return Scrape(at=at, histograms=hists, counters=counters, gauges=gauges, has_arrivals=has_arrivals)
 
 
 def observation_from_scrapes(prev: Scrape, cur: Scrape) -> Observation:
@@ -198,10 +213,13 @@ def observation_from_scrapes(prev: Scrape, cur: Scrape) -> Observation:
         return d if d >= 0 else cur.counters[name]
 
     routed = delta("dyad_routed_prompt_tokens_total")
+    arrived = delta("dyad_request_arrivals_total")
+    arrived_tokens = delta("dyad_request_arrival_prompt_tokens_total")
     g = cur.gauges
     return Observation(
-        at=cur.at, window_s=window, request_rate=finished / window,
-        mean_isl=h["dyad_request_prompt_tokens"].mean(), mean_osl=h["dyad_request_generation_tokens"].mean(),
+        at=cur.at, window_s=window, request_rate=arrived / window, finished_rate=finished / window,
+        mean_isl=arrived_tokens / arrived if arrived > 0 else None,
+        mean_osl=h["dyad_request_generation_tokens"].mean(),
         ttft_mean=h["dyad_request_ttft_seconds"].mean(), ttft_p90=h["dyad_request_ttft_seconds"].quantile(0.9),
         ttft_p99=h["dyad_request_ttft_seconds"].quantile(0.99),
         itl_mean=h["dyad_request_itl_seconds"].mean(), itl_p90=h["dyad_request_itl_seconds"].quantile(0.9),
@@ -214,7 +232,8 @@ def observation_from_scrapes(prev: Scrape, cur: Scrape) -> Observation:
 
 
 class DirectSource:
-    """Scrapes the gateway's metrics each interval; the first call only primes (rate 0, no lengths).
+    """Scrapes the gateway's metrics each interval; the first call only primes (``window_s`` 0,
+    rate not measured).
 
     Give ``metrics_url`` (``{gateway}/metrics`` over HTTP) or ``read`` (a callable returning the
     exposition text: what the gateway itself uses, no round trip through its own port).
@@ -248,5 +267,8 @@ class DirectSource:
         cur = parse_gateway_metrics(await self._text(), now)
         prev, self._prev = self._prev, cur
         if prev is None:
-            return Observation(at=now, window_s=0.0)
+            return Observation(at=now, window_s=0.0, request_rate=None)
+        if not cur.has_arrivals:
+            # a gateway that does not export arrival counters: demand is not measured (never plan on 0)
+            return Observation(at=now, window_s=cur.at - prev.at, request_rate=None)
         return observation_from_scrapes(prev, cur)

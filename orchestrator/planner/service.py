@@ -2,6 +2,12 @@
 
 The gateway owns one ``PlannerService`` (``runtime.planner``) when ``planner.enabled``; the admin
 route ``GET /admin/planner`` (``routes.py``) shows its last decisions.
+
+Inputs or no action: every observation passes the ``InputGate`` (``inputs.py``) first. When the
+source fails or the rate, ISL/OSL or latency are missing or stale, the service *holds*: it does not
+call the planner (which would plan from defaults), only completes drains already under way, counts
+``dyad_planner_held_total{reason}``, shows ``held`` on ``/admin/planner`` and logs one line each time
+the reason changes (and one when it plans again).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from orchestrator.clock import Clock
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.planner.actuators import Actuator, export_metrics
 from orchestrator.planner.core import PlanDecision, Planner, WorkerView
+from orchestrator.planner.inputs import SOURCE_UNAVAILABLE, Hold, InputGate, held_decision
 from orchestrator.planner.metrics_source import Observation
 from orchestrator.telemetry import audit
 from orchestrator.telemetry.metrics import DyadMetrics
@@ -29,12 +36,17 @@ class Source(Protocol):
 
 
 def views_from_workers(workers: Iterable[Worker],
-                       stoppable: Callable[[Worker], bool] | None = None) -> list[WorkerView]:
+                       stoppable: Callable[[Worker], bool] | None = None,
+                       starting: Callable[[Worker], bool] | None = None) -> list[WorkerView]:
     """Registry workers → what the planner sees (a pending role change counts as the new role).
-    ``stoppable`` says which workers the actuator can stop (default: all)."""
+    ``stoppable`` says which workers the actuator can stop (default: all); ``starting`` which of the
+    not-yet-healthy ones the actuator is still starting (counted as capacity on its way, so the
+    planner does not start them twice)."""
     out = []
     for w in workers:
         state = {WorkerState.HEALTHY: "healthy", WorkerState.DRAINING: "draining"}.get(w.state, "unhealthy")
+        if starting is not None and starting(w) and state == "unhealthy":  # called for every worker: it
+            state = "starting"                                            # tracks which were up once
         role = w.target_role or w.role
         out.append(WorkerView(w.id, role, state, w.inflight, int(w.load.waiting),
                               stoppable=True if stoppable is None else stoppable(w)))
@@ -44,8 +56,11 @@ def views_from_workers(workers: Iterable[Worker],
 class PlannerService:
     def __init__(self, planner: Planner, source: Source, actuator: Actuator,
                  fleet: Callable[[], list[WorkerView]], clock: Clock, metrics: DyadMetrics | None = None,
-                 history: int = 50) -> None:
+                 history: int = 50, gate: InputGate | None = None) -> None:
         self.planner = planner
+        s = planner.settings
+        self.gate = gate or InputGate(max_age_s=3 * s.interval_s, need_latency=s.correct_from_latency)
+        self.held: dict[str, Any] | None = None  # why the last interval held (None: it planned)
         self.source = source
         self.actuator = actuator
         self.fleet = fleet
@@ -59,8 +74,19 @@ class PlannerService:
 
     async def run_once(self) -> PlanDecision:
         now = self.clock.now()
-        obs = await self.source.observe(now)
-        decision = self.planner.step(obs, self.fleet(), now)
+        try:
+            raw = await self.source.observe(now)
+        except Exception as e:  # the source is down or has no data: hold (never plan on nothing)
+            checked: Observation | Hold = Hold(SOURCE_UNAVAILABLE, f"{type(e).__name__}: {e}")
+            raw = None
+        else:
+            checked = self.gate.check(raw, now)
+        fleet = self.fleet()
+        if isinstance(checked, Hold):
+            decision = self._hold(checked, raw, fleet, now)
+        else:
+            self._set_held(None, now)
+            decision = self.planner.step(checked, fleet, now)
         if self.actuator.name == "recommend" or not decision.actions:
             done = await self.actuator.apply(decision)
         else:  # the planner changes the fleet: an audit line, as for an admin action
@@ -111,6 +137,27 @@ class PlannerService:
                 log.warning("planner load-mode look failed: %s", self.last_error)
         await asyncio.sleep(left)
 
+    def _hold(self, hold: Hold, obs: Observation | None, fleet: list[WorkerView], now: float) -> PlanDecision:
+        self._set_held(hold, now)
+        if self.metrics is not None:
+            self.metrics.planner_held.labels(hold.reason).inc()
+        return held_decision(self.planner, hold, obs, fleet, now)
+
+    def _set_held(self, hold: Hold | None, now: float) -> None:
+        before = self.held["reason"] if self.held else None
+        after = hold.reason if hold else None
+        if before != after:
+            if hold is None:
+                log.info("planner: inputs are fresh again, planning (held since %.0f for %s)",
+                         self.held["since"] if self.held else now, before)
+            else:
+                log.warning("planner: holding the current sizes (%s): %s", hold.reason, hold.detail)
+        if hold is None:
+            self.held = None
+        else:
+            since = self.held["since"] if self.held and before == after else now
+            self.held = {"reason": hold.reason, "detail": hold.detail, "since": since}
+
     async def run(self) -> None:
         """Plan every ``interval_s`` until cancelled (``GatewayRuntime.add_task`` runs it); on the way
         out the actuator is closed (engines a local actuator started do not outlive the gateway)."""
@@ -144,7 +191,7 @@ class PlannerService:
         return {
             "actuator": self.actuator.name, "interval_s": s.interval_s,
             "targets": {"ttft_s": s.targets.ttft_s, "itl_s": s.targets.itl_s},
-            "limits": vars(s.limits), "last_error": self.last_error,
+            "limits": vars(s.limits), "last_error": self.last_error, "held": self.held,
             "draining": self.planner.draining(),
             "last": self.history[-1] if self.history else None,
             "history": list(self.history),

@@ -16,7 +16,8 @@ from pathlib import Path
 from orchestrator.sim.engine_model import EngineModel, SimRequest, SimRequestError
 from orchestrator.sim.profiles import load_profile
 
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+# default: the shared traces folder beside the repository checkout (override with --trace)
+TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 def main() -> None:

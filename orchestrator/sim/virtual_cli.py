@@ -1,9 +1,11 @@
 """``dyad sim``: replay a trace against a simulated P/D (or aggregated) fleet in virtual time.
 
-    dyad sim --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --prefill 6 --decode 4 \
+    dyad sim --trace shared/traces/mooncake_synthetic_trace.jsonl --prefill 6 --decode 4 \
              --profile gpu-like --ttft 2 --itl 0.05
 
-Prints SLO attainment, latency percentiles, worker-hours and how fast the simulation ran.
+Prints SLO attainment, latency percentiles, worker-hours and how fast the simulation ran. Requests are
+routed by the live gateway's ``Router`` (the ``--policy``; P/D pair selection with ``--prefill/--decode``,
+the local-prefill threshold derived from the profile as the gateway derives it, or ``--min-prefill-tokens``).
 ``--planner`` lets the SLO planner resize the fleet (the given split is the starting point).
 """
 
@@ -16,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from orchestrator.router.pd_selection import PdSelectionSettings
 from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
 
 
@@ -85,6 +88,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=0, help="prefill workers")
     parser.add_argument("--decode", type=int, default=0, help="decode workers")
     parser.add_argument("--aggregated", type=int, default=0, help="aggregated (prefill+decode) workers")
+    parser.add_argument("--min-prefill-tokens", type=int, default=None,
+                        help="P/D: uncached prompts shorter than this prefill on their decode worker "
+                             "(disagg.min_prefill_tokens; default: derived from the profile)")
     parser.add_argument("--planner", action="store_true", help="let the SLO planner resize the P/D fleet")
     parser.add_argument("--budget", type=int, default=None, help="planner worker budget (default: 4x the start)")
 
@@ -118,9 +124,10 @@ def run(args: argparse.Namespace) -> int:
         budget = args.budget or 4 * (args.prefill + args.decode)
         scaler = make_planner(args, profile, budget)
     cost = tier_cost_of(profile)  # a host tier in the profile: credit its hits at the reload cost
+    pd = None if args.min_prefill_tokens is None else PdSelectionSettings(min_prefill_tokens=args.min_prefill_tokens)
     fleet = VirtualFleet(profile, FleetSpec(args.prefill, args.decode, args.aggregated), policy=args.policy,
                          scaler=scaler, interval_s=args.interval, start_s=args.start_s,
-                         role_change_s=args.role_change_s,
+                         role_change_s=args.role_change_s, pd_settings=pd,
                          kv_aware=KvAwareConfig(tier_cost=cost) if cost is not None else None)
     result = fleet.run(reqs)
     s = result.summary(args.ttft, args.itl)

@@ -1,9 +1,14 @@
 """Replay a trace against a simulated fleet in virtual time: no sockets, no sleeps.
 
-A discrete-event loop over a ``VirtualClock`` drives one engine model per worker. Routing uses the
-live gateway's policies (``make_policy`` on ``Worker`` objects whose load and in-flight counts the
-loop keeps current); scaling uses the live planner (``Planner.step``) or a baseline behind the same
-interface. What is simulated, and how:
+A discrete-event loop over a ``VirtualClock`` drives one engine model per worker. Routing is the
+live gateway's: a ``Router`` over a ``FleetRegistry`` with the configured policy, wrapped for P/D
+fleets in ``PdRoutingPolicy`` (pair selection, conditional disaggregation) exactly as
+``orchestrator.disagg.install`` wraps it; ``Router.begin`` / ``first_token`` / ``finish`` keep the
+books the policies read (in-flight counts, the prefill ledger). The fleet only supplies state, as
+the gateway's scrape loop and KV-event index do live: each worker's engine load (running, waiting,
+KV usage) and, when a prefix index is on, each worker's cached prefix of the request (read from the
+engine models' caches, ``EngineCacheIndex``). It never chooses a worker. Scaling uses the live
+planner (``Planner.step``) or a baseline behind the same interface. What is simulated, and how:
 
 - **Engines** (``ModelEngine``): the simulated engine server's own pure core
   (``orchestrator/sim/engine_model.py``: vLLM-style continuous batching, chunked prefill, a block
@@ -12,9 +17,11 @@ interface. What is simulated, and how:
   run of pure-decode steps at once and the fleet wakes up only at the run's end (a newcomer cuts
   the run at the step boundary), so cost scales with requests, not tokens: an hour of a 32-worker
   fleet takes seconds of CPU. There is one engine model for the live sim server and this simulator.
-- **P/D**: a prefill worker prefills, the KV moves to a decode worker in
-  ``profile.transfer_seconds(prompt)``, the decode worker produces every output token. Aggregated
-  workers (role both) do chunked prefill and decode in the same steps.
+- **P/D**: the router picks the pair on arrival (as the gateway does); the prefill worker
+  prefills, the KV moves to the chosen decode worker in ``profile.transfer_seconds(prompt)``, the
+  decode worker produces every output token. A request pair selection keeps local (short uncached
+  prompt) is prefilled by its decode worker. Aggregated workers (role both) do chunked prefill and
+  decode in the same steps.
 - **Scaling**: started workers serve after ``start_s``; a role change takes ``role_change_s``; a
   drained worker takes no new requests and is stopped (or switched) once idle. Worker-hours count
   every worker from its start request to its stop, including start-up and draining.
@@ -33,12 +40,16 @@ from typing import Any, Protocol
 from adapters.base import EngineKind, Role
 from orchestrator.clock import VirtualClock
 from orchestrator.config import KvAwareConfig, RouterConfig
+from orchestrator.errors import NoHealthyWorker
+from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.kv.tier_cost import effective_tier_weights
-from orchestrator.planner.core import Action, PlanDecision, WorkerView
+from orchestrator.planner.core import Action, PlanDecision, Planner, WorkerView
+from orchestrator.planner.inputs import Hold, InputGate, held_decision
 from orchestrator.planner.metrics_source import PEAK_WINDOW_S, Observation
-from orchestrator.router.inflight import InflightLedger
+from orchestrator.router.pd_selection import PdRoutingPolicy, PdSelectionSettings, threshold_from_profile
 from orchestrator.router.policies import make_policy
+from orchestrator.router.router import Router
 from orchestrator.router.types import Overlap, RouteDecision, RouteRequest
 from orchestrator.sim.engine_model import EngineModel
 from orchestrator.sim.engine_model import SimRequest as ModelRequest
@@ -247,25 +258,93 @@ class SimResult:
         }
 
 
+def run_sync(coro: Any) -> Any:
+    """Run a coroutine that never waits on I/O (the Router over the virtual fleet's in-memory
+    state) to completion, synchronously, inside the discrete-event loop."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("the router waited on I/O in virtual time (a tracker that is not in-memory?)")
+
+
+class EngineCacheIndex:
+    """The virtual fleet's prefix tracker: what the live KV-event index would answer, read from the
+    simulated engines' block caches (one simulated block = one request block id). Supplies state,
+    decides nothing: the Router and its policy choose."""
+
+    def __init__(self, fleet: VirtualFleet) -> None:
+        self.fleet = fleet
+
+    async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
+                       candidates: list[Worker]) -> None:
+        if not req.block_hashes:
+            return
+        host_credit = self.fleet.host_credit
+        for w in candidates:
+            sw = self.fleet.workers.get(w.id)
+            if sw is None:
+                continue
+            dev, host = sw.engine.model.cached_prefix_tiers(req.block_hashes)
+            if dev or host:  # what the KV-event index holds per tier, credited as the gateway does
+                req.overlaps[w.id] = Overlap(blocks=dev + host, weighted_blocks=dev + host_credit * host)
+
+    async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
+        return None
+
+
+@dataclass(eq=False)
+class _Routed:
+    """A dispatched request's route: the live Router's decision and the request as routed."""
+
+    decision: RouteDecision
+    rr: RouteRequest
+
+
 class VirtualFleet:
-    """The event loop. ``run(requests)`` replays them and returns a ``SimResult``."""
+    """The event loop. ``run(requests)`` replays them and returns a ``SimResult``.
+
+    ``policy`` is ``router.policy``; ``prefix_index`` plugs in ``EngineCacheIndex`` (default: on
+    for ``kv_aware``, as a live gateway runs kv_aware with its KV-event index). P/D fleets route with
+    ``PdRoutingPolicy``; ``pd_settings`` defaults to what ``disagg.install`` derives from the engine
+    profile (``threshold_from_profile``). ``route_log`` keeps every routing decision:
+    ``(request id, decode-or-serving worker, prefill worker or None, reason)``.
+    """
 
     def __init__(self, profile: EngineProfile, spec: FleetSpec, *, policy: str = "least_load",
                  scaler: Scaler | None = None, interval_s: float = 30.0, start_s: float = 60.0,
                  role_change_s: float = 5.0, block_tokens: int = 512, seed: int = 0,
                  on_decision: Callable[[PlanDecision], None] | None = None,
                  kv_aware: KvAwareConfig | None = None,
-                 role_profiles: dict[Role, EngineProfile] | None = None) -> None:
+                 role_profiles: dict[Role, EngineProfile] | None = None,
+                 pd_settings: PdSelectionSettings | None = None, prefix_index: bool | None = None,
+                 model: str = "sim") -> None:
         self.profile = profile
         self.role_profiles = role_profiles or {}  # per-role hardware (a worker keeps its engine on a role change)
         self.clock = VirtualClock()
         self.block_tokens = block_tokens
+        self.model = model
         self.router_config = RouterConfig(policy=policy, seed=seed, kv_aware=kv_aware or KvAwareConfig())
-        self.prefill_policy = make_policy(self.router_config)
-        self.decode_policy = make_policy(self.router_config)
-        self.kv_aware = policy == "kv_aware"
+        self.registry = FleetRegistry(configured_models=[model])
+        self.pd = spec.prefill > 0 or spec.decode > 0
+        self.pd_settings = pd_settings or PdSelectionSettings(min_prefill_tokens=threshold_from_profile(profile))
+        route_policy: Any = make_policy(self.router_config)
+        if self.pd:
+            registry = self.registry
+
+            def prefill_pool(model: str) -> list[Worker]:  # as disagg.install
+                return [w for w in registry.candidates(model, Role.PREFILL) if w.role == Role.PREFILL]
+
+            route_policy = PdRoutingPolicy(route_policy, self.pd_settings, prefill_pool)
         self.host_credit = effective_tier_weights(self.router_config.kv_aware).get("host", 0.0)
+        self.prefix_index = policy == "kv_aware" if prefix_index is None else prefix_index
+        self.router = Router(route_policy, self.registry, self.clock,
+                             prefix_tracker=EngineCacheIndex(self) if self.prefix_index else None)
         self.scaler = scaler
+        # the live planner's input check (the same gate PlannerService uses); baselines take raw inputs
+        self.gate = (InputGate(3 * interval_s, need_latency=scaler.settings.correct_from_latency)
+                     if isinstance(scaler, Planner) else None)
         self.interval_s = interval_s
         self.start_s = start_s
         self.role_change_s = role_change_s
@@ -280,10 +359,10 @@ class VirtualFleet:
         self._seq = 0
         self._version: dict[str, int] = {}
         self._next_id = 0
-        self.inflight = InflightLedger()  # the live Router's books of dispatched prefill
-        self._pending: dict[Role, deque[SimRequest]] = {Role.PREFILL: deque(), Role.DECODE: deque(),
-                                                         Role.BOTH: deque()}
-        self.pd = spec.prefill > 0 or spec.decode > 0
+        self._routes: dict[int, _Routed] = {}
+        self._pending: deque[SimRequest] = deque()  # arrivals no worker could take yet
+        self._pending_decode: deque[SimRequest] = deque()  # prefilled, their decode worker gone
+        self.route_log: list[tuple[int, str, str | None, str]] = []
         self._worker_seconds = 0.0
         self._last_t = 0.0
         self._window: list[SimRequest] = []  # arrivals since the last planner tick
@@ -294,6 +373,11 @@ class VirtualFleet:
             for _ in range(n):
                 self._add_worker(role, 0.0, ready=True)
 
+    @property
+    def inflight(self) -> Any:
+        """The Router's prefill ledger (``router.inflight``)."""
+        return self.router.inflight
+
     # -- bookkeeping
     def _push(self, t: float, kind: str, payload: Any) -> None:
         self._seq += 1
@@ -302,14 +386,24 @@ class VirtualFleet:
     def _add_worker(self, role: Role, now: float, ready: bool = False) -> SimWorker:
         wid = f"{role.value[0]}{self._next_id}"
         self._next_id += 1
-        w = Worker(id=wid, url=f"sim://{wid}", engine=EngineKind.SIM, role=role, models=["sim"])
+        w = Worker(id=wid, url=f"sim://{wid}", engine=EngineKind.SIM, role=role, models=[self.model])
         sw = SimWorker(w, ModelEngine(self.role_profiles.get(role, self.profile), role, self.block_tokens), now,
                        now if ready else now + self.start_s, "healthy" if ready else "starting")
-        if not ready:
+        w.load.num_blocks = sw.engine.p.num_gpu_blocks  # what a live scrape reads from cache_config_info
+        if ready:
+            w.health_ok = True
+        else:
             w.state = WorkerState.UNHEALTHY
             self._push(sw.ready_at, "ready", wid)
         self.workers[wid] = sw
         self._roles = None
+        self.registry.add(w)
+        return sw
+
+    def _remove_worker(self, wid: str) -> SimWorker:
+        sw = self.workers.pop(wid)
+        self._roles = None
+        self.registry.remove(wid)
         return sw
 
     def _schedule_engine(self, sw: SimWorker) -> None:
@@ -338,74 +432,87 @@ class VirtualFleet:
             c[sw.worker.role] += 1
         return c[Role.PREFILL], c[Role.DECODE], c[Role.BOTH]
 
-    # -- routing (the live policies)
-    def _candidates(self, role: Role) -> list[Worker]:
-        out = []
+    # -- routing: the live Router decides; the fleet supplies state and carries the decision out
+    def _scrape(self) -> None:
+        """What the gateway's scrape loop keeps current: each serving engine's load."""
         for sw in self.workers.values():
-            if sw.state != "healthy" or sw.worker.role is not role:
+            if sw.state != "healthy":
                 continue
             w, e = sw.worker, sw.engine
             w.load.running = float(e.num_running)
             w.load.waiting = float(e.waiting)
             w.load.kv_usage = e.kv_usage
-            w.load.num_blocks = e.p.num_gpu_blocks  # what a live scrape reads from cache_config_info
-            out.append(w)
-        return out
 
-    def _route_request(self, req: SimRequest, cands: list[Worker], with_overlaps: bool, now: float) -> RouteRequest:
-        """The request as the live Router hands it to a policy: block hashes, each candidate's
-        cached prefix (read from the engines, what the KV-event index holds live) and the prefixes
-        this fleet's own dispatched prefills are still computing; the candidates' prefill backlog
-        brought up to ``now``."""
-        self.inflight.refresh(cands, now)
-        rr = RouteRequest(request_id=str(req.id), model="sim", prompt_tokens=req.isl, max_tokens=req.osl,
+    def _route(self, req: SimRequest, now: float) -> _Routed | None:
+        rr = RouteRequest(request_id=str(req.id), model=self.model, prompt_tokens=req.isl, max_tokens=req.osl,
                           block_size=req.block_tokens)
-        if with_overlaps and req.blocks:
-            rr.block_hashes = list(req.blocks)
-            host_credit = self.host_credit
-            for w in cands:
-                dev, host = self.workers[w.id].engine.model.cached_prefix_tiers(req.blocks)
-                if dev or host:  # what the KV-event index holds per tier, credited as the gateway does
-                    rr.overlaps[w.id] = Overlap(blocks=dev + host, weighted_blocks=dev + host_credit * host)
-            rr.inflight_overlaps = self.inflight.covered_by_worker(cands, rr.block_hashes)
-        return rr
-
-    def _route(self, req: SimRequest, role: Role, now: float) -> tuple[SimWorker, RouteDecision] | None:
-        cands = self._candidates(role)
-        if not cands:
+        if self.prefix_index and req.blocks:
+            rr.block_hashes = list(req.blocks)  # the tokenizer's work, done by the trace
+        self._scrape()
+        try:
+            decision = run_sync(self.router.route(rr, {}, "completions"))
+        except NoHealthyWorker:
             return None
-        rr = self._route_request(req, cands, self.kv_aware and role is not Role.DECODE, now)
-        policy = self.decode_policy if role is Role.DECODE else self.prefill_policy
-        decision = policy.choose(rr, cands, now)
-        return self.workers[decision.worker.id], decision
+        self.router.begin(decision, rr)
+        routed = _Routed(decision, rr)
+        self._routes[req.id] = routed
+        pw = decision.prefill_worker
+        self.route_log.append((req.id, decision.worker.id, pw.id if pw is not None else None, decision.reason))
+        return routed
 
-    def _charge_prefill(self, req: SimRequest, role: Role, sw: SimWorker, predicted_cached_tokens: int,
-                        now: float) -> None:
-        """As the live Router's ``begin``: the uncached prompt tokens the router predicted, and the
-        prompt's blocks, are in flight on ``sw`` until its first token (or hand-off)."""
-        self.inflight.charge((req.id, role), sw.worker, req.isl - predicted_cached_tokens,
-                             req.blocks if self.kv_aware else (), now)
-
-    def _dispatch(self, req: SimRequest, role: Role, now: float) -> None:
-        routed = self._route(req, role, now)
+    def _dispatch(self, req: SimRequest, now: float) -> None:
+        routed = self._route(req, now)
         if routed is None:
-            self._pending[role].append(req)
+            self._pending.append(req)
             return
-        sw, decision = routed
-        sw.worker.inflight += 1
-        if role is Role.DECODE:
-            req.decode_worker = sw.worker.id
-            sw.engine.submit_decode(req, now)
-        else:
+        d = routed.decision
+        if d.prefill_worker is None:  # aggregated, or a local prefill on the decode worker
+            sw = self.workers[d.worker.id]
             req.prefill_worker = sw.worker.id
-            sw.engine.submit_prefill(req, now)
-            self._charge_prefill(req, role, sw, decision.predicted_cached_tokens, now)
+            req.decode_worker = None if sw.worker.role is Role.BOTH else sw.worker.id
+        else:
+            sw = self.workers[d.prefill_worker.id]
+            sw.worker.inflight += 1  # as the P/D executor counts its prefill call
+            req.prefill_worker, req.decode_worker = sw.worker.id, d.worker.id
+        sw.engine.submit_prefill(req, now)
+        self._schedule_engine(sw)
+
+    def _handoff(self, req: SimRequest, now: float) -> None:
+        """The KV arrived: the decode worker chosen on arrival decodes (a new one if it was stopped)."""
+        sw = self.workers.get(req.decode_worker or "")
+        if sw is None:
+            routed = self._routes.get(req.id)
+            if routed is not None:
+                self.router.finish(routed.decision, routed.rr, ok=False)
+            routed = self._route(req, now)
+            if routed is None:
+                self._pending_decode.append(req)
+                return
+            sw = self.workers[routed.decision.worker.id]
+            req.decode_worker = sw.worker.id
+        sw.engine.submit_decode(req, now)
         self._schedule_engine(sw)
 
     def _drain_pending(self, now: float) -> None:
-        for role, q in self._pending.items():
-            while q and self._candidates(role):
-                self._dispatch(q.popleft(), role, now)
+        while self._pending_decode and self.registry.candidates(self.model, Role.DECODE):
+            self._handoff(self._pending_decode.popleft(), now)
+        while self._pending:
+            req = self._pending.popleft()
+            n = len(self._pending)
+            self._dispatch(req, now)
+            if len(self._pending) > n:  # still no worker: keep the order, try again later
+                self._pending.appendleft(self._pending.pop())
+                return
+
+    def _first_token(self, req: SimRequest) -> None:
+        routed = self._routes.get(req.id)
+        if routed is not None:
+            self.router.first_token(routed.decision, routed.rr)
+
+    def _finished(self, req: SimRequest) -> None:
+        routed = self._routes.pop(req.id, None)
+        if routed is not None:
+            self.router.finish(routed.decision, routed.rr, ok=True)
 
     # -- scaling
     def _views(self) -> list[WorkerView]:
@@ -422,7 +529,7 @@ class VirtualFleet:
         self._window, self._finished_window = [], []
         ttfts = [r.ttft for r in fin if r.ttft is not None]
         itls = [r.itl for r in fin if r.itl is not None]
-        queue = sum(sw.engine.waiting for sw in self.workers.values()) + sum(len(q) for q in self._pending.values())
+        queue = sum(sw.engine.waiting for sw in self.workers.values()) + len(self._pending) + len(self._pending_decode)
         hits = sum(r.cached for r in arr if r.prefill_worker)
         isl_sum = sum(r.isl for r in arr)
         p90 = sorted(ttfts)[int(0.9 * (len(ttfts) - 1))] if ttfts else None
@@ -455,23 +562,30 @@ class VirtualFleet:
                 sw.worker.state = WorkerState.DRAINING
             elif a.kind == "drain" and sw is not None:
                 sw.state = "draining"
-                sw.worker.state = WorkerState.DRAINING
+                self.registry.drain(sw.worker.id)
             elif a.kind == "stop" and sw is not None:
                 self._accrue(now)
-                del self.workers[a.worker_id]
-                self._roles = None
-                for r in sw.engine.abort_all(now):
-                    self.inflight.release((r.id, sw.worker.role), now, prefilled=False)
-                    self._dispatch(r, sw.worker.role, now)  # a stopped busy worker: its work moves
+                self._remove_worker(sw.worker.id)
+                for r in sw.engine.abort_all(now):  # a stopped busy worker: its requests are retried
+                    routed = self._routes.pop(r.id, None)
+                    if routed is not None:
+                        self.router.finish(routed.decision, routed.rr, ok=False)
+                    self._dispatch(r, now)
             elif a.kind == "set_role" and sw is not None:
                 sw.state, sw.switch_to = "switching", a.role
-                sw.worker.state = WorkerState.DRAINING
+                self.registry.drain(sw.worker.id)
                 self._push(now + self.role_change_s, "switched", a.worker_id)
 
     def _tick(self, now: float) -> None:
         assert self.scaler is not None
         obs = self._observe(now)
-        d = self.scaler.step(obs, self._views(), now)
+        views = self._views()
+        checked = self.gate.check(obs, now) if self.gate is not None else obs
+        if isinstance(checked, Hold):  # inputs or no action, as the live PlannerService
+            assert isinstance(self.scaler, Planner)
+            d = held_decision(self.scaler, checked, obs, views, now)
+        else:
+            d = self.scaler.step(checked, views, now)
         self.decisions.append(d)
         if self.on_decision:
             self.on_decision(d)
@@ -518,12 +632,11 @@ class VirtualFleet:
                 for ev, r, et in sw.engine.advance(t):
                     if ev == "prefilled":
                         sw.worker.inflight -= 1
-                        self.inflight.release((r.id, Role.PREFILL), et)
                         self._push(et + self.profile.transfer_seconds(r.isl), "handoff", r)
-                    elif ev == "first_token" and sw.worker.role is Role.BOTH:
-                        self.inflight.release((r.id, Role.BOTH), et)
+                    elif ev == "first_token":
+                        self._first_token(r)
                     elif ev == "finished":
-                        sw.worker.inflight -= 1
+                        self._finished(r)
                         self._finished_window.append(r)
                         remaining -= 1
                         if stop is not None and stop(r):
@@ -533,15 +646,16 @@ class VirtualFleet:
                     self._released(sw, t)
             elif kind == "arrival":
                 self._window.append(payload)
-                self._dispatch(payload, Role.PREFILL if self.pd else Role.BOTH, t)
+                self._dispatch(payload, t)
             elif kind == "handoff":
-                self._dispatch(payload, Role.DECODE, t)
+                self._handoff(payload, t)
             elif kind == "ready":
                 sw = self.workers.get(payload)
                 if sw is not None and sw.state == "starting" and sw.to_standby:
                     sw.state, sw.to_standby = "standby", False  # warm, out of rotation
-                elif sw is not None and sw.state == "starting":
-                    sw.state, sw.worker.state = "healthy", WorkerState.HEALTHY
+                elif sw is not None and sw.state == "starting":  # (a parked worker is DRAINING: set, not probed)
+                    sw.state = "healthy"
+                    sw.worker.health_ok, sw.worker.state = True, WorkerState.HEALTHY
                     self._drain_pending(t)
             elif kind == "switched":
                 sw = self.workers.get(payload)
@@ -549,7 +663,8 @@ class VirtualFleet:
                     self._accrue(t)
                     sw.worker.role = sw.engine.role = sw.switch_to
                     self._roles = None
-                    sw.switch_to, sw.state, sw.worker.state = None, "healthy", WorkerState.HEALTHY
+                    sw.switch_to, sw.state = None, "healthy"
+                    self.registry.undrain(sw.worker.id)
                     self._drain_pending(t)
             elif kind == "react":
                 if t % self.interval_s > 1e-9:  # the interval tick samples on its own

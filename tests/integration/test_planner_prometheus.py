@@ -43,7 +43,7 @@ def roles(gw: GatewayThread) -> Counter[str]:
 def peak_seen(url: str) -> bool:
     """The planner has an observation whose 5-s peak arrival rate (PromQL max_over_time subquery) is known."""
     status = httpx.get(f"{url}/admin/planner", headers=ADMIN, timeout=5).json()
-    return any((h["observation"].get("peak_rate") or 0) > 0 for h in status["history"])
+    return any(((h["observation"] or {}).get("peak_rate") or 0) > 0 for h in status["history"])
 
 
 async def drive(url: str, make_body: Callable[[], dict], rate: float, until: Callable[[], bool],
@@ -122,7 +122,7 @@ def test_planner_on_prometheus_moves_workers_with_the_mix(prometheus_server, tmp
         # Prometheus really was the source: the planner's last observation carries its rates
         status = httpx.get(f"{gw.url}/admin/planner", headers=ADMIN, timeout=5).json()
         assert status["actuator"] == "role_change" and status["last_error"] is None, status["last_error"]
-        obs = [h["observation"] for h in status["history"] if h["observation"]["request_rate"] > 0]
+        obs = [h["observation"] for h in status["history"] if h["observation"] and (h["observation"]["request_rate"] or 0) > 0]
         assert obs and max(o["mean_isl"] or 0 for o in obs) > 1000
         assert any((o["peak_rate"] or 0) > 0 for o in obs)  # the burst subquery (max_over_time) answers too
         assert after1["prefill"] >= 3 and after1["decode"] >= 1, (after1, status["last"])

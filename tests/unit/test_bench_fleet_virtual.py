@@ -45,13 +45,13 @@ def test_virtual_workers_report_what_a_live_scrape_reports() -> None:
     for i, r in enumerate(reqs):
         r.arrival = 0.05 * i  # a burst: later ones arrive while the first still holds its KV
     seen = []
-    choose = fleet.prefill_policy.choose
+    choose = fleet.router.policy.choose  # the live Router's policy
 
     def spy(rr, cands, now):
         seen.extend((w.load.num_blocks, w.load.kv_usage) for w in cands)
         return choose(rr, cands, now)
 
-    fleet.prefill_policy.choose = spy
+    fleet.router.policy.choose = spy
     fleet.run(reqs)
     blocks = GPU_LIKE.cache_tokens // 512
     assert seen and all(nb == blocks for nb, _ in seen)

@@ -171,16 +171,17 @@ def test_threshold_derived_from_engine_profile():
 
 
 def test_virtual_fleet_driver_uses_pair_selection_and_conditional_prefill():
-    """The benchmark's fleet places arrivals with select_pair (small run, virtual time)."""
-    from orchestrator.disagg.sim_bench import PdVirtualFleet
+    """The virtual P/D fleet places arrivals with the live Router's pair selection (small run, virtual time)."""
     from orchestrator.sim.profiles import GPU_LIKE
-    from orchestrator.sim.virtual_time import FleetSpec, SimRequest
+    from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet
 
     reqs = [SimRequest(id=i, arrival=i * 0.05, isl=100 if i % 2 else 3000, osl=20) for i in range(40)]
-    fleet = PdVirtualFleet(GPU_LIKE, FleetSpec(prefill=2, decode=3), PdSelectionSettings(min_prefill_tokens=141))
+    fleet = VirtualFleet(GPU_LIKE, FleetSpec(prefill=2, decode=3), pd_settings=PdSelectionSettings(min_prefill_tokens=141),
+                         prefix_index=True)
     result = fleet.run(reqs)
     assert all(r.finish is not None for r in result.requests)
-    assert fleet.local_prefills == 20 and fleet.split == 20
+    assert sum(1 for _, _, pw, _ in fleet.route_log if pw is None) == 20
+    assert sum(1 for _, _, pw, _ in fleet.route_log if pw is not None) == 20
     short = [r for r in result.requests if r.isl == 100]
     long_ = [r for r in result.requests if r.isl == 3000]
     assert all(r.prefill_worker == r.decode_worker and r.decode_worker.startswith("d") for r in short)

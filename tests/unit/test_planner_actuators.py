@@ -78,6 +78,9 @@ async def test_recommend_only_exports_planner_metrics():
 def test_direct_source_differences_two_gateway_scrapes():
     m = DyadMetrics()
     before = parse_gateway_metrics(m.render().decode(), at=100.0)
+    # demand: 5 requests arrived (3 are still queued or were refused), 2 finished
+    m.arrivals.labels("m").inc(5)
+    m.arrival_prompt_tokens.labels("m").inc(5 * 1200)
     for isl, out, ttft in ((1000, 10, 0.2), (3000, 30, 0.4)):
         m.prompt_tokens.labels("m").observe(isl)
         m.generation_tokens.labels("m").observe(out)
@@ -90,8 +93,9 @@ def test_direct_source_differences_two_gateway_scrapes():
     after = parse_gateway_metrics(m.render().decode(), at=110.0)
     obs = observation_from_scrapes(before, after)
     assert obs.window_s == 10
-    assert obs.request_rate == pytest.approx(0.2)
-    assert obs.mean_isl == pytest.approx(2000)
+    assert obs.request_rate == pytest.approx(0.5)  # arrivals, not the 0.2 req/s that finished
+    assert obs.finished_rate == pytest.approx(0.2)
+    assert obs.mean_isl == pytest.approx(1200)  # what arrived, not what finished (2000)
     assert obs.mean_osl == pytest.approx(20)
     assert obs.ttft_mean == pytest.approx(0.3)
     assert obs.queue_len == 5

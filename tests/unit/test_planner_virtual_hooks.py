@@ -47,7 +47,9 @@ def test_standby_workers_take_no_traffic_until_activated_and_cost_worker_time():
     fleet2 = VirtualFleet(GPU, FleetSpec(1, 1), scaler=scaler2, interval_s=10, start_s=5)
     fleet2.standby_wake_s = 2.0
     scaler2.script[20.0] = [Action("activate", Role.PREFILL, "p2")]
-    reqs2 = _trace(300, 5.0, 1000, 20)
+    # prompts one prefill worker cannot keep up with: the live Router's pair selection sends a request to
+    # the lowest-id idle prefill worker, so a second one takes traffic only when the first is busy
+    reqs2 = _trace(300, 5.0, 3000, 20)
     res = fleet2.run(reqs2)
     assert any(r.prefill_worker == "p2" and r.arrival >= 22.0 for r in reqs2)
     assert not any(r.prefill_worker == "p2" and r.arrival < 22.0 for r in reqs2)

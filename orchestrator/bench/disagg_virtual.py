@@ -1,6 +1,6 @@
 """Benchmark: disaggregated vs aggregated vs conditional fleets, in virtual time (simulator only).
 
-    .venv/bin/python -m orchestrator.disagg.sim_bench [--limit N] [--json out.json]
+    .venv/bin/python -m orchestrator.bench.disagg_virtual [--trace azure2023_code.csv] [--limit N] [--json out.json]
 
 Eight simulated GPU-like engines (``orchestrator/sim/profiles.py``: an 8B-class model on one
 H100-class GPU) serve the same trace three ways:
@@ -15,8 +15,9 @@ H100-class GPU) serve the same trace three ways:
   profile-derived threshold, or that arrives while the prefill pool is backed up, is prefilled on
   its decode engine (Dyad's conditional disaggregation).
 
-The event loop is the planner's ``VirtualFleet`` (``orchestrator/sim/virtual_time.py``);
-``PdVirtualFleet`` only replaces where a request goes on arrival with Dyad's pair selection.
+The event loop is the planner's ``VirtualFleet`` (``orchestrator/sim/virtual_time.py``), which routes
+every request with the live gateway's ``Router`` and ``PdRoutingPolicy`` (pair selection on arrival,
+as ``disagg.install`` sets the gateway up); this module only chooses the fleets and the settings.
 Real engines cannot run at GPU scale here, so every number from this module is a simulation.
 """
 
@@ -31,83 +32,30 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from adapters.base import Role
 from orchestrator.bench.traces import load_azure, rescale_time
-from orchestrator.router.pd_selection import PdSelectionSettings, select_pair, threshold_from_profile
+from orchestrator.router.pd_selection import PdSelectionSettings, threshold_from_profile
 from orchestrator.sim.profiles import GPU_LIKE, EngineProfile
 from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
 
 ISL_FACTOR = 1.0  # prompt-length scale of the long-output mix
-AZURE = Path("/work/shared/traces/azure2023_code.csv")
-
-
-class PdVirtualFleet(VirtualFleet):
-    """``VirtualFleet`` whose arrivals are placed by Dyad's P/D pair selection.
-
-    The decode worker is chosen (and charged) on arrival, as the gateway does; a local prefill runs
-    on the decode engine itself (chunked with its decodes, like an aggregated engine).
-    """
-
-    def __init__(self, profile: EngineProfile, spec: FleetSpec, settings: PdSelectionSettings, **kw: Any) -> None:
-        super().__init__(profile, spec, **kw)
-        self.settings = settings
-        self._planned_decode: dict[int, str] = {}
-        self.local_prefills = 0
-        self.split = 0
-
-    def _dispatch(self, req: SimRequest, role: Role, now: float) -> None:
-        if role is Role.PREFILL:
-            self._place(req, now)
-        elif role is Role.DECODE and req.id in self._planned_decode:
-            sw = self.workers.get(self._planned_decode.pop(req.id))
-            if sw is None or sw.state != "healthy":
-                super()._dispatch(req, role, now)
-                return
-            req.decode_worker = sw.worker.id
-            sw.engine.submit_decode(req, now)  # already counted in flight on arrival
-            self._schedule_engine(sw)
-        else:
-            super()._dispatch(req, role, now)
-
-    def _place(self, req: SimRequest, now: float) -> None:
-        cands = self._candidates(Role.PREFILL) + self._candidates(Role.DECODE)
-        rr = self._route_request(req, cands, with_overlaps=True, now=now)
-        decision = select_pair(rr, cands, now, self.settings)
-        if decision is None:  # no decode worker right now: wait for one
-            self._pending[Role.PREFILL].append(req)
-            return
-        decode = self.workers[decision.worker.id]
-        decode.worker.inflight += 1
-        if decision.prefill_worker is None:
-            self.local_prefills += 1
-            req.prefill_worker = req.decode_worker = decode.worker.id
-            decode.engine.submit_prefill(req, now)
-            self._schedule_engine(decode)
-            return
-        self.split += 1
-        self._planned_decode[req.id] = decode.worker.id
-        sw = self.workers[decision.prefill_worker.id]
-        sw.worker.inflight += 1
-        req.prefill_worker = sw.worker.id
-        sw.engine.submit_prefill(req, now)
-        self._charge_prefill(req, Role.PREFILL, sw, decision.predicted_cached_tokens, now)
-        self._schedule_engine(sw)
+# default trace: the shared traces folder beside the repository checkout (override with --trace)
+AZURE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "azure2023_code.csv"
 
 
 # --- workloads ---------------------------------------------------------------------------------------
 
-def azure_code(limit: int | None, time_scale: float) -> list[SimRequest]:
+def azure_code(limit: int | None, time_scale: float, path: Path = AZURE) -> list[SimRequest]:
     """The Azure 2023 code trace (prefill-heavy: input mean 2,048, output mean 28), time compressed."""
-    trace = rescale_time(load_azure(AZURE, limit=limit), time_scale)
+    trace = rescale_time(load_azure(path, limit=limit), time_scale)
     return requests_from_trace(trace, block_tokens=16)
 
 
-def long_output_mix(limit: int | None, time_scale: float, seed: int = 4) -> list[SimRequest]:
+def long_output_mix(limit: int | None, time_scale: float, path: Path = AZURE, seed: int = 4) -> list[SimRequest]:
     """Azure code arrivals and prompt lengths (mean 2,048), outputs drawn uniformly from 200..800
     tokens (seeded) instead of the trace's ~28: long prompts *and* long decodes, where an aggregated
     engine's prefill chunks stall its running decodes."""
     rng = random.Random(seed)
-    reqs = azure_code(limit, time_scale)
+    reqs = azure_code(limit, time_scale, path)
     return [replace(r, isl=max(1, int(r.isl * ISL_FACTOR)), osl=rng.randint(200, 800)) for r in reqs]
 
 
@@ -119,24 +67,26 @@ class Slo:
 
 def run_fleet(kind: str, profile: EngineProfile, requests: Sequence[SimRequest]) -> dict[str, Any]:
     reqs = [replace(r) for r in requests]  # fresh progress fields per run
+    always_split = PdSelectionSettings(min_prefill_tokens=0)
     if kind == "aggregated":
-        fleet: VirtualFleet = VirtualFleet(profile, FleetSpec(aggregated=8), policy="least_load")
+        fleet = VirtualFleet(profile, FleetSpec(aggregated=8), policy="least_load")
     elif kind == "disaggregated":
-        fleet = PdVirtualFleet(profile, FleetSpec(prefill=2, decode=6), PdSelectionSettings(min_prefill_tokens=0))
+        fleet = VirtualFleet(profile, FleetSpec(prefill=2, decode=6), pd_settings=always_split, prefix_index=True)
     elif kind in ("disaggregated-4p4d", "disaggregated-6p2d"):
         p = int(kind[-4])
-        fleet = PdVirtualFleet(profile, FleetSpec(prefill=p, decode=8 - p), PdSelectionSettings(min_prefill_tokens=0))
+        fleet = VirtualFleet(profile, FleetSpec(prefill=p, decode=8 - p), pd_settings=always_split,
+                             prefix_index=True)
     elif kind == "conditional":
         settings = PdSelectionSettings(min_prefill_tokens=threshold_from_profile(profile),
                                        max_prefill_queue_tokens=2 * profile.max_num_batched_tokens)
-        fleet = PdVirtualFleet(profile, FleetSpec(prefill=2, decode=6), settings)
+        fleet = VirtualFleet(profile, FleetSpec(prefill=2, decode=6), pd_settings=settings, prefix_index=True)
     else:
         raise ValueError(kind)
     result = fleet.run(reqs)
     out: dict[str, Any] = {"fleet": kind, "result": result}
-    if isinstance(fleet, PdVirtualFleet):
-        out["local_prefills"] = fleet.local_prefills
-        out["split"] = fleet.split
+    if fleet.pd:
+        out["local_prefills"] = sum(1 for _, _, pw, _ in fleet.route_log if pw is None)
+        out["split"] = sum(1 for _, _, pw, _ in fleet.route_log if pw is not None)
     return out
 
 
@@ -212,6 +162,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, default=AZURE, help="Azure 2023 code trace CSV (default: %(default)s)")
     ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace (default: all 8,819)")
     ap.add_argument("--time-scales", default="1.0,0.5", help="arrival-time compression factors (comma list)")
     ap.add_argument("--ttft", type=float, default=Slo.ttft_s)
@@ -223,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for scale in (float(s) for s in args.time_scales.split(",")):
         for name, make in (("azure-code", azure_code), ("long-output", long_output_mix)):
-            reqs = make(args.limit, scale)
+            reqs = make(args.limit, scale, args.trace)
             span = max(r.arrival for r in reqs) or 1.0
             label = f"{name} {len(reqs) / span:.1f} rps"
             for kind in FLEETS:
