@@ -32,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from adapters.base import Role
+from orchestrator.bench.trace_paths import trace_path
 from orchestrator.bench.traces import load_azure, rescale_time
 from orchestrator.router.pd_selection import PdSelectionSettings, select_pair, threshold_from_profile
 from orchestrator.sim.profiles import GPU_LIKE, EngineProfile
 from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
 
 ISL_FACTOR = 1.0  # prompt-length scale of the long-output mix
-AZURE = Path("/work/shared/traces/azure2023_code.csv")
+AZURE = "azure2023_code.csv"  # found by orchestrator/bench/trace_paths.py unless --trace names a file
 
 
 class PdVirtualFleet(VirtualFleet):
@@ -96,9 +97,9 @@ class PdVirtualFleet(VirtualFleet):
 
 # --- workloads ---------------------------------------------------------------------------------------
 
-def azure_code(limit: int | None, time_scale: float) -> list[SimRequest]:
+def azure_code(limit: int | None, time_scale: float, path: Path | None = None) -> list[SimRequest]:
     """The Azure 2023 code trace (prefill-heavy: input mean 2,048, output mean 28), time compressed."""
-    trace = rescale_time(load_azure(AZURE, limit=limit), time_scale)
+    trace = rescale_time(load_azure(path or trace_path(AZURE), limit=limit), time_scale)
     return requests_from_trace(trace, block_tokens=16)
 
 

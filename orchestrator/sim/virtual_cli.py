@@ -1,6 +1,6 @@
 """``dyad sim``: replay a trace against a simulated P/D (or aggregated) fleet in virtual time.
 
-    dyad sim --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --prefill 6 --decode 4 \
+    dyad sim --trace traces/mooncake_synthetic_trace.jsonl --prefill 6 --decode 4 \
              --profile gpu-like --ttft 2 --itl 0.05
 
 Prints SLO attainment, latency percentiles, worker-hours and how fast the simulation ran.
