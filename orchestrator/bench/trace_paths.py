@@ -29,3 +29,12 @@ def traces_dir() -> Path:
 def trace_path(name: str) -> Path:
     """``name`` (e.g. ``mooncake_synthetic_trace.jsonl``) in ``traces_dir()``."""
     return traces_dir() / name
+
+
+def find_trace(name: str) -> Path | None:
+    """``trace_path(name)`` when that file exists, else ``None`` (for callers that can do without it)."""
+    try:
+        path = trace_path(name)
+    except FileNotFoundError:
+        return None
+    return path if path.exists() else None
