@@ -2,6 +2,10 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# pytest exit 5 means "no tests collected": a run that tested nothing is a failure, said plainly.
+PYTEST = run_pytest() { $(BIN)/python -m pytest -q -p no:cacheprovider "$$@"; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5) for: $$*; a run that tests nothing fails" >&2; return 1; fi; \
+	return $$rc; }; run_pytest
 
 $(BIN)/dyad: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -9,18 +13,23 @@ $(BIN)/dyad: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(BIN)/dyad
 
-.PHONY: demo test install lint readme
+.PHONY: demo test test-fast install lint readme
 install: $(BIN)/dyad
 
 demo: $(BIN)/dyad
 	$(BIN)/dyad demo
 
+# Everything: unit, integration (servers, simulator, Redis, Prometheus, real vLLM), ops, fuzz.
 test: $(BIN)/dyad
 	bash scripts/setup_test_deps.sh
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	@$(PYTEST) --durations=10
+
+# The unit tier only: no sockets, no subprocesses, no servers (tests/unit/conftest.py enforces it).
+test-fast: $(BIN)/dyad
+	@$(PYTEST) tests/unit
 
 lint: $(BIN)/dyad
-	$(BIN)/ruff check orchestrator adapters tests
+	$(BIN)/ruff check orchestrator adapters tests scripts
 
 # Refresh the generated reference sections of README.md (config, CLI, metrics) from the code.
 readme: $(BIN)/dyad

@@ -38,7 +38,10 @@ class Histogram:
     count: float = 0.0
 
     def quantile(self, q: float) -> float | None:
-        """Linear interpolation inside the bucket, as PromQL's histogram_quantile does."""
+        """Linear interpolation inside the bucket, as PromQL's histogram_quantile does (``q`` in [0, 1]).
+
+        An estimate from bucket counts, not a percentile of samples: for raw samples use
+        ``orchestrator.stats.percentile``."""
         if self.count <= 0 or not self.buckets:
             return None
         rank = q * self.count

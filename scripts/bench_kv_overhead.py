@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.bench.loadgen import RawConnection, encode_request  # noqa: E402
 from orchestrator.ports import free_port  # noqa: E402
+from orchestrator.stats import percentile  # noqa: E402
 
 MODEL = "bench"
 BLOCK = 16  # the zero profile's block size
@@ -137,11 +138,6 @@ def prompt_for(workload: str, i: int) -> str:
     return SHARED + " " + SAME_TAIL
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 async def run(targets: dict[str, str], rounds: int, seed: int) -> dict[str, dict[str, dict[str, float]]]:
     rng = random.Random(seed)
     conns = {}
@@ -169,7 +165,7 @@ async def run(targets: dict[str, str], rounds: int, seed: int) -> dict[str, dict
         results[workload] = {}
         for name, xs in times.items():
             p50 = statistics.median(xs)
-            results[workload][name] = {"p50_ms": p50 * 1e3, "p99_ms": pct(xs, 0.99) * 1e3,
+            results[workload][name] = {"p50_ms": p50 * 1e3, "p99_ms": percentile(xs, 99) * 1e3,
                                        "added_p50_ms": (p50 - direct) * 1e3}
     for c in conns.values():
         await c.close()

@@ -3,7 +3,7 @@
 
 Two CPU vLLM engines (the tiny Llama, one core each, prefix caching on, KV events on ZMQ) started
 through the test harness's ``VllmPool`` (``tests/fixtures/vllm.py``), which holds the machine-wide
-``flock /tmp/dyad-vllm.lock`` while they run. One ``dyad serve`` process per run, in front of both
+machine-wide lock (``MachineLock``) while they run. One ``dyad serve`` process per run, in front of both
 engines: ``round_robin``, or ``kv_aware`` fed by the engines' KV events, with router-side
 tokenization from the model directory (the model config's ``tokenizer``). Runs alternate
 (round_robin, kv_aware, round_robin, ...) and both engines' prefix caches are emptied

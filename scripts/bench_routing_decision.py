@@ -41,14 +41,10 @@ from orchestrator.kv.shared_load import SharedLoad
 from orchestrator.router.inflight import InflightLedger
 from orchestrator.router.policies.kv_aware import KvAwarePolicy
 from orchestrator.router.types import RouteRequest
+from orchestrator.stats import percentile
 
 BS = 32
 WARMUP = 300  # decisions discarded first (also lets Redis finish rehashing after the bulk fill)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def fill(index: PrefixIndex, workers: int, prompts_per_worker: int, tokens: int, rng: random.Random,
@@ -109,11 +105,11 @@ async def measure(index: PrefixIndex, request_ids: list[int], workers: list[Work
             hashes_t.append(t1 - t0)
     assert chosen is not None and chosen.worker.id == "w7", chosen.worker.id
     return {
-        "decision_p50_ms": statistics.median(totals) * 1e3, "decision_p99_ms": pct(totals, 0.99) * 1e3,
+        "decision_p50_ms": statistics.median(totals) * 1e3, "decision_p99_ms": percentile(totals, 99) * 1e3,
         # This process's CPU time only (no scheduler waits; for Redis, not the server's work).
-        "decision_cpu_p50_ms": statistics.median(cpu) * 1e3, "decision_cpu_p99_ms": pct(cpu, 0.99) * 1e3,
-        "lookup_p50_ms": statistics.median(lookups) * 1e3, "lookup_p99_ms": pct(lookups, 0.99) * 1e3,
-        "hash_p50_ms": statistics.median(hashes_t) * 1e3, "hash_p99_ms": pct(hashes_t, 0.99) * 1e3,
+        "decision_cpu_p50_ms": statistics.median(cpu) * 1e3, "decision_cpu_p99_ms": percentile(cpu, 99) * 1e3,
+        "lookup_p50_ms": statistics.median(lookups) * 1e3, "lookup_p99_ms": percentile(lookups, 99) * 1e3,
+        "hash_p50_ms": statistics.median(hashes_t) * 1e3, "hash_p99_ms": percentile(hashes_t, 99) * 1e3,
         "predicted_cached_tokens": chosen.predicted_cached_tokens,
     }
 
@@ -162,7 +158,7 @@ def tokenization_cost(tokens: int, iterations: int) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
         out[f"{name}_tokens"] = len(ids)
         out[f"{name}_p50_ms"] = statistics.median(times) * 1e3
-        out[f"{name}_p99_ms"] = pct(times, 0.99) * 1e3
+        out[f"{name}_p99_ms"] = percentile(times, 99) * 1e3
     return out
 
 

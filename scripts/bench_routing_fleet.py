@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from orchestrator.bench.fleet_virtual import run_virtual_routing  # noqa: E402
 from orchestrator.bench.processes import Proc, Processes, wait_http  # noqa: E402
 from orchestrator.bench.runner import BenchOptions, percentile, run_bench  # noqa: E402
+from orchestrator.bench.trace_paths import trace_path  # noqa: E402
 from orchestrator.bench.traces import (  # noqa: E402
     ideal_prefix_hit_ratio,
     load_mooncake,
@@ -62,7 +63,7 @@ from orchestrator.ports import free_port  # noqa: E402
 from orchestrator.sim.profiles import GPU_LIKE, EngineProfile  # noqa: E402
 
 MODEL = "fleet-model"
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+TRACE = "mooncake_synthetic_trace.jsonl"  # default --trace, in orchestrator/bench/trace_paths.py's directory
 DEFAULT_ANCHORS = Path.home() / ".cache/dyad/anchors/venv"
 ALL_ROUTERS = ("dyad-round_robin", "dyad-least_load", "dyad-kv_aware", "vllm-router-kv_aware",
                "vllm-router-cache_aware", "sglang-router-cache_aware")
@@ -230,7 +231,7 @@ def virtual_rows(reqs, profile: EngineProfile, workers: int, policies: list[str]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--routers", default=",".join(ALL_ROUTERS))
-    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--trace", default=None, help=f"trace file (default: {TRACE} in the traces directory)")
     ap.add_argument("--window", default="940:1023", help="trace seconds START:END to replay live")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--dilation", type=float, default=3.0, help="K: engine costs x K, arrivals stretched x K")
@@ -242,6 +243,7 @@ def main() -> int:
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--keep-logs", help="copy process logs to this directory")
     args = ap.parse_args()
+    args.trace = args.trace or str(trace_path(TRACE))
     k = args.dilation
     w0, w1 = (float(x) for x in args.window.split(":", 1))
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.ports import wait_ready  # noqa: E402
 from orchestrator.sim.server import SimEngineThread  # noqa: E402
+from orchestrator.stats import percentile  # noqa: E402
 
 MODEL = "soak"
 PREFIXES = [" ".join(f"ctx{p}-{i}" for i in range(200)) for p in range(6)]
@@ -51,13 +52,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 @dataclass
@@ -127,9 +121,9 @@ async def drive(url: str, gateway_pid: int, engines: list[SimEngineThread], args
                 row = {"t_s": round(now - started), "load_1m": round(os.getloadavg()[0], 1),
                        "rss_mb": round(rss_mb(gateway_pid), 1), "ok": w.ok,
                        "failed": w.failed, "rps": round((w.ok + w.failed) / args.sample_s, 1),
-                       "e2e_p50_ms": round(pct(w.e2e, 0.5) * 1000, 1), "e2e_p99_ms": round(pct(w.e2e, 0.99) * 1000, 1),
-                       "ttft_p50_ms": round(pct(w.ttft, 0.5) * 1000, 1),
-                       "ttft_p99_ms": round(pct(w.ttft, 0.99) * 1000, 1), "errors": w.errors}
+                       "e2e_p50_ms": _ms(percentile(w.e2e, 50)), "e2e_p99_ms": _ms(percentile(w.e2e, 99)),
+                       "ttft_p50_ms": _ms(percentile(w.ttft, 50)),
+                       "ttft_p99_ms": _ms(percentile(w.ttft, 99)), "errors": w.errors}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 next_sample += args.sample_s
@@ -142,11 +136,15 @@ async def drive(url: str, gateway_pid: int, engines: list[SimEngineThread], args
     w = win[0]
     rows.append({"t_s": round(time.monotonic() - started), "load_1m": round(os.getloadavg()[0], 1),
                  "rss_mb": round(rss_mb(gateway_pid), 1), "ok": w.ok,
-                 "failed": w.failed, "rps": None, "e2e_p50_ms": round(pct(w.e2e, 0.5) * 1000, 1),
-                 "e2e_p99_ms": round(pct(w.e2e, 0.99) * 1000, 1), "ttft_p50_ms": round(pct(w.ttft, 0.5) * 1000, 1),
-                 "ttft_p99_ms": round(pct(w.ttft, 0.99) * 1000, 1), "errors": w.errors})
+                 "failed": w.failed, "rps": None, "e2e_p50_ms": _ms(percentile(w.e2e, 50)),
+                 "e2e_p99_ms": _ms(percentile(w.e2e, 99)), "ttft_p50_ms": _ms(percentile(w.ttft, 50)),
+                 "ttft_p99_ms": _ms(percentile(w.ttft, 99)), "errors": w.errors})
     return rows
 
+
+
+def _ms(seconds: float | None) -> float | None:
+    return round(seconds * 1000, 1) if seconds is not None else None  # None: no sample in the window
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| t (s) | load 1m | gateway RSS (MB) | ok | failed | req/s | e2e p50 (ms) | e2e p99 (ms) "

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from orchestrator.bench.fleet_virtual import chat_requests, run_virtual_routing  # noqa: E402
+from orchestrator.bench.trace_paths import trace_path  # noqa: E402
 from orchestrator.bench.traces import (  # noqa: E402
     ideal_prefix_hit_ratio,
     load_mooncake,
@@ -35,7 +36,6 @@ from orchestrator.bench.traces import (  # noqa: E402
 from orchestrator.config import KvAwareConfig  # noqa: E402
 from orchestrator.sim.profiles import GPU_LIKE  # noqa: E402
 
-TRACES = Path("/work/shared/traces")
 GRID = [(1.0, 1.0), (0.1, 1.0), (1.0, 2.0), (0.1, 2.0), (0.1, 3.0), (0.0, 2.0)]  # (decode_load_weight, recompute_weight)
 
 
@@ -57,19 +57,21 @@ def summarize(runs: list[dict], ideal: float | None) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", type=Path, default=None, help="Mooncake trace (default: found by trace_paths)")
+    ap.add_argument("--chat-trace", type=Path, default=None, help="ShareGPT trace (default: found by trace_paths)")
     ap.add_argument("--seeds", type=int, default=8, help="policy seeds per row on the Mooncake slice")
     ap.add_argument("--full-seeds", type=int, default=2, help="policy seeds per row on the whole trace")
     ap.add_argument("--chat-rates", default="20,60", help="ShareGPT conversations started per second")
     ap.add_argument("--chat-requests", type=int, default=1500)
     args = ap.parse_args()
 
-    full = load_mooncake(TRACES / "mooncake_synthetic_trace.jsonl")
+    full = load_mooncake(args.trace or trace_path("mooncake_synthetic_trace.jsonl"))
     window = time_window(full, 940, 1023)
     cap = ideal_prefix_hit_ratio(full, 8 * (GPU_LIKE.cache_tokens // 512))
     workloads = [("mooncake-slice 940:1023", window, ideal_prefix_hit_ratio(window), range(args.seeds)),
                  ("mooncake-full (ideal = the pooled-LRU bound)", full, cap, range(args.full_seeds))]
     for rate in (float(x) for x in args.chat_rates.split(",") if x):
-        chats = chat_requests(load_sharegpt(TRACES / "sharegpt_v3_partial.jsonl.gz", session_rate=rate,
+        chats = chat_requests(load_sharegpt(args.chat_trace or trace_path("sharegpt_v3_partial.jsonl.gz"), session_rate=rate,
                                             limit=args.chat_requests))
         workloads.append((f"chat (ShareGPT, {rate:g} conversations/s)", chats, None, range(1)))
     for name, reqs, ideal, seeds in workloads:

@@ -34,7 +34,7 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 # NIXL on CPU: Linux must grant AMX tile state before UCX sets up its signal stack, or the
-# decode engine dies with "Illegal instruction" (docs: engines.md section 1).
+# decode engine dies with "Illegal instruction" (docs/engines.md §1, CPU setup).
 mkdir -p "$DIR/amx"
 cat > "$DIR/amx/sitecustomize.py" <<'PY'
 import ctypes

@@ -32,21 +32,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from orchestrator.bench.trace_paths import trace_path
 from orchestrator.bench.traces import load_azure, rescale_time
 from orchestrator.router.pd_selection import PdSelectionSettings, threshold_from_profile
 from orchestrator.sim.profiles import GPU_LIKE, EngineProfile
 from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, requests_from_trace
+from orchestrator.stats import percentile
 
 ISL_FACTOR = 1.0  # prompt-length scale of the long-output mix
-# default trace: the shared traces folder beside the repository checkout (override with --trace)
-AZURE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "azure2023_code.csv"
+AZURE = "azure2023_code.csv"  # found by orchestrator/bench/trace_paths.py unless --trace names a file
 
 
 # --- workloads ---------------------------------------------------------------------------------------
 
-def azure_code(limit: int | None, time_scale: float, path: Path = AZURE) -> list[SimRequest]:
+def azure_code(limit: int | None, time_scale: float, path: Path | None = None) -> list[SimRequest]:
     """The Azure 2023 code trace (prefill-heavy: input mean 2,048, output mean 28), time compressed."""
-    trace = rescale_time(load_azure(path, limit=limit), time_scale)
+    trace = rescale_time(load_azure(path or trace_path(AZURE), limit=limit), time_scale)
     return requests_from_trace(trace, block_tokens=16)
 
 
@@ -90,11 +91,6 @@ def run_fleet(kind: str, profile: EngineProfile, requests: Sequence[SimRequest])
     return out
 
 
-def pct(xs: Sequence[float], q: float) -> float | None:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else None
-
-
 FLEETS = ("aggregated", "disaggregated", "conditional", "disaggregated-4p4d", "disaggregated-6p2d")
 
 # ITL targets (seconds) at which SLO attainment is also reported, TTFT target unchanged: where an
@@ -117,8 +113,8 @@ def summarize(run: dict[str, Any], slo: Slo) -> dict[str, Any]:
     att = attainment(res.requests, slo)
     return {
         "fleet": run["fleet"], "requests": len(res.requests), "finished": len(done),
-        "ttft_p50_ms": _ms(pct(ttft, 0.5)), "ttft_p99_ms": _ms(pct(ttft, 0.99)),
-        "itl_p50_ms": _ms(pct(itl, 0.5)), "itl_p99_ms": _ms(pct(itl, 0.99)),
+        "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "itl_p50_ms": _ms(percentile(itl, 50)), "itl_p99_ms": _ms(percentile(itl, 99)),
         "slo_attainment": round(att, 4) if res.requests else None,
         "goodput_rps": round(att * len(res.requests) / res.duration_s, 3) if res.duration_s else None,
         "attainment_by_itl_ms": {f"{t * 1000:g}": round(attainment(res.requests, Slo(slo.ttft_s, t)), 4)

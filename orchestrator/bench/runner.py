@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ import httpx
 from adapters.prometheus_text import MetricSet
 from orchestrator.bench.progress import DEFAULT_INTERVAL_S, Progress
 from orchestrator.bench.traces import TraceRequest
+from orchestrator.stats import percentile  # also imported from here by the scripts
 
 # ------------------------------------------------------------------------------------------- results
 
@@ -119,17 +119,6 @@ async def read_engine_counters(client: httpx.AsyncClient, urls: Sequence[str]) -
 
 
 # ------------------------------------------------------------------------------------------- statistics
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile, ``q`` in [0, 100] (numpy's default method)."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def _dist(values: Sequence[float]) -> dict[str, float | None]:

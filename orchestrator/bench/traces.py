@@ -1,6 +1,6 @@
 """Public serving traces turned into one request type, ``TraceRequest``.
 
-Four formats are read (see /work/shared/traces/README.md):
+Four formats are read (the public traces' README describes them; trace_paths.py finds the directory):
 
 - **Mooncake JSONL** — ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids`` (one id per
   512-token block; equal ids mean an identical prefix block). There is no text, so prompts are

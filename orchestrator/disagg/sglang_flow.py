@@ -1,6 +1,6 @@
 """SGLang's prefill/decode exchange, as request bodies (pure functions, no I/O).
 
-SGLang splits a request by *dual dispatch* (engines.md §6): the router sends the same request to
+SGLang splits a request by *dual dispatch* (docs/engines.md §6): the router sends the same request to
 the prefill and the decode server at the same time, both carrying ``bootstrap_host`` (the prefill
 server's host), ``bootstrap_port`` (its bootstrap port, 8998 by default) and ``bootstrap_room``
 (a random 63-bit id shared by the pair). The decode server waits for the prefill server to ship

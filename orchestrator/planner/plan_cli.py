@@ -1,6 +1,6 @@
 """``dyad plan``: what prefill/decode split does this trace need, and what does the planner save?
 
-    dyad plan --trace /work/shared/traces/aibrix_8min_up_and_down.jsonl --ttft 1 --itl 0.05 --budget 16
+    dyad plan --trace traces/aibrix_8min_up_and_down.jsonl --ttft 1 --itl 0.05 --budget 16
     dyad plan --trace synthetic:daily,peak=4,trough=0.5,osl_ratio=4,seed=1 --budget 24 --plot day.png
 
 Everything runs in virtual time on the simulated fleet (``orchestrator/sim/virtual_time.py``):

@@ -11,24 +11,23 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
+from orchestrator.bench.trace_paths import trace_path
 from orchestrator.sim.engine_model import EngineModel, SimRequest, SimRequestError
 from orchestrator.sim.profiles import load_profile
 
-# default: the shared traces folder beside the repository checkout (override with --trace)
-TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = "mooncake_synthetic_trace.jsonl"  # default --trace, found by orchestrator/bench/trace_paths.py
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engines", type=int, default=32)
     ap.add_argument("--profile", default="gpu-like")
-    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--trace", default=None, help=f"trace file (default: {TRACE} in the traces directory)")
     args = ap.parse_args()
     prof = load_profile(args.profile)
     engines = [EngineModel(prof, seed=i, engine_id=f"e{i}") for i in range(args.engines)]
-    rows = [json.loads(line) for line in open(args.trace)]
+    rows = [json.loads(line) for line in open(args.trace or trace_path(TRACE))]
     blocks: dict[int, list[int]] = {}
     arrival: dict[str, float] = {}
     ttft: list[float] = []

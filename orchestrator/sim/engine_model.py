@@ -16,7 +16,7 @@ or the next request becomes ready), so an hour of traffic costs per-run, not per
 
 Prefix cache: blocks are keyed by a chained hash over token ids (``chain_block_hashes``), computed
 here; KV events (BlockStored / BlockRemoved / AllBlocksCleared) are recorded exactly in vLLM's
-shape (engines.md §3): only full blocks, none for hits. vLLM sends one BlockRemoved per evicted
+shape (docs/engines.md §3): only full blocks, none for hits. vLLM sends one BlockRemoved per evicted
 block; the sim sends one per eviction burst listing all its blocks (same shape, same meaning).
 
 Host tier (``profile.host_kv_tokens > 0``, vLLM's native CPU offloading): a block evicted from GPU is
@@ -49,7 +49,7 @@ from orchestrator.sim.tokenizer import DEFAULT_VOCAB_SIZE, output_token_ids
 
 _MASK64 = (1 << 64) - 1
 
-# Histogram buckets exactly as vLLM 0.32 exports them (docs/vllm-metrics-sample.txt).
+# Histogram buckets exactly as vLLM 0.32 exports them (tests/unit/data/vllm-0.32-metrics.txt).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -1,4 +1,4 @@
-"""KV cache events on the wire, exactly as vLLM's ``ZmqEventPublisher`` sends them (engines.md §3).
+"""KV cache events on the wire, exactly as vLLM's ``ZmqEventPublisher`` sends them (docs/engines.md §3).
 
 PUB socket: multipart ``[topic, seq (8-byte big-endian, from 0), msgpack([ts, [event, ...], dp_rank])]``.
 Replay ROUTER socket: a DEALER sends ``[b"", start_seq (8 bytes)]`` and receives

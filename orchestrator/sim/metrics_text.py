@@ -2,7 +2,7 @@
 
 Rendered by hand from the core's counters (no prometheus_client registry per engine): it is fast,
 and the names, types and labels are exactly the ones the engines export (vLLM 0.32:
-docs/vllm-metrics-sample.txt; SGLang: engines.md §6).
+tests/unit/data/vllm-0.32-metrics.txt; SGLang: docs/engines.md §6).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class EngineProfile:
 
 
 CPU_TINY = EngineProfile(
-    # Calibrated to the real CPU vLLM used in the tests (engines.md §1: the 512/4/2048/8/2 Llama,
+    # Calibrated to the real CPU vLLM used in the tests (docs/engines.md §1: the 512/4/2048/8/2 Llama,
     # eager, one core, --block-size 32, --kv-cache-memory-bytes 256 MiB): 2,000-token prompt →
     # cold TTFT ≈ 548 ms, prefix-hit TTFT ≈ 33 ms, ≈ 259 ms of prefill per 1k tokens, ≈ 11.7 ms per
     # decode token. Here: cold TTFT = 20 + 9.7 + 2 + 2000×0.259 ≈ 550 ms; a hit on 62 of 63 blocks

@@ -54,6 +54,7 @@ from orchestrator.router.types import Overlap, RouteDecision, RouteRequest
 from orchestrator.sim.engine_model import EngineModel
 from orchestrator.sim.engine_model import SimRequest as ModelRequest
 from orchestrator.sim.profiles import EngineProfile
+from orchestrator.stats import percentile
 
 INF = math.inf
 
@@ -241,9 +242,6 @@ class SimResult:
         ttfts = sorted(r.ttft for r in done if r.ttft is not None)
         itls = sorted(r.itl for r in done if r.itl is not None)
 
-        def pct(xs: list[float], q: float) -> float | None:
-            return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
-
         hours = self.worker_seconds / 3600.0
         mean_workers = self.worker_seconds / self.duration_s if self.duration_s > 0 else 0.0
         return {
@@ -251,8 +249,8 @@ class SimResult:
             "slo_attainment": len(ok) / len(self.requests) if self.requests else 1.0,
             "worker_hours": hours, "mean_workers": mean_workers,
             "goodput_per_worker": (len(ok) / self.duration_s / mean_workers) if mean_workers > 0 else 0.0,
-            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9), "ttft_p99_s": pct(ttfts, 0.99),
-            "itl_p50_s": pct(itls, 0.5), "itl_p90_s": pct(itls, 0.9),
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90), "ttft_p99_s": percentile(ttfts, 99),
+            "itl_p50_s": percentile(itls, 50), "itl_p90_s": percentile(itls, 90),
             "virtual_s": self.duration_s, "wall_s": self.wall_s,
             "speedup": self.duration_s / self.wall_s if self.wall_s > 0 else None,
         }

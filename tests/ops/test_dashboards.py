@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
-REAL_VLLM_SCRAPE = Path("/work/shared/docs/vllm-metrics-sample.txt")
+REAL_VLLM_SCRAPE = ROOT / "tests" / "unit" / "data" / "vllm-0.32-metrics.txt"  # a real vLLM 0.32 scrape
 DCGM_SAMPLE = Path(__file__).resolve().parent / "data" / "dcgm-exporter-sample.txt"
 GPU_PANELS = ("GPU utilization", "GPU power draw", "GPU memory used", "Fleet GPU power", "Mean GPU utilization",
               "Generated tokens per joule")

@@ -1,6 +1,6 @@
 """Metric parsing: the text-format reader and the vLLM/SGLang normalization into LoadSnapshot.
 
-Inputs: a real vLLM 0.32 scrape (/work/shared/docs/vllm-metrics-sample.txt, copied into
+Inputs: a real vLLM 0.32 scrape (copied into
 tests/unit/data so the suite does not depend on the shared folder), and hand-written scrapes in
 the older vLLM names and in SGLang's names (SGLang cannot run here; the names come from its
 metrics_collector.py).

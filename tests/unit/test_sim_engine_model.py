@@ -39,8 +39,8 @@ def test_prefix_hit_lowers_ttft_to_calibrated_values():
     prompt = list(range(2000))
     t, _ = drive(m, [(SimRequest("cold", prompt, 4), 0.0), (SimRequest("hit", prompt, 4), 10.0)])
     cold, hit = t["cold"][0], t["hit"][0] - 10.0
-    assert 0.50 < cold < 0.60  # engines.md: 548 ms
-    assert 0.02 < hit < 0.05  # engines.md: 33 ms
+    assert 0.50 < cold < 0.60  # docs/engines.md §1: 548 ms
+    assert 0.02 < hit < 0.05  # docs/engines.md §1: 33 ms
     assert m.stats.prefix_cache_hits == 62 * 32
     assert m.stats.prompt_tokens_by_source["local_cache_hit"] == 62 * 32
     assert m.stats.prompt_tokens_by_source["local_compute"] == 4000 - 62 * 32

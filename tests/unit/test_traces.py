@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.bench.trace_paths import find_trace
 from orchestrator.bench.traces import (
     BlockSynthesizer,
     TraceRequest,
@@ -22,8 +23,6 @@ from orchestrator.bench.traces import (
     time_window,
 )
 from orchestrator.sim.tokenizer import SimTokenizer
-
-SHARED = Path("/work/shared/traces")
 
 
 @pytest.fixture
@@ -83,8 +82,8 @@ def test_ideal_hit_ratio_small(mooncake_file: Path) -> None:
 
 
 def test_ideal_hit_ratio_of_real_mooncake_trace_is_about_65_percent() -> None:
-    path = SHARED / "mooncake_synthetic_trace.jsonl"
-    if not path.exists():
+    path = find_trace("mooncake_synthetic_trace.jsonl")
+    if path is None:
         pytest.skip("shared traces not present")
     reqs = load_mooncake(path)
     assert len(reqs) == 3993

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import pytest_collection_modifyitems
+from tests.fixtures.cpu_probe import LADDER, CpuChoice, CpuPath, CpuProbeError, ProbeResult, choose_cpu_path
 from tests.fixtures.vllm import (
     ENGINE_SETS,
     LOCK_WAIT_S,
+    PORT_BLOCK,
     RUN_ORDER,
     SMALL_KV_BYTES,
     START_TIMEOUT_S,
@@ -33,12 +35,20 @@ def test_every_configuration_fits_the_machine_and_has_a_place_in_the_order():
     assert ENGINE_SETS["both"].nixl_roles == ("kv_both", "kv_both")
 
 
-def test_pd_engines_get_their_nixl_role_a_side_channel_port_each_and_no_event_publisher(tmp_path: Path):
+NATIVE = CpuPath("native")
+
+
+def _pool(tmp_path: Path, cpu: CpuPath = NATIVE) -> VllmPool:
     pool = VllmPool(VllmPaths(venv=tmp_path, model_dir=tmp_path), tmp_path)
+    pool.cpu = CpuChoice(cpu, ((cpu, ProbeResult(True, "faked")),))  # the real probe runs in the fixture
+    return pool
+
+
+def test_pd_engines_get_their_nixl_role_a_side_channel_port_each_and_no_event_publisher(tmp_path: Path):
+    pool = _pool(tmp_path)
     s = ENGINE_SETS["pd"]
-
-
-    engines = [pool._engine("pd", i, EngineSpec(args, nixl=True, kv_events=s.kv_events)) for i, args in enumerate(s.args)]
+    engines = [pool._engine("pd", i, EngineSpec(args, nixl=True, kv_events=s.kv_events), port_base=20000 + 16 * i)
+               for i, args in enumerate(s.args)]
     roles, side_ports = [], set()
     for i, e in enumerate(engines):
         cmd = e.command()
@@ -52,6 +62,68 @@ def test_pd_engines_get_their_nixl_role_a_side_channel_port_each_and_no_event_pu
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(i)
         assert env["PYTHONPATH"].split(":")[0] == str(tmp_path / "site")  # AMX sitecustomize
     assert roles == ["kv_producer", "kv_consumer"] and len(side_ports) == 2
+
+
+def _fake_probe(works: set[str]):
+    """A probe that succeeds for the named rungs and dies of SIGILL elsewhere; records the calls."""
+    calls: list[str] = []
+
+    def probe(path: CpuPath) -> ProbeResult:
+        calls.append(path.name)
+        return ProbeResult(True, "max abs error 0.0") if path.name in works else ProbeResult(False, "killed by SIGILL")
+
+    return probe, calls
+
+
+def test_cpu_probe_keeps_the_native_path_when_it_works():
+    probe, calls = _fake_probe({"native", "AVX512_CORE_BF16"})
+    choice = choose_cpu_path(probe)
+    assert choice.path.name == "native" and choice.path.env == {} and calls == ["native"]
+    assert choice.describe() == "vLLM CPU path: native"
+
+
+def test_cpu_probe_falls_back_to_onednn_without_amx_on_sigill():
+    probe, calls = _fake_probe({"AVX512_CORE_BF16", "AVX2"})
+    choice = choose_cpu_path(probe)
+    assert choice.path.env == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"} and choice.path.dtype == "bfloat16"
+    assert calls == ["native", "AVX512_CORE_BF16"]
+    assert "AVX512_CORE_BF16" in choice.describe() and "native: killed by SIGILL" in choice.describe()
+
+
+def test_cpu_probe_walks_down_to_float32_and_fails_clearly_when_nothing_runs():
+    probe, calls = _fake_probe({"float32"})
+    choice = choose_cpu_path(probe)
+    assert choice.path.dtype == "float32" and calls == [p.name for p in LADDER]
+    probe, _ = _fake_probe(set())
+    with pytest.raises(CpuProbeError, match="native: killed by SIGILL"):
+        choose_cpu_path(probe)
+
+
+def test_cpu_probe_respects_an_onednn_cap_the_user_set():
+    probe, calls = _fake_probe({"AVX2"})
+    choice = choose_cpu_path(probe, user_cap="AVX2")
+    assert calls == ["native", "AVX2"] and choice.path.name == "AVX2"  # no rung that lifts the cap
+
+
+def test_engines_take_the_probed_path_env_and_dtype(tmp_path: Path):
+    capped = LADDER[1]
+    e = _pool(tmp_path, capped)._engine("default", 0, EngineSpec(), port_base=20000)
+    assert e.environment()["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+    assert _flag(e.command(), "--dtype") == "bfloat16"
+    f32 = _pool(tmp_path, LADDER[-1])._engine("small-kv", 0, EngineSpec(ENGINE_SETS["small-kv"].args[0]), port_base=20000)
+    assert _flag(f32.command(), "--dtype") == "float32"
+    assert _flag(f32.command(), "--kv-cache-memory-bytes") == str(2 * SMALL_KV_BYTES)  # same block count
+
+
+def test_an_engine_takes_every_port_from_its_block(tmp_path: Path):
+    e = _pool(tmp_path)._engine("pd", 0, EngineSpec(nixl=True), port_base=20032)
+    env, cmd = e.environment(), e.command()
+    ports = {e.port, e.kv_events_port, e.kv_replay_port, int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]), int(env["VLLM_PORT"])}
+    assert len(ports) == 5 and all(20032 <= p < 20032 + PORT_BLOCK for p in ports)
+    assert _flag(cmd, "--port") == str(e.port)
+    unplaced = _pool(tmp_path)._engine("default", 0, EngineSpec())
+    with pytest.raises(RuntimeError, match="no ports yet"):
+        unplaced.start()
 
 
 def test_small_kv_engine_overrides_cache_bytes_and_context():
@@ -73,12 +145,12 @@ def test_run_order_groups_by_configuration_and_runs_killers_last():
 
 
 def test_pool_rejects_unknown_configurations_and_oversized_requests(tmp_path: Path):
-    pool = VllmPool(VllmPaths(venv=tmp_path, model_dir=tmp_path), tmp_path)
+    pool = _pool(tmp_path)
     with pytest.raises(ValueError, match="unknown vLLM engine configuration"):
         pool.use("four-engines")
     with pytest.raises(ValueError, match="has 1 engine"):
         pool.get(2, key="small-kv")
-    with pytest.raises(RuntimeError, match="nixl is not installed"):
+    with pytest.raises(RuntimeError, match="nixl in .* is missing: install step"):
         pool.use("pd")  # checked before anything starts
     assert pool.engines == [] and not pool.lock.held
 

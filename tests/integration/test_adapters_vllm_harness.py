@@ -13,10 +13,10 @@ from tests.fixtures.vllm import MachineLock, VllmEngine, VllmPaths, VllmPool
 def test_paths_from_env_and_missing_reasons(tmp_path: Path):
     paths = VllmPaths.from_env({"DYAD_VLLM_VENV": str(tmp_path / "v"), "DYAD_MODEL_DIR": str(tmp_path / "m")})
     assert paths.venv == tmp_path / "v" and paths.model_dir == tmp_path / "m"
-    assert "DYAD_VLLM_VENV" in paths.missing()
+    assert "DYAD_VLLM_VENV" in paths.missing()[0]  # (what is missing, the install step)
     (tmp_path / "v/bin").mkdir(parents=True)
     (tmp_path / "v/bin/python").write_text("")
-    assert "DYAD_MODEL_DIR" in paths.missing()
+    assert "DYAD_MODEL_DIR" in paths.missing()[0]
     (tmp_path / "m").mkdir()
     (tmp_path / "m/config.json").write_text("{}")
     assert paths.missing() is None

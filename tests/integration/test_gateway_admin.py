@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_gateway import CHAT, Engine, error_of, wait_until
 
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
+from tests.integration.test_gateway import CHAT, Engine, error_of, wait_until
 
 ADMIN = "admin-secret"
 KEY = "client-key"
