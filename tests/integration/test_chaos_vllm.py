@@ -124,7 +124,7 @@ def test_drain_under_load_loses_nothing_and_sends_nothing_new(live):
 def test_engine_killed_mid_stream_the_stream_completes_on_the_other(live):
     gw, engines = live
     body = {"model": MODEL, "messages": [{"role": "user", "content": "stream through a crash, please"}],
-            "max_tokens": 600, "ignore_eos": True, "temperature": 0, "stream": True,
+            "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     events: list[str] = []
     with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=120) as r:
@@ -133,9 +133,10 @@ def test_engine_killed_mid_stream_the_stream_completes_on_the_other(live):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
-                if len(events) == 5:
-                    # SIGKILL, mid-stream: early, so that even on a starved machine the engine cannot
-                    # have sent all 600 tokens into the gateway's buffers before it dies
+                if len(events) == 2:
+                    # SIGKILL, mid-stream: at the first token, with 3000 to go, so that even on a starved
+                    # machine (the client thread reads late) the engine cannot have sent them all into
+                    # the gateway's buffers before it dies (600 tokens once could: no failover was needed)
                     victim.kill()
     assert not victim.alive()
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
@@ -145,7 +146,7 @@ def test_engine_killed_mid_stream_the_stream_completes_on_the_other(live):
     if errors:  # allowed by the contract, but with two engines and a plain chat it must continue
         pytest.fail(f"the stream ended with an error event instead of continuing: {errors}")
     assert len({c["id"] for c in chunks}) == 1
-    assert chunks[-1]["usage"]["completion_tokens"] == 600
+    assert chunks[-1]["usage"]["completion_tokens"] == 3000
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finish[-1] == "length"
     failovers = [ln for ln in text.splitlines() if ln.startswith("dyad_stream_failovers_total{")]
