@@ -40,6 +40,7 @@ import redis.asyncio as aioredis  # noqa: E402
 from orchestrator.kv.index import Tier, chain_anchors  # noqa: E402
 from orchestrator.kv.redis_cluster_index import RedisClusterPrefixIndex  # noqa: E402
 from orchestrator.kv.redis_index import RedisPrefixIndex  # noqa: E402
+from orchestrator.stats import percentile  # noqa: E402
 from tests.fixtures.redis import RedisServer  # noqa: E402
 from tests.fixtures.redis_cluster import RedisCluster  # noqa: E402
 
@@ -148,11 +149,6 @@ async def server_memory(urls: list[str]) -> int:
     return tot
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
-
-
 async def run_one(kind: str, url: str, node_urls: list[str], engines: int, args: argparse.Namespace) -> dict:
     prefix = f"cap{engines}"
     if kind == "cluster":
@@ -180,7 +176,7 @@ async def run_one(kind: str, url: str, node_urls: list[str], engines: int, args:
         "server_cpu_share": cpu / wall,
         "ops_per_server_core_s": ops / cpu if cpu > 0 else None,
         "required_ops_s": engines * OPS_PER_ENGINE_S,
-        "lookup_p50_ms": 1e3 * pct(lat, 50), "lookup_p99_ms": 1e3 * pct(lat, 99),
+        "lookup_p50_ms": 1e3 * percentile(lat, 50), "lookup_p99_ms": 1e3 * percentile(lat, 99),
         "lookup_mean_ms": 1e3 * statistics.mean(lat), "lookups": len(lat),
         "paced_ingest_ops_s": ing / args.seconds,
     }

@@ -41,6 +41,7 @@ from orchestrator.sim.virtual_time import (
     requests_from_trace,
     sweep_profile,
 )
+from orchestrator.stats import percentile
 
 PLOT_EXTRA = "dyad-serve[plots]"
 
@@ -283,15 +284,11 @@ def interval_rows(res: SimResult, interval: float, ttft: float, itl: float,
             "t": t0, "rate": round(len(b) / interval, 4),
             "isl": round(sum(r.isl for r in b) / len(b), 1) if b else None,
             "osl": round(sum(r.osl for r in b) / len(b), 1) if b else None,
-            "ttft_p90_s": round(_pct(ttfts, 0.9), 4) if ttfts else None,
-            "itl_p90_s": round(_pct(itls, 0.9), 5) if itls else None,
+            "ttft_p90_s": round(percentile(ttfts, 90), 4) if ttfts else None,
+            "itl_p90_s": round(percentile(itls, 90), 5) if itls else None,
             "slo_attainment": round(ok / len(b), 4) if b else None,
             "prefill": counts[0], "decode": counts[1], "standby": counts[2]})
     return rows
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def with_cost(summary: dict[str, Any], res: SimResult, lim: Limits) -> dict[str, Any]:
