@@ -57,6 +57,27 @@ def _fake_word_value(word: str) -> int | None:
     return n
 
 
+MEMO_WORDS = 1_000_000
+
+
+class _WordIds(dict[str, int]):
+    """word → id, memoized (bounded): a subscript of a known word stays in C, a new word computes its id."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def __missing__(self, word: str) -> int:
+        fake = _fake_word_value(word) if word[0] == "q" else None
+        if fake is not None and fake < self.vocab_size:
+            tid = fake
+        else:
+            tid = zlib.crc32(word.encode("utf-8")) % self.vocab_size
+        if len(self) < MEMO_WORDS:  # bounded memo
+            self[word] = tid
+        return tid
+
+
 class SimTokenizer:
     """Word-level tokenizer. ``id = crc32(word) mod vocab_size`` (our own decoded words map back)."""
 
@@ -64,28 +85,15 @@ class SimTokenizer:
         if vocab_size < 16:
             raise ValueError("vocab_size must be at least 16")
         self.vocab_size = vocab_size
-        self._word_ids: dict[str, int] = {}
+        self._word_ids = _WordIds(vocab_size)
 
     # --- text → ids -------------------------------------------------------------------------
     def token_id(self, word: str) -> int:
-        tid = self._word_ids.get(word)
-        if tid is None:
-            fake = _fake_word_value(word) if word[0] == "q" else None
-            if fake is not None and fake < self.vocab_size:
-                tid = fake
-            else:
-                tid = zlib.crc32(word.encode("utf-8")) % self.vocab_size
-            if len(self._word_ids) < 1_000_000:  # bounded memo
-                self._word_ids[word] = tid
-        return tid
+        return self._word_ids[word]
 
     def encode(self, text: str) -> list[int]:
-        get = self._word_ids.get
-        out = []
-        for w in text.split():
-            tid = get(w)
-            out.append(self.token_id(w) if tid is None else tid)
-        return out
+        # One C-level pass: known words are dict hits, new ones go through ``_WordIds.__missing__``.
+        return list(map(self._word_ids.__getitem__, text.split()))
 
     def count(self, text: str) -> int:
         return len(text.split())
