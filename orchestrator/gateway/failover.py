@@ -279,6 +279,59 @@ def _final_length_event(sent: SentStream, chat: bool) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+
+class IdleTimer:
+    """Expires an ``asyncio.timeout`` when no chunk came for a while, with one timer per idle period.
+
+    Moving an ``asyncio.Timeout`` at every chunk (cancel one timer handle, push another) costs a heap
+    operation twice per chunk; here a chunk only writes down when its wait ended, and the one timer,
+    when it fires early, re-arms itself for the remaining time. Paused (between ``pause`` and
+    ``resume``: the chunk is being relayed to a possibly slow client) it never expires.
+    """
+
+    __slots__ = ("_loop", "_deadline", "_due", "_paused", "_idle", "_handle", "_armed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: asyncio.Timeout, first_wait: float) -> None:
+        self._loop = loop
+        self._deadline = deadline
+        self._due = loop.time() + first_wait
+        self._idle = first_wait
+        self._paused = False
+        self._armed = self._due
+        self._handle: asyncio.TimerHandle | None = loop.call_at(self._due, self._check)
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self, idle: float) -> None:
+        self._idle = idle
+        self._due = due = self._loop.time() + idle
+        self._paused = False
+        if due < self._armed and self._handle is not None:  # (the first wait was longer than the idle one)
+            self._arm(due)
+
+    def _arm(self, when: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._armed = when
+        self._handle = self._loop.call_at(when, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        self._handle = None
+        if self._paused:
+            self._arm(now + self._idle)
+        elif now >= self._due:
+            self._deadline.reschedule(now)  # expires: the ``async with`` raises TimeoutError
+        else:
+            self._arm(self._due)
+
+
 class StreamRelay:
     """Relays one stream to the client, continuing it on another worker when its worker fails.
 
@@ -355,24 +408,28 @@ class StreamRelay:
         recorder = self.recorder
         first = True
         try:
-            async with asyncio.timeout(loop.time() + first_wait) as deadline:
-                async for chunk in chunks:
-                    deadline.reschedule(None)  # a slow client is not an idle engine
-                    if first:  # (this response's first bytes: the first token, or a continuation's)
-                        p.mark_first_token()
-                        first = False
-                    out = recorder.split(chunk) if rewriter is None else rewriter.feed(recorder.split(chunk))
-                    if out:
-                        if out[:1] not in _SSE_STARTS:
-                            return "garbage", f"the engine sent bytes that are not server-sent events: {out[:60]!r}"
-                        if b'"usage"' in out:
-                            out = self._take_usage(out)
-                        self.events += out.count(b"data:")
+            async with asyncio.timeout(None) as deadline:
+                idle_timer = IdleTimer(loop, deadline, first_wait)
+                try:
+                    async for chunk in chunks:
+                        idle_timer.pause()  # a slow client is not an idle engine
+                        if first:  # (this response's first bytes: the first token, or a continuation's)
+                            p.mark_first_token()
+                            first = False
+                        out = recorder.split(chunk) if rewriter is None else rewriter.feed(recorder.split(chunk))
                         if out:
-                            await self._emit(send, out)
-                    elif len(recorder.pending) > MAX_PENDING_EVENT:
-                        return "garbage", f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
-                    deadline.reschedule(loop.time() + idle)
+                            if out[:1] not in _SSE_STARTS:
+                                return "garbage", f"the engine sent bytes that are not server-sent events: {out[:60]!r}"
+                            if b'"usage"' in out:
+                                out = self._take_usage(out)
+                            self.events += out.count(b"data:")
+                            if out:
+                                await self._emit(send, out)
+                        elif len(recorder.pending) > MAX_PENDING_EVENT:
+                            return "garbage", f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
+                        idle_timer.resume(idle)
+                finally:
+                    idle_timer.cancel()
         except TimeoutError:
             return "idle", f"no data from the engine for {first_wait if not recorder.sent else idle:g} s"
         except httpx.HTTPError as e:

@@ -1,0 +1,55 @@
+"""IdleTimer (failover.py): the stream relay's idle deadline, one timer per idle period."""
+
+import asyncio
+
+import pytest
+
+from orchestrator.gateway.failover import IdleTimer
+
+
+def test_a_shorter_idle_wait_after_the_first_chunk_expires_on_time() -> None:
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(None) as deadline:
+                timer = IdleTimer(loop, deadline, 60.0)  # the first wait: long
+                timer.pause()
+                timer.resume(0.05)  # a chunk came: from now on 0.05 s of silence ends it
+                await asyncio.sleep(30)
+        return loop.time() - t0
+
+    assert asyncio.run(main()) < 10
+
+
+def test_paused_it_never_expires_and_each_chunk_moves_the_deadline() -> None:
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        seen = []
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(None) as deadline:
+                timer = IdleTimer(loop, deadline, 0.05)
+                timer.pause()  # relaying to a slow client for longer than the idle wait
+                await asyncio.sleep(0.3)
+                seen.append("paused: not expired")
+                timer.resume(2.0)
+                for _ in range(3):  # each chunk restarts the 2 s wait
+                    await asyncio.sleep(0.1)
+                    timer.pause()
+                    timer.resume(2.0)
+                seen.append("chunks: not expired")
+                await asyncio.sleep(30)
+        return seen
+
+    assert asyncio.run(main()) == ["paused: not expired", "chunks: not expired"]
+
+
+def test_cancelled_it_never_fires() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(None) as deadline:
+            timer = IdleTimer(loop, deadline, 0.01)
+            timer.cancel()
+            await asyncio.sleep(0.1)
+
+    asyncio.run(main())
