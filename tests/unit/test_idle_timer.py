@@ -32,11 +32,11 @@ def test_paused_it_never_expires_and_each_chunk_moves_the_deadline() -> None:
                 timer.pause()  # relaying to a slow client for longer than the idle wait
                 await asyncio.sleep(0.3)
                 seen.append("paused: not expired")
-                timer.resume(2.0)
-                for _ in range(3):  # each chunk restarts the 2 s wait
-                    await asyncio.sleep(0.1)
+                timer.resume(1.5)
+                for _ in range(4):  # 2.4 s in all, past one 1.5 s wait: each chunk restarts it
+                    await asyncio.sleep(0.6)
                     timer.pause()
-                    timer.resume(2.0)
+                    timer.resume(1.5)
                 seen.append("chunks: not expired")
                 await asyncio.sleep(30)
         return seen
@@ -50,6 +50,6 @@ def test_cancelled_it_never_fires() -> None:
         async with asyncio.timeout(None) as deadline:
             timer = IdleTimer(loop, deadline, 0.01)
             timer.cancel()
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.6)
 
     asyncio.run(main())
