@@ -31,6 +31,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from orchestrator.telemetry.children import child  # noqa: F401 - re-exported (request metrics)
+
 Endpoint = Callable[[Request], Awaitable[Any]]
 
 
@@ -150,20 +152,6 @@ def new_request_id() -> str:
     """A fresh request id: this process's random prefix + a counter (``uuid4().hex`` costs several
     times as much: an ``os.urandom`` syscall and a ``UUID`` object per request)."""
     return f"{_RID_PREFIX}{next(_RID_COUNTER):016x}"
-
-
-def child(metric: Any, *values: str) -> Any:
-    """``metric.labels(*values)``, remembered on the metric: ``labels`` takes a lock and rebuilds the
-    label tuple on every call. For request metrics whose label values are bounded (model names,
-    endpoints, statuses) and never removed."""
-    try:
-        cache = metric._dyad_children
-    except AttributeError:
-        cache = metric._dyad_children = {}
-    found = cache.get(values)
-    if found is None:
-        found = cache[values] = metric.labels(*values)
-    return found
 
 
 _USAGE = b'"usage"'

@@ -37,6 +37,7 @@ from orchestrator.kv.memory_index import MemoryPrefixIndex
 from orchestrator.kv.tier_cost import effective_tier_weights
 from orchestrator.kv.tokenization import RequestTokenizer
 from orchestrator.router.types import RouteDecision, RouteRequest
+from orchestrator.telemetry.children import child
 from orchestrator.telemetry.metrics import DyadMetrics
 
 log = logging.getLogger("dyad.kv.tracker")
@@ -137,7 +138,7 @@ class PrefixTracker:
             overlaps = await self.index.overlaps(req.block_hashes, self.tier_weights, ids_of)
         req.overlaps = overlaps
         if self.metrics is not None:
-            self.metrics.index_lookup_seconds.labels(self.index.backend).observe(time.perf_counter() - started)
+            child(self.metrics.index_lookup_seconds, self.index.backend).observe(time.perf_counter() - started)
 
     async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
         holders = [decision.worker] + ([decision.prefill_worker] if decision.prefill_worker else [])

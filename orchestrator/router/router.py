@@ -32,6 +32,7 @@ from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
 from orchestrator.router.inflight import InflightLedger
 from orchestrator.router.types import RouteDecision, RouteRequest, RoutingPolicy
+from orchestrator.telemetry.children import child
 from orchestrator.telemetry.metrics import DyadMetrics
 
 RECENT_DECISIONS = 200
@@ -122,11 +123,12 @@ class Router:
             await tracker.on_routed(req, decision, now)
         if self.metrics is not None:
             m = self.metrics
-            m.routing_decision_seconds.labels(self.policy.name).observe(time.perf_counter() - started)
-            m.routing_decisions.labels(self.policy.name, "routed").inc()
-            m.routed_prompt_tokens.labels(req.model).inc(req.prompt_tokens)
+            policy = self.policy.name
+            child(m.routing_decision_seconds, policy).observe(time.perf_counter() - started)
+            child(m.routing_decisions, policy, "routed").inc()
+            child(m.routed_prompt_tokens, req.model).inc(req.prompt_tokens)  # (a configured model: bounded)
             if decision.predicted_cached_tokens:
-                m.predicted_cached_tokens.labels(req.model).inc(decision.predicted_cached_tokens)
+                child(m.predicted_cached_tokens, req.model).inc(decision.predicted_cached_tokens)
         self.recent_decisions.append({
             "time": now,
             "request_id": req.request_id,
