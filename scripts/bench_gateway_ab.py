@@ -73,13 +73,23 @@ def export(rev: str, into: Path) -> Path:
 async def measure(targets: dict[str, tuple[int, int]], args: argparse.Namespace) -> dict[str, dict]:
     body = {"model": "bench", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 8,
             "temperature": 0.0, "stream": args.stream}
+    if args.prompt_tokens:  # the simulator's tokenizer: one token per word
+        body["prompt"] = " ".join(f"w{i % 997}x{i // 997}" for i in range(args.prompt_tokens - 1))
     conns, reqs = {}, {}
     for name, (port, _) in targets.items():
         host, p, raw = encode_request(f"http://127.0.0.1:{port}/v1/completions", body)
         conns[name], reqs[name] = RawConnection(host, p), raw
+    fresh = iter(range(1 << 62))
+
+    def request_for(name: str) -> bytes:
+        """The same request every time, or with --fresh-prompts a prompt no target has seen before."""
+        if not args.fresh_prompts:
+            return reqs[name]
+        return encode_request(f"http://127.0.0.1:{targets[name][0]}/v1/completions",
+                              {**body, "prompt": f"fresh{next(fresh)} {body['prompt']}"})[2]
     for _ in range(100):  # warm-up
         for name in targets:
-            await conns[name].send(reqs[name])
+            await conns[name].send(request_for(name))
     out = {name: {"round_p50_s": [], "cpu_s": 0.0, "vcs": 0, "ivcs": 0, "n": 0} for name in targets}
     rng = random.Random(args.seed)
     names = list(targets)
@@ -87,10 +97,11 @@ async def measure(targets: dict[str, tuple[int, int]], args: argparse.Namespace)
         rng.shuffle(names)
         for name in names:
             pid = targets[name][1]
-            cpu0, v0, i0 = proc_stats(pid)
             lat = []
-            for _ in range(args.per_round):
-                t = await conns[name].send(reqs[name])
+            batch = [request_for(name) for _ in range(args.per_round)]
+            cpu0, v0, i0 = proc_stats(pid)
+            for raw in batch:
+                t = await conns[name].send(raw)
                 if t.status != 200:
                     raise RuntimeError(f"{name}: HTTP {t.status}: {t.body[:200]!r}")
                 lat.append(t.total_s)
@@ -139,6 +150,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=0, help="also closed-loop throughput at this concurrency")
     ap.add_argument("--duration", type=float, default=3.0, help="seconds per throughput measurement")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of this many words (simulator tokens)")
+    ap.add_argument("--fresh-prompts", action="store_true", help="a prompt never seen before for every request")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
 
@@ -165,7 +178,7 @@ def main() -> int:
                                       stderr=subprocess.DEVNULL, start_new_session=True)
                 procs.append(gw)
                 wait_ready(f"http://127.0.0.1:{port}/ready", gw)
-                targets[f"dyad @ {rev}"] = (port, gw.pid)
+                targets[f"dyad @ {rev}" + (f" #{i}" if f"dyad @ {rev}" in targets else "")] = (port, gw.pid)
             load_before = os.getloadavg()
             out = asyncio.run(measure(targets, args))
             load_after = os.getloadavg()
