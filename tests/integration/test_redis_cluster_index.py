@@ -169,7 +169,11 @@ def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
                     return await probe.size()
                 finally:
                     await probe.close()
-            deadline = time.monotonic() + 20
+            # the replica's promotion takes the cluster's node timeout plus an election: wait until every
+            # live node serves all slots again, then for the gateway's probe to write its mirror back
+            # (liveness bounds: on a loaded 2-core machine both took longer than 20 s once)
+            cl.wait_ok(timeout_s=60)
+            deadline = time.monotonic() + 60
             while asyncio.run(check()) == 0:
                 assert time.monotonic() < deadline, "cluster index empty after failover"
                 time.sleep(0.5)
