@@ -34,6 +34,7 @@ and the planner point at the same cluster (any node is a seed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -241,12 +242,16 @@ class RedisClusterPrefixIndex(PrefixIndex):
         while not self.available:
             await asyncio.sleep(self._retry_interval_s)
             try:
-                info = await asyncio.wait_for(self._client.cluster_info(), self._call_timeout_s * 4)
+                # any node (the client's default node may be the one that died), on a fresh topology
+                info = await asyncio.wait_for(self._client.cluster_info(target_nodes=RedisCluster.RANDOM),
+                                              self._call_timeout_s * 4)
                 if not cluster_serves_all_slots(info):
                     continue  # e.g. a primary died without a replica: stay on the mirror until fixed
                 await asyncio.wait_for(self._load_slots(), self._call_timeout_s * 4)
             except CLUSTER_DOWN_ERRORS as e:
                 log.debug("redis cluster probe: still down (%s)", e)
+                with contextlib.suppress(*CLUSTER_DOWN_ERRORS):  # re-read the slots from any live node
+                    await asyncio.wait_for(self._client.nodes_manager.initialize(), self._call_timeout_s * 4)
                 continue
             log.warning("redis cluster index reachable again; resyncing this replica's local index into it")
             # Lookups stay on the mirror until the cluster holds it again; writes made meanwhile
