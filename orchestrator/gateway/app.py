@@ -49,7 +49,8 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     if rt is not None and path.startswith("/v1/"):
         # Refused before routing: the model is not trusted as a label here (unbounded cardinality).
         rt.metrics.rejected.labels(exc.code or exc.type).inc()
-        endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path, "other")
+        endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                    "/v1/responses": "responses"}.get(path, "other")
         rt.metrics.requests.labels("", endpoint, str(exc.status)).inc()
     return _error_response(request, exc.status, exc.body(), exc.headers)
 
@@ -189,6 +190,9 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_hot_route("/v1/chat/completions", openai_routes.chat_completions)
     app.add_hot_route("/v1/completions", openai_routes.completions)
+    app.add_hot_route("/v1/responses", openai_routes.responses_create)  # the Responses API (responses_api.py)
+    app.add_route("/v1/responses/{response_id}", openai_routes.responses_retrieve, methods=["GET"])
+    app.add_route("/v1/responses/{response_id}/cancel", openai_routes.responses_cancel, methods=["POST"])
     app.add_hot_route("/v1/embeddings", openai_routes.embeddings)  # routed by model, one worker
     app.add_hot_route("/tokenize", openai_routes.tokenize)
     app.add_hot_route("/detokenize", openai_routes.detokenize)

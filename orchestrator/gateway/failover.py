@@ -40,6 +40,7 @@ from adapters.base import EngineKind
 from orchestrator.errors import ApiError
 from orchestrator.gateway.attempt import aborted_by_gateway
 from orchestrator.gateway.executor import UpstreamCall
+from orchestrator.gateway.stream_protocol import OpenAIChunks, StreamProtocol, protocol_for
 
 if TYPE_CHECKING:
     from orchestrator.gateway.proxy import ProxyResponse
@@ -66,12 +67,13 @@ def error_event(message: str, code: str | int = "upstream_stream_failed", type_:
 class SseRecorder:
     """Forwards whole SSE events only and remembers every byte forwarded (for a continuation)."""
 
-    __slots__ = ("pending", "sent", "done")
+    __slots__ = ("pending", "sent", "done", "protocol")
 
-    def __init__(self) -> None:
+    def __init__(self, protocol: StreamProtocol | None = None) -> None:
         self.pending = b""
         self.sent: list[bytes] = []
-        self.done = False  # saw data: [DONE]
+        self.done = False  # saw the protocol's honest end (data: [DONE] for OpenAI chunks)
+        self.protocol = protocol or OpenAIChunks()  # stream_protocol.py: what ends this stream
 
     def split(self, chunk: bytes) -> bytes:
         """The complete events in ``pending + chunk``; keeps the incomplete tail."""
@@ -85,7 +87,7 @@ class SseRecorder:
 
     def record(self, out: bytes) -> None:
         self.sent.append(out)
-        if out.endswith(DONE_EVENT):
+        if self.protocol.ended(out):
             self.done = True
 
 
@@ -348,7 +350,8 @@ class StreamRelay:
     def __init__(self, proxy: ProxyResponse) -> None:
         self.proxy = proxy
         self.rt = proxy.rt
-        self.recorder = SseRecorder()
+        self.protocol = protocol_for(proxy.call.endpoint)  # how this stream ends (stream_protocol.py)
+        self.recorder = SseRecorder(self.protocol)
         self.chat = proxy.call.endpoint == CHAT
         self.failovers = 0
         self.events = 0  # data: events relayed
@@ -370,7 +373,7 @@ class StreamRelay:
             p.upstream = response  # the proxy closes whatever is current when it is done
         p.done = True  # from here a disconnect is the end of our own response, not the client leaving
         content = self.events - (1 if self.recorder.done else 0) - (1 if self.chat else 0)
-        p.relayed_tokens = max(0, content)
+        p.relayed_tokens = max(0, self.protocol.content_events(self.events, self.recorder.done, content))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _emit(self, send: Any, out: bytes) -> None:
@@ -421,7 +424,8 @@ class StreamRelay:
                             if out[:1] not in _SSE_STARTS:
                                 return "garbage", f"the engine sent bytes that are not server-sent events: {out[:60]!r}"
                             if b'"usage"' in out:
-                                out = self._take_usage(out)
+                                out = self._take_usage(out) if self.protocol.continuable \
+                                    else self.protocol.take_usage(out, p)
                             self.events += out.count(b"data:")
                             if out:
                                 await self._emit(send, out)
@@ -443,7 +447,7 @@ class StreamRelay:
         if not recorder.done:
             if recorder.pending.strip():
                 return "garbage", f"the engine stream ended inside an event: {recorder.pending[:60]!r}"
-            return "eof", "the engine ended the stream without data: [DONE]"
+            return "eof", f"the engine ended the stream without {self.protocol.end_marker}"
         return None
 
     def _blame(self, kind: str, failure: str) -> None:
@@ -470,6 +474,9 @@ class StreamRelay:
         p.attempt = None
         if self.recorder.done:
             return b"", None, None
+        if not self.protocol.continuable:  # e.g. Responses events: their items live on the engine that began them
+            return self._give_up(f"the engine stream broke ({failure})",
+                                 f"{self.protocol.name} streams are not continued on another worker")
         sent = parse_sent(self.recorder.sent, self.chat)
         if sent.done or sent.errored:
             return DONE_EVENT if not sent.done else b"", None, None
@@ -511,5 +518,5 @@ class StreamRelay:
         self.proxy.status = 502
         self.proxy.error_class = "stream_failed"
         log.warning("request %s: %s; not continued: %s", self.proxy.call.request_id, message, reason)
-        return error_event(f"{message}; it could not be continued on another worker ({reason}).",
-                           code="upstream_stream_failed"), None, None
+        return self.protocol.error_ending(f"{message}; it could not be continued on another worker ({reason}).",
+                                          "upstream_stream_failed", self.recorder.sent), None, None

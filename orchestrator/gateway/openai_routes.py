@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from urllib.parse import quote
 
+import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from orchestrator.errors import ApiError, ModelNotFound
+from orchestrator.errors import ApiError, ModelNotFound, UpstreamError
 from orchestrator.gateway import request as rq
+from orchestrator.gateway import responses_api
 from orchestrator.gateway.annotate import annotate
 from orchestrator.gateway.executor import UpstreamCall
 from orchestrator.gateway.fastpath import child, new_request_id
 from orchestrator.gateway.proxy import ProxyResponse
+from orchestrator.gateway.responses import engine_error_body
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry import tracing
@@ -52,7 +56,8 @@ async def _completion(request: Request, endpoint: str, label: str) -> Any:
         root.end()
         rt.shutdown.finished()
         raise
-    response.inner.root_span = root  # the proxy ends it when the answer is over
+    proxy = response.inner.proxy if isinstance(response.inner, responses_api.RecordOwner) else response.inner
+    proxy.root_span = root  # the proxy ends it when the answer is over
     return response
 
 
@@ -62,11 +67,13 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     intake = rt.intake  # orchestrator.gateway.admission: auth, rate limits, admission control, queue
     record = AccessRecord(request_id=rid, endpoint=endpoint)
     client_key = None
+    responses = endpoint == responses_api.RESPONSES  # the Responses API: its own fields (responses_api.py)
+    pinned_away: frozenset[str] = frozenset()
     try:
         client = intake.authenticate(request)
         record.client_key_id = client.name
         body = rq.parse_json_object(await rq.read_body(request, gw.max_body_bytes))
-        model = rq.validate(endpoint, body)
+        model = responses_api.validate(body) if responses else rq.validate(endpoint, body)
         canonical = rt.config.model(model)
         client.check_model(model, (canonical.name, *canonical.aliases) if canonical is not None else ())
         if canonical is not None and canonical.name != model:
@@ -75,7 +82,15 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
             raise ModelNotFound(model)
         record.model = model
         stream = record.stream = body.get("stream") is True
-        route_req = await annotate(rt, request.headers, rid, endpoint, model, body)
+        if responses:
+            prev = body.get("previous_response_id")
+            if prev is not None:  # continues a stored response: only its engine has it
+                owner = responses_api.owner_worker(rt, prev, client.name, "previous_response_id")
+                pinned_away = frozenset(w.id for w in rt.fleet.workers() if w.id != owner.id)
+            # routed on the chat messages vLLM renders from instructions + input (prefix-aware)
+            route_req = await annotate(rt, request.headers, rid, rq.CHAT, model, responses_api.routing_body(body))
+        else:
+            route_req = await annotate(rt, request.headers, rid, endpoint, model, body)
         # Demand, counted before admission: queued, refused and failed requests are demand too (the planner).
         child(rt.metrics.arrivals, model).inc()
         child(rt.metrics.arrival_prompt_tokens, model).inc(route_req.prompt_tokens)
@@ -93,11 +108,13 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         record.total_s = time.perf_counter() - started
         rt.access_log.emit(record)
         raise
-    strip_usage = stream and rq.ask_for_usage(body)
+    strip_usage = stream and not responses and rq.ask_for_usage(body)  # (a Responses stream always has usage)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
     child(rt.metrics.inflight, model).inc()
-    return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record, strip_usage, limit_headers), model, rid, slot,
-                       client_key)
+    proxy = ProxyResponse(rt, call, route_req, label, started, record, strip_usage, limit_headers,
+                          pinned_away=pinned_away)
+    inner: Any = responses_api.RecordOwner(proxy, client.name) if responses else proxy
+    return intake.wrap(inner, model, rid, slot, client_key)
 
 
 async def chat_completions(request: Request) -> ProxyResponse:
@@ -106,6 +123,105 @@ async def chat_completions(request: Request) -> ProxyResponse:
 
 async def completions(request: Request) -> ProxyResponse:
     return await _completion(request, rq.COMPLETIONS, "completions")
+
+
+async def responses_create(request: Request) -> ProxyResponse:
+    """POST /v1/responses: as chat, with the Responses API's fields, stream events and id ownership."""
+    return await _completion(request, responses_api.RESPONSES, "responses")
+
+
+async def responses_retrieve(request: Request) -> Any:
+    """GET /v1/responses/{response_id} (``?stream=true&starting_after=N`` replays its events)."""
+    return await _stored_response(request, "GET", "")
+
+
+async def responses_cancel(request: Request) -> Any:
+    """POST /v1/responses/{response_id}/cancel."""
+    return await _stored_response(request, "POST", "/cancel")
+
+
+async def _stored_response(request: Request, method: str, suffix: str) -> Any:
+    """A call about a stored response, sent to the engine that created it (responses_api.ResponseOwners);
+    no retries elsewhere: no other engine has it."""
+    started = time.perf_counter()
+    rt: GatewayRuntime = request.app.state.runtime
+    rid = request_id_of(request)
+    bind_request_id(rid)
+    endpoint = f"{responses_api.RESPONSES}/{{id}}{suffix}"
+    record = AccessRecord(request_id=rid, endpoint=endpoint)
+    root = tracing.begin("dyad.request", incoming=request.headers, endpoint=endpoint)
+    upstream = None
+    try:
+        with root.activate() as span:
+            record.trace_id = span.trace_id_hex()
+            client = rt.intake.authenticate(request)
+            record.client_key_id = client.name
+            response_id = responses_api.check_response_id(request.path_params.get("response_id"), "response_id")
+            query = request.query_params
+            stream = method == "GET" and query.get("stream", "").lower() in ("true", "1")
+            record.stream = stream
+            worker = responses_api.owner_worker(rt, response_id, client.name)
+            record.workers.append((worker.id, worker.role.value))
+            record.attempts = 1
+            params = {k: query[k] for k in ("stream", "starting_after") if k in query and method == "GET"}
+            url = f"{worker.url}{responses_api.RESPONSES}/{quote(response_id, safe='')}{suffix}"
+            with tracing.span("dyad.attempt", worker=worker.id, role=worker.role.value) as attempt_span:
+                try:
+                    upstream = await rt.http.send(rt.http.build_request(
+                        method, url, params=params, headers=responses_api.engine_headers(worker, rid)), stream=True)
+                except httpx.HTTPError as e:
+                    raise UpstreamError(502, f"The engine holding response '{response_id}' ({worker.id}) did not "
+                                             f"answer: {type(e).__name__}.", code="upstream_unreachable") from None
+                attempt_span.set_attribute("status", upstream.status_code)
+            headers = [(b"x-request-id", rid.encode())]
+            if upstream.status_code == 200 and stream and "event-stream" in upstream.headers.get("content-type", ""):
+                record.status = 200
+                return _StoredStream(rt, upstream, headers, record, started, root)  # it logs and ends the span
+            raw = await upstream.aread()
+            await upstream.aclose()
+    except ApiError as err:
+        if upstream is not None:
+            await upstream.aclose()
+        record.status = err.status
+        record.error_class = err.code if isinstance(err.code, str) else type(err).__name__
+        _close_record(rt, record, started, root)
+        raise
+    except BaseException:
+        if upstream is not None:
+            await upstream.aclose()
+        root.end()
+        raise
+    record.status = upstream.status_code
+    if upstream.status_code >= 400:
+        raw = engine_error_body(upstream.status_code, raw)
+        record.error_class = "engine_rejected"
+    _close_record(rt, record, started, root)
+    return Response(raw, status_code=upstream.status_code, media_type="application/json",
+                    headers={"x-request-id": rid})
+
+
+def _close_record(rt: GatewayRuntime, record: AccessRecord, started: float, root: tracing.OpenSpan) -> None:
+    record.total_s = time.perf_counter() - started
+    rt.access_log.emit(record)
+    root.end()
+
+
+class _StoredStream:
+    """A replayed Responses stream (GET ...?stream=true), ended by the Responses rule."""
+
+    def __init__(self, rt: GatewayRuntime, upstream: httpx.Response, headers: list[tuple[bytes, bytes]],
+                 record: AccessRecord, started: float, root: tracing.OpenSpan) -> None:
+        self.rt, self.upstream, self.headers, self.record, self.started, self.root = \
+            rt, upstream, headers, record, started, root
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            complete = await responses_api.relay_stream(send, self.upstream, self.headers)
+            if not complete:
+                self.record.error_class = "stream_failed"
+        finally:
+            await self.upstream.aclose()
+            _close_record(self.rt, self.record, self.started, self.root)
 
 
 async def _passthrough(request: Request, endpoint: str, label: str) -> Any:

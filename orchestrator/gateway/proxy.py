@@ -59,7 +59,7 @@ class _Retry(Exception):
 class ProxyResponse:
     def __init__(self, runtime: GatewayRuntime, call: UpstreamCall, req: RouteRequest, endpoint_label: str,
                  started: float, record: AccessRecord | None = None, strip_usage: bool = False,
-                 extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+                 extra_headers: list[tuple[bytes, bytes]] | None = None, pinned_away: frozenset[str] = frozenset()) -> None:
         self.rt = runtime
         self.call = call
         self.req = req
@@ -78,7 +78,9 @@ class ProxyResponse:
         self.error_class: str | None = None
         self._disconnected = False
         self._first_token_at: float | None = None
-        self._tried: set[str] = set()  # workers that failed this request (never tried again for it)
+        # workers that failed this request (never tried again for it); ``pinned_away``: workers it must not use
+        # (a /v1/responses continuation lives on the engine that stored its previous response)
+        self._tried: set[str] = set(pinned_away)
         self._judge = classify.FiveXxJudge()
         self.upstream: httpx.Response | None = None  # the engine response being relayed
         self._watcher: asyncio.Future[None] | None = None
@@ -463,6 +465,8 @@ class ProxyResponse:
         prompt = generated = None
         if usage is not None:
             p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if p is None and c is None:  # the Responses API's names (/v1/responses)
+                p, c = usage.get("input_tokens"), usage.get("output_tokens")
             prompt = p if isinstance(p, int) else None
             generated = c if isinstance(c, int) else None
         if prompt is None:

@@ -1,0 +1,332 @@
+"""The OpenAI Responses API (``/v1/responses``) at the gateway: what differs from chat completions.
+
+``POST /v1/responses`` takes the same path as chat (``openai_routes``: validate → annotate → admit →
+``ProxyResponse``); this module supplies the parts that are this API's own:
+
+* **validation** (``validate``): ``model``, ``input`` (a string or an array of items),
+  ``instructions``, ``max_output_tokens``, ``stream``, ``previous_response_id``, ``user``; internal
+  fields refused as for every path (``request.check_internal_fields``) plus ``request_id``, which on
+  this route names the response an engine stores: a client choosing it could overwrite another
+  client's stored response;
+* **routing text** (``routing_body``): the request as the chat messages vLLM builds from it
+  (``instructions`` → a system message, a string ``input`` → a user message, message items → their
+  role and text), so prefix-aware routing tokenizes and hashes it like the engine's own prompt;
+* **where a response lives** (``ResponseOwners``): vLLM keeps a response (``store``, background
+  mode) only on the engine that created it, so ``GET /v1/responses/{id}``, ``POST
+  /v1/responses/{id}/cancel`` and a new request naming ``previous_response_id`` must reach that
+  engine. The gateway remembers response id → (worker, client key) in a bounded, expiring map with
+  hashed keys (client-chosen text never grows memory or sits in it verbatim); an id it does not know —
+  or one created by another client key — is a 404 naming the id, never a guess at a worker;
+* **the stream's ending rules** are ``stream_protocol.ResponsesEvents`` (a terminal ``response.*``
+  event, else ``event: error`` + ``response.failed``).
+
+vLLM 0.32 serves ``POST /v1/responses``, ``GET /v1/responses/{id}`` (``?stream=true&starting_after=N``
+replays a background response's events) and ``POST /v1/responses/{id}/cancel``; it has no DELETE
+(docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import orjson
+
+from orchestrator.errors import InvalidRequest, NotFound
+from orchestrator.gateway import request as rq
+from orchestrator.gateway.stream_protocol import ResponsesEvents, sse_fields
+
+if TYPE_CHECKING:
+    from orchestrator.fleet.worker import Worker
+    from orchestrator.gateway.runtime import GatewayRuntime
+
+RESPONSES = "/v1/responses"
+# Fields of this route that steer an engine beyond the adapters' internal fields (module docstring).
+RESPONSES_INTERNAL = frozenset({"request_id"})
+MAX_RESPONSE_ID = 256  # longer ids are refused (vLLM's are "resp_" + 32 hex digits)
+OWNERS_MAX_ENTRIES = 100_000  # ~100 bytes each: about 10 MB at most
+OWNERS_TTL_S = 24 * 3600.0  # a response older than this is not routed to (its engine may have restarted anyway)
+KEY_BYTES = 16
+
+
+# --- validation ------------------------------------------------------------------------------------
+
+def validate(body: dict[str, Any]) -> str:
+    """Check the fields Dyad relies on; returns the requested model name."""
+    rq.check_internal_fields(body)
+    if not RESPONSES_INTERNAL.isdisjoint(body):
+        name = min(RESPONSES_INTERNAL.intersection(body))
+        raise InvalidRequest(f"'{name}' is set by the engine on /v1/responses (it names the stored response); "
+                             "a request must not carry it.", param=name, code="internal_field")
+    model = rq._check_model(body)
+    inp = body.get("input")
+    if inp is None:
+        raise rq._missing("input")
+    if not isinstance(inp, (str, list)):
+        raise rq._wrong("input", "a string or an array of input items", inp)
+    if isinstance(inp, list):
+        for i, item in enumerate(inp):
+            if not isinstance(item, dict):
+                raise rq._wrong(f"input[{i}]", "an object", item)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise rq._wrong("instructions", "a string", instructions)
+    mot = body.get("max_output_tokens")
+    if mot is not None:
+        if not rq._is_int(mot):
+            raise rq._wrong("max_output_tokens", "an integer", mot)
+        if mot < 1:
+            raise InvalidRequest(f"'max_output_tokens' must be at least 1, got {mot}.", param="max_output_tokens",
+                                 code="invalid_value")
+    for name in ("stream", "background", "store"):
+        v = body.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise rq._wrong(name, "a boolean", v)
+    for name in ("temperature", "top_p"):
+        v = body.get(name)
+        if v is not None and not rq._is_number(v):
+            raise rq._wrong(name, "a number", v)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise rq._wrong("user", "a string", user)
+    prev = body.get("previous_response_id")
+    if prev is not None:
+        check_response_id(prev, "previous_response_id")
+    return model
+
+
+def check_response_id(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise rq._wrong(param, "a string", value)
+    if not value or len(value) > MAX_RESPONSE_ID or not value.isprintable():
+        raise InvalidRequest(f"'{param}' must be a response id (1 to {MAX_RESPONSE_ID} printable characters).",
+                             param=param, code="invalid_value")
+    return value
+
+
+# --- routing text ----------------------------------------------------------------------------------
+
+def _text_parts(content: Any) -> Any:
+    """Message content as chat content: a string stays; input_text/output_text parts become text parts."""
+    if isinstance(content, str) or not isinstance(content, list):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def routing_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages vLLM renders for this request (instructions, then the input), as far as routing
+    needs them: items other than messages (tool calls, their outputs, reasoning) are left out."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    inp = body.get("input")
+    if isinstance(inp, str):
+        messages.append({"role": "user", "content": inp})
+    elif isinstance(inp, list):
+        for item in inp:
+            if isinstance(item, dict) and isinstance(item.get("role"), str) and item.get("type", "message") == "message":
+                messages.append({"role": item["role"], "content": _text_parts(item.get("content"))})
+    return messages
+
+
+def routing_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat-shaped body for annotation (prompt length, block hashes, session key, token budget)."""
+    out: dict[str, Any] = {"model": body.get("model"), "messages": routing_messages(body) or
+                           [{"role": "user", "content": ""}]}
+    for key in ("user", "chat_template_kwargs", "cache_salt"):
+        if key in body:
+            out[key] = body[key]
+    if rq._is_int(body.get("max_output_tokens")):
+        out["max_tokens"] = body["max_output_tokens"]
+    return out
+
+
+# --- where a response lives ------------------------------------------------------------------------
+
+def _key(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=KEY_BYTES).digest()
+
+
+@dataclass(frozen=True)
+class Owner:
+    worker_id: str
+    client: bytes  # hashed client key name
+    expires: float
+
+
+class ResponseOwners:
+    """Response id → (worker, client) for the ids this gateway saw created; bounded (oldest out first)
+    and expiring. Pure data: the caller passes ``now``."""
+
+    def __init__(self, max_entries: int = OWNERS_MAX_ENTRIES, ttl_s: float = OWNERS_TTL_S) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._map: OrderedDict[bytes, Owner] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def record(self, response_id: str, worker_id: str, client: str, now: float) -> None:
+        key = _key(response_id)
+        self._map.pop(key, None)
+        self._map[key] = Owner(worker_id, _key(client), now + self.ttl_s)
+        while len(self._map) > self.max_entries:
+            self._map.popitem(last=False)
+        self._expire(now)
+
+    def lookup(self, response_id: str, client: str, now: float) -> str | None:
+        """The worker that holds ``response_id`` for this client, or None (unknown, expired, another client's)."""
+        self._expire(now)
+        owner = self._map.get(_key(response_id))
+        if owner is None or owner.expires <= now or owner.client != _key(client):
+            return None
+        return owner.worker_id
+
+    def forget_worker(self, worker_id: str) -> None:
+        for key in [k for k, o in self._map.items() if o.worker_id == worker_id]:
+            del self._map[key]
+
+    def _expire(self, now: float) -> None:
+        m = self._map
+        while m:
+            key, owner = next(iter(m.items()))
+            if owner.expires > now:
+                break
+            del m[key]
+
+
+def owners_of(rt: GatewayRuntime) -> ResponseOwners:
+    """The runtime's map (made on first use: only gateways that serve /v1/responses hold one)."""
+    owners = getattr(rt, "response_owners", None)
+    if owners is None:
+        owners = ResponseOwners()
+        rt.response_owners = owners  # type: ignore[attr-defined]
+    return owners
+
+
+def not_found(response_id: str, param: str = "response_id") -> NotFound:
+    return NotFound(f"Response with id '{response_id}' not found (this gateway routes a response id only to the "
+                    "engine that created it, for the client key that created it).", param=param,
+                    code="response_not_found")
+
+
+def owner_worker(rt: GatewayRuntime, response_id: str, client: str, param: str = "response_id") -> Worker:
+    """The worker holding ``response_id`` (404 naming the id when unknown, or when that worker is gone)."""
+    wid = owners_of(rt).lookup(response_id, client, rt.clock.now())
+    worker = rt.fleet.get(wid) if wid is not None else None
+    if worker is None:
+        raise not_found(response_id, param)
+    return worker
+
+
+def response_id_in(body: bytes, stream: bool) -> str | None:
+    """The response id of an answer: the JSON object's ``id``, or a stream's first event carrying
+    ``response.id`` (``response.created``)."""
+    if not stream:
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None
+        rid = obj.get("id") if isinstance(obj, dict) and obj.get("object") == "response" else None
+        return rid if isinstance(rid, str) else None
+    for event in body.split(b"\n\n"):
+        _, data = sse_fields(event)
+        if not data or b'"response"' not in data:
+            continue
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        resp = obj.get("response") if isinstance(obj, dict) else None
+        if isinstance(resp, dict) and isinstance(resp.get("id"), str):
+            return str(resp["id"])
+    return None
+
+
+class RecordOwner:
+    """Wraps a ``ProxyResponse`` for ``POST /v1/responses``: the response id in its answer is recorded
+    with the worker that produced it (``ResponseOwners``). Reads only: the bytes pass unchanged."""
+
+    SCAN_LIMIT = 1 << 16  # a stream's id is in its first event; stop looking after this many bytes
+
+    def __init__(self, proxy: Any, client: str) -> None:
+        self.proxy = proxy
+        self.client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.proxy, name)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        proxy = self.proxy
+        seen = bytearray()
+        state = {"status": 0, "found": False}
+
+        async def watching_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+            elif (message["type"] == "http.response.body" and state["status"] == 200 and not state["found"]
+                  and len(seen) < self.SCAN_LIMIT):
+                seen.extend(message.get("body", b""))
+                rid = response_id_in(bytes(seen), proxy.call.stream)
+                if rid is not None or not proxy.call.stream:
+                    state["found"] = True
+                    attempt = proxy.attempt
+                    if rid is not None and attempt is not None:
+                        owners_of(proxy.rt).record(rid, attempt.worker_id, self.client, proxy.rt.clock.now())
+            await send(message)
+
+        await proxy(scope, receive, watching_send)
+
+
+# --- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel ----------------------------------------
+
+def engine_headers(worker: Worker, request_id: str) -> dict[str, str]:
+    from orchestrator.telemetry import tracing
+
+    headers = {"x-request-id": request_id}
+    if worker.api_key:
+        headers["authorization"] = f"Bearer {worker.api_key}"
+    return tracing.inject(headers)
+
+
+async def relay_stream(send: Any, upstream: httpx.Response, extra_headers: list[tuple[bytes, bytes]]) -> bool:
+    """Relay a replayed Responses stream (``GET ...?stream=true``) with the same ending rule as any
+    Responses stream: a terminal event, else ``event: error`` + ``response.failed``. True when complete."""
+    protocol = ResponsesEvents()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), *extra_headers]})
+    sent: list[bytes] = []
+    pending = b""
+    failure = None
+    try:
+        async for chunk in upstream.aiter_raw():
+            data = pending + chunk
+            cut = data.rfind(b"\n\n")
+            if cut < 0:
+                pending = data
+                continue
+            out, pending = data[:cut + 2], data[cut + 2:]
+            if out[:1] not in (b"e", b"d", b":", b"i", b"r"):
+                failure = "the engine sent bytes that are not server-sent events"
+                break
+            sent.append(out)
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+            if protocol.ended(out):
+                break
+        else:
+            failure = f"the engine ended the stream without {protocol.end_marker}"
+    except httpx.HTTPError as e:
+        failure = f"{type(e).__name__}: {e}"
+    ending = b""
+    if failure is not None:
+        ending = protocol.error_ending(f"the engine stream broke ({failure})", "upstream_stream_failed", sent)
+    await send({"type": "http.response.body", "body": ending, "more_body": False})
+    return failure is None

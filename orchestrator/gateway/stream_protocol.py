@@ -1,0 +1,164 @@
+"""How a relayed stream ends honestly, keyed by the stream's protocol (the endpoint that produced it).
+
+A stream relayed to a client has two honest endings: the engine's own complete end, or an error the
+client's SDK recognises, written by the gateway before the connection closes. Anything else — EOF,
+reset, a stall, bytes that are not server-sent events, a 200 JSON error body — must never look like
+a complete answer. What "complete" and "error" look like depends on the protocol:
+
+* **OpenAI chunks** (``/v1/chat/completions``, ``/v1/completions``): ``data:`` chunks ending with
+  ``data: [DONE]``; a failure ends with ``data: {"error": {...}}`` then ``data: [DONE]``. A broken
+  stream can be continued on another worker (``failover.py``).
+* **Responses events** (``/v1/responses``): typed events (``event: response.created`` ...
+  ``response.output_text.delta`` ...) ending with a terminal event — ``response.completed``,
+  ``response.failed``, ``response.incomplete`` or ``error`` (the engine reporting its own failure).
+  There is no ``[DONE]``. A failure ends with ``event: error`` followed by ``event: response.failed``
+  (the response object with ``status: "failed"`` and its ``error``), numbered after the last
+  ``sequence_number`` the client saw, as OpenAI's Responses API ends a failed stream. Such a stream
+  is not continued elsewhere: its output items, ids and sequence numbers belong to the engine that
+  started it (and a stored response lives only there).
+
+``StreamRelay`` (``failover.py``) asks ``protocol_for(endpoint)`` and uses only this interface.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+DONE_EVENT = b"data: [DONE]\n\n"
+RESPONSES = "/v1/responses"
+RESPONSE_TERMINALS = frozenset({b"response.completed", b"response.failed", b"response.incomplete", b"error"})
+
+
+def sse_fields(event: bytes) -> tuple[bytes | None, bytes | None]:
+    """(event name, data payload) of one whole SSE event (``data`` lines joined by newlines)."""
+    name = None
+    data: list[bytes] = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"event:"):
+            name = line[6:].strip()
+        elif line.startswith(b"data:"):
+            data.append(line[5:].strip())
+    return name, (b"\n".join(data) if data else None)
+
+
+class StreamProtocol:
+    """One stream protocol's ending rules (see the module docstring)."""
+
+    name = "base"
+    end_marker = ""  # what a complete stream ends with, for messages
+    continuable = False  # a broken stream may be continued on another worker (failover.py)
+
+    def ended(self, out: bytes) -> bool:
+        """True when ``out`` (whole events, as relayed) holds the stream's honest end."""
+        raise NotImplementedError
+
+    def error_ending(self, message: str, code: str, sent: list[bytes]) -> bytes:
+        """The bytes that end a stream which cannot complete; ``sent`` is what the client has received."""
+        raise NotImplementedError
+
+    def take_usage(self, out: bytes, proxy: Any) -> bytes:
+        """Read the engine's usage from ``out`` into ``proxy.usage``; returns what to relay."""
+        return out
+
+    def content_events(self, relayed_events: int, done: bool, out_tokens: int) -> int:
+        """Generated tokens by count of relayed events (used only when the engine gives no usage)."""
+        return out_tokens
+
+
+class OpenAIChunks(StreamProtocol):
+    name = "openai_chunks"
+    end_marker = "data: [DONE]"
+    continuable = True
+
+    def ended(self, out: bytes) -> bool:
+        return out.endswith(DONE_EVENT)
+
+    def error_ending(self, message: str, code: str, sent: list[bytes]) -> bytes:
+        err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+        return b"data: " + orjson.dumps(err) + b"\n\n" + DONE_EVENT
+
+
+class ResponsesEvents(StreamProtocol):
+    name = "responses_events"
+    end_marker = "a terminal event (response.completed, response.failed, response.incomplete or error)"
+    continuable = False
+
+    def __init__(self) -> None:
+        self.text_deltas = 0  # response.output_text.delta events relayed (generated tokens without usage)
+
+    def ended(self, out: bytes) -> bool:
+        self.text_deltas += out.count(b"event: response.output_text.delta\n")
+        if b"event:" not in out and b'"type"' not in out:
+            return False
+        for event in out.split(b"\n\n"):
+            name, data = sse_fields(event)
+            if name is None and data is not None:  # no event line: the data's own "type" names it
+                name = _data_type(data)
+            if name in RESPONSE_TERMINALS:
+                return True
+        return False
+
+    def take_usage(self, out: bytes, proxy: Any) -> bytes:
+        for event in out.split(b"\n\n"):
+            if b'"usage"' not in event:
+                continue
+            _, data = sse_fields(event)
+            obj = _loads(data)
+            response = obj.get("response") if obj is not None else None
+            if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+                proxy.usage = response["usage"]
+        return out
+
+    def content_events(self, relayed_events: int, done: bool, out_tokens: int) -> int:
+        return self.text_deltas
+
+    def error_ending(self, message: str, code: str, sent: list[bytes]) -> bytes:
+        created = last_sequence = None
+        for chunk in sent:
+            for event in chunk.split(b"\n\n"):
+                _, data = sse_fields(event)
+                obj = _loads(data)
+                if obj is None:
+                    continue
+                seq = obj.get("sequence_number")
+                if isinstance(seq, int) and not isinstance(seq, bool):
+                    last_sequence = seq
+                if created is None and isinstance(obj.get("response"), dict):
+                    created = obj["response"]
+        seq = 0 if last_sequence is None else last_sequence + 1
+        error = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": seq}
+        response: dict[str, Any] = {"id": None, "object": "response", "created_at": int(time.time()),
+                                    "model": None, "output": [], "usage": None}
+        if created is not None:
+            response = {**created, "output": [], "usage": None}
+        response["status"] = "failed"
+        response["error"] = {"code": "server_error", "message": message}
+        failed = {"type": "response.failed", "sequence_number": seq + 1, "response": response}
+        return (b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
+                + b"event: response.failed\ndata: " + orjson.dumps(failed) + b"\n\n")
+
+
+def _loads(data: bytes | None) -> dict[str, Any] | None:
+    if not data:
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _data_type(data: bytes) -> bytes | None:
+    obj = _loads(data)
+    t = obj.get("type") if obj is not None else None
+    return t.encode() if isinstance(t, str) else None
+
+
+def protocol_for(endpoint: str) -> StreamProtocol:
+    """The ending rules of the stream an endpoint produces (a fresh object per stream: it may count)."""
+    if endpoint == RESPONSES:
+        return ResponsesEvents()
+    return OpenAIChunks()
