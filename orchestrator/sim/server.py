@@ -44,6 +44,11 @@ from orchestrator.sim.kv_publisher import KvEventPublisher
 from orchestrator.sim.logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
 from orchestrator.sim.metrics_text import render_sglang, render_vllm
 from orchestrator.sim.profiles import EngineProfile, load_profile
+from orchestrator.sim.responses import ResponseStore
+from orchestrator.sim.responses import handle_cancel as _responses_cancel
+from orchestrator.sim.responses import handle_create as _responses_create
+from orchestrator.sim.responses import handle_retrieve as _responses_retrieve
+from orchestrator.sim.responses import set_faults as _responses_faults
 from orchestrator.sim.tokenizer import SimTokenizer
 
 VLLM_VERSION = "0.32.0"
@@ -76,6 +81,8 @@ class SimServerConfig:
     prefill_delay_s: float = 0.0  # extra delay before a request reaches the core
     fail_next: int = 0  # the next N generation requests answer 500
     die_after_tokens: int | None = None  # crash once this many tokens were generated
+    responses_fault: str | None = None  # /v1/responses only: eof | reset | garbage | hang | ... (sim/responses.py)
+    responses_fault_after: int = 0  # ... after this many text deltas
 
 
 class _HttpError(Exception):
@@ -288,6 +295,8 @@ class SimServer:
         r[("GET", "/health_generate")] = self._h_health
         r[("POST", "/sim/kv_pull")] = self._h_kv_pull
         r[("POST", "/sim/faults")] = self._h_faults
+        r[("POST", "/v1/responses")] = self._h_responses
+        self.response_store = ResponseStore()  # answered responses, for GET/cancel by id (sim/responses.py)
         self._paths = {p for _, p in r}
 
     # ---------------------------------------------------------------- ASGI plumbing
@@ -302,6 +311,8 @@ class SimServer:
         handler = self._routes.get((scope["method"], path))
         if handler is None and path.startswith("/sim/bootstrap/") and scope["method"] == "GET":
             handler = self._h_bootstrap
+        if handler is None and path.startswith("/v1/responses/"):
+            handler = self._responses_by_id(scope["method"], path)
         try:
             if handler is None:
                 if path in self._paths:
@@ -457,7 +468,7 @@ class SimServer:
             v = _int_field(body, "die_after_tokens", 0)
             c.die_after_tokens = None if v is None else self.driver.tokens_out + v
         await _send_json(send, 200, {"fail_next": c.fail_next, "prefill_delay_s": c.prefill_delay_s,
-                                     "die_after_tokens": c.die_after_tokens})
+                                     "die_after_tokens": c.die_after_tokens, **_responses_faults(self, body)})
 
     # ---------------------------------------------------------------- tokenize
     async def _h_tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -956,6 +967,19 @@ class SimServer:
             if started:
                 raise _EngineDied() from None  # mid-stream failure: cut the connection
             raise
+
+    # ---------------------------------------------------------------- OpenAI Responses API (sim/responses.py)
+    async def _h_responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_json(receive)
+        self.received_headers.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())})
+        await _responses_create(self, body, scope, receive, send)
+
+    def _responses_by_id(self, method: str, path: str) -> Callable[..., Awaitable[None]] | None:
+        if method == "GET" and path.count("/") == 3:
+            return lambda scope, receive, send: _responses_retrieve(self, scope, send)
+        if method == "POST" and path.endswith("/cancel") and path.count("/") == 4:
+            return lambda scope, receive, send: _responses_cancel(self, scope, send)
+        return None
 
     # ---------------------------------------------------------------- SGLang /generate
     async def _h_generate(self, scope: Scope, receive: Receive, send: Send) -> None:
