@@ -476,7 +476,7 @@ class StreamRelay:
             return b"", None, None
         if not self.protocol.continuable:  # e.g. Responses events: their items live on the engine that began them
             return self._give_up(f"the engine stream broke ({failure})",
-                                 f"{self.protocol.name} streams are not continued on another worker")
+                                 f"a {self.protocol.name} stream's items and ids belong to the engine that began it")
         sent = parse_sent(self.recorder.sent, self.chat)
         if sent.done or sent.errored:
             return DONE_EVENT if not sent.done else b"", None, None

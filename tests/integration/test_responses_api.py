@@ -1,0 +1,303 @@
+"""``/v1/responses`` through a real gateway (uvicorn, loopback) in front of simulated engines.
+
+``dyad sim-engine`` stands in for vLLM here: it serves the Responses API in vLLM 0.32's event
+grammar and misbehaves on cue (``POST /sim/faults {"responses_fault": ...}``: a stream that ends
+without a terminal event, a reset, garbage, a hang, a 200 JSON error body, the engine's own error
+event), which a real vLLM cannot do on demand. The real-vLLM check of the same route is
+``test_vllm_gateway.py::test_responses_api_through_the_gateway_on_real_vllm`` (marker ``vllm``).
+
+Checked: every way the stream can end (complete, engine error event, or the gateway's ``event:
+error`` + ``response.failed`` after EOF, reset, garbage, stall; failover before the first byte on a
+200 JSON error body), usage counted into the token histograms and the access log, internal fields
+refused, response ids routed to the engine that created them (GET, cancel, previous_response_id),
+and prefix-aware routing on ``instructions``/``input``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import httpx
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from orchestrator.sim.server import SimEngineThread
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    engs = [SimEngineThread(model=MODEL, profile="cpu-tiny", seed=i, kv_events=False).start() for i in range(2)]
+    try:
+        yield engs
+    finally:
+        for e in engs:
+            e.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_faults(engines):
+    yield
+    for e in engines:
+        httpx.post(f"{e.url}/sim/faults", json={"responses_fault": None, "responses_fault_after": 0}, timeout=5)
+
+
+def fault(engine, mode, after=2):
+    r = httpx.post(f"{engine.url}/sim/faults", json={"responses_fault": mode, "responses_fault_after": after},
+                   timeout=5)
+    assert r.status_code == 200, r.text
+
+
+@contextlib.contextmanager
+def gateway(engines, tmp_path, **sections):
+    cfg = {
+        "models": [{"name": MODEL}],
+        "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "models": [MODEL]} for i, e in enumerate(engines)],
+        "router": {"policy": "round_robin", "debug_headers": True},
+        "health": {"interval_s": 30},
+        "resilience": {"backoff_base_s": 0, "stream_idle_timeout_s": 1.0},
+        "access_log": {"enabled": True, "output": str(tmp_path / "access.log"), "format": "json"},
+    }
+    for k, v in sections.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    gw = GatewayThread(load_config(cfg, environ={})).start()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def access(tmp_path, rid, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        path = tmp_path / "access.log"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                rec = json.loads(line)
+                if rec["request_id"] == rid:
+                    return rec
+        time.sleep(0.05)
+    raise AssertionError(f"no access-log record for {rid}")
+
+
+def sse(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for block in text.split("\n\n"):
+        name = data = None
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data = json.loads(line[5:].strip())
+        if name is not None or data is not None:
+            out.append((name, data))
+    return out
+
+
+def create(gw, stream=False, rid=None, **extra):
+    body = {"model": MODEL, "input": "hello there", "instructions": "answer briefly", "max_output_tokens": 6,
+            "stream": stream, **extra}
+    headers = {"x-request-id": rid} if rid else {}
+    return httpx.post(f"{gw.url}/v1/responses", json=body, headers=headers, timeout=30)
+
+
+def sample(gw, name, labels):
+    return gw.runtime.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_non_streamed_response_counts_usage_and_its_id_lives_on_its_engine(engines, tmp_path):
+    with gateway(engines, tmp_path) as gw:
+        gen_before = sample(gw, "dyad_request_generation_tokens_sum", {"model": MODEL})
+        prompt_before = sample(gw, "dyad_request_prompt_tokens_sum", {"model": MODEL})
+        r = create(gw, rid="resp-whole")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "response" and body["output"][0]["content"][0]["text"]
+        usage = body["usage"]
+        owner = r.headers["x-dyad-worker"]
+        assert sample(gw, "dyad_request_generation_tokens_sum", {"model": MODEL}) - gen_before == usage["output_tokens"]
+        assert sample(gw, "dyad_request_prompt_tokens_sum", {"model": MODEL}) - prompt_before == usage["input_tokens"]
+        assert sample(gw, "dyad_requests_total", {"model": MODEL, "endpoint": "responses", "status": "200"}) >= 1
+        rec = access(tmp_path, "resp-whole")
+        assert (rec["endpoint"], rec["status"], rec["stream"], rec["error_class"]) == ("/v1/responses", 200, False, None)
+        assert rec["prompt_tokens"] == usage["input_tokens"] and rec["generated_tokens"] == usage["output_tokens"]
+        assert rec["workers"][0]["id"] == owner
+        # The id is only on the engine that made it: every GET reaches it (round robin would miss half).
+        for _ in range(4):
+            got = httpx.get(f"{gw.url}/v1/responses/{body['id']}", headers={"x-request-id": "resp-get"}, timeout=10)
+            assert got.status_code == 200 and got.json()["id"] == body["id"]
+        rec = access(tmp_path, "resp-get")
+        assert rec["workers"][0]["id"] == owner and rec["endpoint"] == "/v1/responses/{id}"
+        cancel = httpx.post(f"{gw.url}/v1/responses/{body['id']}/cancel", timeout=10)
+        assert cancel.status_code == 400 and "synchronous" in cancel.json()["error"]["message"]  # the engine's word
+        unknown = httpx.get(f"{gw.url}/v1/responses/resp_nobody", timeout=10)
+        assert unknown.status_code == 404
+        err = unknown.json()["error"]
+        assert "resp_nobody" in err["message"] and err["param"] == "response_id"
+        assert httpx.post(f"{gw.url}/v1/responses/resp_nobody/cancel", timeout=10).status_code == 404
+        # a continuation goes where the previous response is stored
+        for _ in range(3):
+            nxt = create(gw, previous_response_id=body["id"])
+            assert nxt.status_code == 200 and nxt.headers["x-dyad-worker"] == owner
+        missing = create(gw, previous_response_id="resp_gone")
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_response_id_is_only_served_to_the_key_that_created_it(engines, tmp_path):
+    import hashlib
+
+    keys = {"team-a": "sk-a-" + "x" * 20, "team-b": "sk-b-" + "y" * 20}
+    auth = {"keys": [{"name": n, "sha256": hashlib.sha256(k.encode()).hexdigest()} for n, k in keys.items()]}
+    with gateway(engines, tmp_path, auth=auth) as gw:
+        a = {"authorization": f"Bearer {keys['team-a']}"}
+        b = {"authorization": f"Bearer {keys['team-b']}"}
+        r = httpx.post(f"{gw.url}/v1/responses", headers=a, json={"model": MODEL, "input": "hi"}, timeout=30)
+        assert r.status_code == 200
+        rid = r.json()["id"]
+        assert httpx.get(f"{gw.url}/v1/responses/{rid}", headers=a, timeout=10).status_code == 200
+        assert httpx.get(f"{gw.url}/v1/responses/{rid}", headers=b, timeout=10).status_code == 404
+        assert httpx.get(f"{gw.url}/v1/responses/{rid}", timeout=10).status_code == 401
+
+
+def test_streamed_response_relayed_whole_with_usage_counted(engines, tmp_path):
+    with gateway(engines, tmp_path) as gw:
+        before = sample(gw, "dyad_request_generation_tokens_sum", {"model": MODEL})
+        r = create(gw, stream=True, rid="resp-stream")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse(r.text)
+        names = [n for n, _ in events]
+        assert names[0] == "response.created" and names[-1] == "response.completed" and "error" not in names
+        usage = events[-1][1]["response"]["usage"]
+        deltas = [d["delta"] for n, d in events if n == "response.output_text.delta"]
+        assert len(deltas) == usage["output_tokens"] == 6
+        assert sample(gw, "dyad_request_generation_tokens_sum", {"model": MODEL}) - before == 6
+        rec = access(tmp_path, "resp-stream")
+        assert rec["stream"] is True and rec["status"] == 200 and rec["error_class"] is None
+        assert rec["generated_tokens"] == 6 and rec["prompt_tokens"] == usage["input_tokens"]
+        assert 0 < rec["ttft_s"] <= rec["total_s"]
+        got = httpx.get(f"{gw.url}/v1/responses/{events[0][1]['response']['id']}", timeout=10)
+        assert got.status_code == 200 and got.json()["output"][0]["content"][0]["text"] == "".join(deltas)
+
+
+@pytest.mark.parametrize("mode", ["eof", "reset", "garbage", "hang"])
+def test_a_broken_responses_stream_ends_with_error_and_response_failed(engines, tmp_path, mode):
+    for e in engines:
+        fault(e, mode, after=2)
+    with gateway(engines, tmp_path) as gw:
+        r = create(gw, stream=True, rid=f"resp-{mode}")
+        assert r.status_code == 200  # the first events had gone out: the status cannot change
+        events = sse(r.text)
+        names = [n for n, _ in events]
+        assert names[-2:] == ["error", "response.failed"], names
+        assert names.count("response.output_text.delta") == 2
+        assert "response.completed" not in names
+        assert not any(line.startswith("<html>") for line in r.text.split("\n"))  # garbage is never relayed
+        error, failed = events[-2][1], events[-1][1]
+        seqs = [d["sequence_number"] for _, d in events]
+        assert seqs == list(range(len(seqs)))  # numbered on from the last event the client saw
+        assert error["type"] == "error" and error["code"] == "upstream_stream_failed" and error["message"]
+        created_id = events[0][1]["response"]["id"]
+        assert failed["response"]["id"] == created_id and failed["response"]["status"] == "failed"
+        assert failed["response"]["error"]["message"] == error["message"]
+        rec = access(tmp_path, f"resp-{mode}")
+        assert rec["error_class"] == "stream_failed" and rec["status"] == 502 and rec["attempts"] == 1
+
+
+def test_the_engines_own_error_event_is_an_honest_end(engines, tmp_path):
+    for e in engines:
+        fault(e, "error_event", after=1)
+    with gateway(engines, tmp_path) as gw:
+        r = create(gw, stream=True, rid="resp-engine-error")
+        names = [n for n, _ in sse(r.text)]
+        assert names[-1] == "error" and names.count("error") == 1 and "response.failed" not in names
+        rec = access(tmp_path, "resp-engine-error")
+        assert rec["status"] == 200  # relayed as the engine ended it
+
+
+def test_a_200_json_error_to_a_stream_request_fails_over_before_the_first_byte(engines, tmp_path):
+    fault(engines[0], "json_error_200")
+    with gateway(engines, tmp_path) as gw:
+        for i in range(2):  # round robin: one of the two starts on the faulty engine
+            r = create(gw, stream=True, rid=f"resp-json-{i}")
+            names = [n for n, _ in sse(r.text)]
+            assert r.status_code == 200 and names[-1] == "response.completed"
+            assert r.headers["x-dyad-worker"] == "w1"
+        recs = [access(tmp_path, f"resp-json-{i}") for i in range(2)]
+        tried_w0 = [r for r in recs if r["workers"][0]["id"] == "w0"]
+        assert tried_w0 and all(r["attempts"] == 2 and r["workers"][1]["id"] == "w1" for r in tried_w0)
+        fault(engines[1], "json_error_200")
+        r = create(gw, stream=True)
+        assert r.status_code >= 500 and "simulated engine error" in r.json()["error"]["message"]
+
+
+def test_garbage_for_a_non_streamed_response_is_a_502_after_trying_elsewhere(engines, tmp_path):
+    for e in engines:
+        fault(e, "garbage")
+    with gateway(engines, tmp_path) as gw:
+        r = create(gw, rid="resp-garbage")
+        assert r.status_code == 502 and r.json()["error"]["code"] == "bad_engine_answer"
+        assert access(tmp_path, "resp-garbage")["attempts"] == 2
+
+
+@pytest.mark.parametrize("field,value", [("kv_transfer_params", {"do_remote_prefill": True}),
+                                         ("bootstrap_host", "10.0.0.1"), ("request_id", "resp_someone_elses")])
+def test_internal_fields_are_refused_naming_the_field(engines, tmp_path, field, value):
+    with gateway(engines, tmp_path) as gw:
+        r = create(gw, **{field: value})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == field and err["code"] == "internal_field"
+        assert not any(field in h for e in engines for h in list(e.app.received_headers)[-1:])
+
+
+@pytest.mark.parametrize("body,param", [({"model": MODEL}, "input"), ({"model": MODEL, "input": 3}, "input"),
+                                        ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+                                        ({"model": MODEL, "input": "x", "instructions": ["a"]}, "instructions"),
+                                        ({"model": MODEL, "input": "x", "previous_response_id": 7},
+                                         "previous_response_id"),
+                                        ({"input": "x"}, "model")])
+def test_bad_bodies_get_a_400_naming_the_field(engines, tmp_path, body, param):
+    with gateway(engines, tmp_path) as gw:
+        r = httpx.post(f"{gw.url}/v1/responses", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_prefix_aware_routing_reads_instructions_and_input(tmp_path):
+    engs = [SimEngineThread(model=MODEL, profile="cpu-tiny", seed=i, kv_events=True).start() for i in range(3)]
+    workers = [{"id": f"k{i}", "url": e.url, "engine": "sim", "models": [MODEL],
+                "kv_events": {"endpoint": e.kv_events_endpoint, "replay_endpoint": e.replay_endpoint}}
+               for i, e in enumerate(engs)]
+    cfg = load_config({"models": [{"name": MODEL, "block_size": 32}], "workers": workers,
+                       "router": {"policy": "kv_aware", "debug_headers": True}, "health": {"interval_s": 1.0}},
+                      environ={})
+    gw = GatewayThread(cfg).start()
+    try:
+        system = " ".join(f"rule{i}" for i in range(640))  # 20 blocks of the sim's one-token words
+        first = httpx.post(f"{gw.url}/v1/responses", timeout=30, json={
+            "model": MODEL, "instructions": system, "input": "question one", "max_output_tokens": 2})
+        assert first.status_code == 200
+        owner = first.headers["x-dyad-worker"]
+        deadline = time.monotonic() + 10
+        second = None
+        while time.monotonic() < deadline:  # until the engine's KV events reach the index
+            second = httpx.post(f"{gw.url}/v1/responses", timeout=30, json={
+                "model": MODEL, "instructions": system,
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "question two"}]}],
+                "max_output_tokens": 2})
+            if int(second.headers["x-dyad-predicted-cached-tokens"]) > 0:
+                break
+            time.sleep(0.1)
+        assert second is not None and second.status_code == 200
+        assert int(second.headers["x-dyad-predicted-cached-tokens"]) >= 600
+        assert second.headers["x-dyad-worker"] == owner
+        # the engine's own counter agrees: the shared instructions were a cache hit there
+        usage = second.json()["usage"]
+        assert usage["input_tokens_details"]["cached_tokens"] >= 600
+    finally:
+        gw.stop()
+        for e in engs:
+            e.stop()
