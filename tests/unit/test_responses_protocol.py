@@ -1,0 +1,110 @@
+"""Pure parts of /v1/responses: the stream-ending rules by protocol, the response-owner map, validation and
+the routing text (no sockets)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.errors import InvalidRequest
+from orchestrator.gateway import responses_api
+from orchestrator.gateway.stream_protocol import OpenAIChunks, ResponsesEvents, protocol_for
+
+
+def ev(kind: str, seq: int, **fields) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields})}\n\n".encode()
+
+
+def test_protocols_are_keyed_by_endpoint():
+    assert isinstance(protocol_for("/v1/responses"), ResponsesEvents)
+    assert isinstance(protocol_for("/v1/chat/completions"), OpenAIChunks)
+    assert protocol_for("/v1/completions").continuable and not protocol_for("/v1/responses").continuable
+
+
+@pytest.mark.parametrize("terminal", ["response.completed", "response.failed", "response.incomplete", "error"])
+def test_a_terminal_event_ends_a_responses_stream(terminal):
+    p = ResponsesEvents()
+    assert not p.ended(ev("response.created", 0, response={"id": "resp_1"}))
+    assert not p.ended(ev("response.output_text.delta", 1, delta="hi"))
+    assert p.ended(ev(terminal, 2, response={"id": "resp_1"}))
+
+
+def test_text_about_a_terminal_event_is_not_one():
+    p = ResponsesEvents()
+    assert not p.ended(ev("response.output_text.delta", 3, delta="event: response.completed\n\n"))
+    assert not p.ended(b"data: [DONE]\n\n")  # the chat end means nothing here
+    assert p.text_deltas == 1
+
+
+def test_the_gateways_ending_continues_the_sequence_and_names_the_response():
+    sent = [ev("response.created", 0, response={"id": "resp_9", "model": "m", "status": "in_progress"})
+            + ev("response.output_text.delta", 1, delta="a"), ev("response.output_text.delta", 2, delta="b")]
+    out = ResponsesEvents().error_ending("it broke", "upstream_stream_failed", sent)
+    blocks = [b for b in out.split(b"\n\n") if b]
+    assert [b.split(b"\n")[0] for b in blocks] == [b"event: error", b"event: response.failed"]
+    err = json.loads(blocks[0].split(b"data: ", 1)[1])
+    failed = json.loads(blocks[1].split(b"data: ", 1)[1])
+    assert err == {"type": "error", "code": "upstream_stream_failed", "message": "it broke", "param": None,
+                   "sequence_number": 3}
+    assert failed["sequence_number"] == 4 and failed["response"]["id"] == "resp_9"
+    assert failed["response"]["status"] == "failed" and failed["response"]["error"]["message"] == "it broke"
+    assert ResponsesEvents().ended(out)  # and it is an end by the same rule
+
+
+def test_usage_is_read_from_the_completed_response():
+    class P:
+        usage = None
+    p = P()
+    out = ev("response.completed", 5, response={"id": "r", "usage": {"input_tokens": 7, "output_tokens": 3}})
+    assert ResponsesEvents().take_usage(out, p) == out and p.usage == {"input_tokens": 7, "output_tokens": 3}
+
+
+def test_chat_ending_is_unchanged():
+    out = OpenAIChunks().error_ending("x", "upstream_stream_failed", [])
+    assert out.endswith(b"data: [DONE]\n\n") and OpenAIChunks().ended(out)
+
+
+def test_owner_map_is_bounded_expiring_hashed_and_per_client():
+    m = responses_api.ResponseOwners(max_entries=3, ttl_s=10)
+    for i in range(5):
+        m.record(f"resp_{i}", f"w{i}", "team-a", now=0.0)
+    assert len(m) == 3 and m.lookup("resp_0", "team-a", 1.0) is None  # oldest out first
+    assert m.lookup("resp_4", "team-a", 1.0) == "w4"
+    assert m.lookup("resp_4", "team-b", 1.0) is None  # another key's response is not found
+    assert m.lookup("resp_4", "team-a", 10.0) is None and len(m) == 0  # expired, and dropped
+    m.record("x" * 10_000, "w1", "team-a", now=0.0)
+    assert all(len(k) == responses_api.KEY_BYTES for k in m._map)  # client text is never kept verbatim
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m"}, "input"), ({"model": "m", "input": {}}, "input"), ({"model": "m", "input": [1]}, "input[0]"),
+    ({"model": "m", "input": "x", "request_id": "resp_x"}, "request_id"),
+    ({"model": "m", "input": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
+    ({"model": "m", "input": "x", "max_output_tokens": True}, "max_output_tokens"),
+    ({"model": "m", "input": "x", "previous_response_id": "a\nb"}, "previous_response_id"),
+    ({"model": "m", "input": "x", "stream": "yes"}, "stream")])
+def test_validation_names_the_field(body, param):
+    with pytest.raises(InvalidRequest) as e:
+        responses_api.validate(body)
+    assert e.value.param == param
+
+
+def test_routing_text_is_what_vllm_renders():
+    body = {"model": "m", "instructions": "sys", "user": "u1", "max_output_tokens": 9,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+                      {"type": "function_call_output", "call_id": "c", "output": "42"},
+                      {"role": "assistant", "content": "a"}]}
+    rb = responses_api.routing_body(body)
+    assert rb["messages"] == [{"role": "system", "content": "sys"},
+                              {"role": "user", "content": [{"type": "text", "text": "q"}]},
+                              {"role": "assistant", "content": "a"}]
+    assert rb["user"] == "u1" and rb["max_tokens"] == 9
+    assert responses_api.routing_body({"model": "m", "input": "hi"})["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_response_id_of_answers():
+    assert responses_api.response_id_in(b'{"id":"resp_1","object":"response"}', stream=False) == "resp_1"
+    assert responses_api.response_id_in(b'{"id":"x","object":"chat.completion"}', stream=False) is None
+    assert responses_api.response_id_in(ev("response.created", 0, response={"id": "resp_2"}), stream=True) == "resp_2"
+    assert responses_api.response_id_in(b"event: response.created\ndata: {\"res", stream=True) is None
