@@ -167,6 +167,38 @@ def test_client_disconnect_aborts_engine_request(client: httpx.Client, vllm_engi
     print(f"engine stopped {time.monotonic() - closed_at:.2f} s after the disconnect, {generated:.0f} tokens")
 
 
+def test_responses_api_through_the_gateway_on_real_vllm(gateway: GatewayThread, vllm_engines):
+    """POST /v1/responses, non-streamed and streamed, with the official client; usage counted by the gateway;
+    the response id routed back to the engine that created it (vLLM without a response store answers 404
+    there, in its own words, rather than the gateway guessing another engine)."""
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    metrics = gateway.runtime.metrics.registry
+
+    def generated() -> float:
+        return metrics.get_sample_value("dyad_request_generation_tokens_sum", {"model": MODEL}) or 0.0
+
+    before = generated()
+    whole = client.responses.create(model=MODEL, input="hello world, tell me about the cache",
+                                    instructions="Answer briefly.", max_output_tokens=6,
+                                    extra_body={"ignore_eos": True})
+    assert whole.object == "response" and whole.output_text
+    assert whole.usage.output_tokens == 6 and whole.usage.input_tokens > 0
+    assert generated() - before == 6
+    events = list(client.responses.create(model=MODEL, input="tell me about routing", max_output_tokens=5,
+                                          stream=True, extra_body={"ignore_eos": True}))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed" and "error" not in kinds
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text and final.output_text == text and final.usage.output_tokens == 5
+    assert generated() - before == 11
+    got = httpx.get(f"{gateway.url}/v1/responses/{whole.id}", timeout=30)
+    assert got.status_code == 404 and whole.id in got.json()["error"]["message"]
+    assert "this gateway routes" not in got.json()["error"]["message"]  # the owning engine's answer, not ours
+    unknown = httpx.get(f"{gateway.url}/v1/responses/resp_unknown", timeout=30)
+    assert unknown.status_code == 404 and "this gateway routes" in unknown.json()["error"]["message"]
+
+
 def test_one_engine_killed_requests_keep_succeeding(client: httpx.Client, vllm_engines: list[VllmEngine]):
     vllm_engines[1].kill()
     statuses = []
