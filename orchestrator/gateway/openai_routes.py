@@ -89,6 +89,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
                 pinned_away = frozenset(w.id for w in rt.fleet.workers() if w.id != owner.id)
             # routed on the chat messages vLLM renders from instructions + input (prefix-aware)
             route_req = await annotate(rt, request.headers, rid, rq.CHAT, model, responses_api.routing_body(body))
+            route_req.split_allowed = False  # the P/D hand-off (disagg/vllm_flow.py) speaks chat/completions only
         else:
             route_req = await annotate(rt, request.headers, rid, endpoint, model, body)
         # Demand, counted before admission: queued, refused and failed requests are demand too (the planner).

@@ -225,7 +225,7 @@ class PdRoutingPolicy:
             settled = [w for w in candidates if w.target_role is None]
             return self.inner.choose(req, settled or candidates, now)
         known = {w.id for w in candidates}
-        extra = [w for w in self.prefill_pool(req.model) if w.id not in known]
+        extra = [w for w in self.prefill_pool(req.model) if w.id not in known] if req.split_allowed else []
         decision = select_pair(req, [*candidates, *extra], now, self.settings)
         if decision is None:  # every decode worker is draining towards another role
             return self.inner.choose(req, [w for w in candidates if w.target_role is None] or candidates, now)

@@ -58,6 +58,9 @@ class RouteRequest:
     peer_load: dict[str, PeerLoad] = field(default_factory=dict)  # worker id → other replicas' load
     session_key: str | None = None
     priority: int = 0
+    # False: prefill on the decode worker, never on a separate prefill worker (a route the P/D hand-off
+    # does not cover, e.g. /v1/responses)
+    split_allowed: bool = True
 
 
 @dataclass

@@ -189,3 +189,16 @@ def test_virtual_fleet_driver_uses_pair_selection_and_conditional_prefill():
     assert {r.prefill_worker for r in long_} == {"p0", "p1"}
     assert len({r.decode_worker for r in result.requests}) == 3
     assert all(w.worker.inflight == 0 and w.worker.inflight_prefill_tokens == 0 for w in fleet.workers.values())
+
+
+def test_a_request_that_may_not_be_split_prefills_on_its_decode_worker():
+    from orchestrator.router.pd_selection import PdRoutingPolicy
+    from orchestrator.router.policies.round_robin import RoundRobinPolicy
+
+    prefill = [w("p0", Role.PREFILL)]
+    policy = PdRoutingPolicy(RoundRobinPolicy(), S, lambda model: prefill)
+    long = req(4000)
+    assert policy.choose(long, [w("d0", Role.DECODE)], 0.0).prefill_worker is not None
+    long.split_allowed = False  # e.g. /v1/responses: the P/D hand-off does not cover it
+    d = policy.choose(long, [w("d0", Role.DECODE)], 0.0)
+    assert d.prefill_worker is None and d.worker.id == "d0"
