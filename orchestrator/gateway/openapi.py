@@ -56,6 +56,23 @@ class CompletionRequest(_Common):
         ..., description="A string, strings, token ids, or arrays of token ids (non-empty)")
 
 
+class ResponsesRequest(BaseModel):
+    """OpenAI Responses API (``responses_api.py``); any other field is forwarded to the engine unchanged
+    (``request_id`` and the adapters' internal fields are refused)."""
+
+    model_config = _PASS_THROUGH
+    model: str = Field(..., min_length=1, description="A model (or alias) the fleet serves")
+    input: str | list[dict[str, Any]] = Field(..., description="Text, or an array of input items")
+    instructions: str | None = Field(None, description="A system message placed before the input")
+    max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate")
+    stream: bool | None = Field(None, description="Typed server-sent events instead of one JSON answer")
+    previous_response_id: str | None = Field(None, min_length=1, max_length=256,
+                                             description="Continue a stored response (sent to its engine)")
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -87,7 +104,7 @@ class RoleChangeRequest(BaseModel):
     wait: bool = Field(False, description="Answer once the role is applied (200) instead of at once (202)")
 
 
-_MODELS = (ChatCompletionRequest, CompletionRequest, ChatMessage, StreamOptions, ErrorDetail, ErrorResponse,
+_MODELS = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, ChatMessage, StreamOptions, ErrorDetail, ErrorResponse,
            WorkerRequest, RoleChangeRequest)
 
 
@@ -137,9 +154,21 @@ def build_openapi(title: str = "Dyad gateway", version: str = "0") -> dict[str, 
                          "responses": {**_json_ok("The engine's answer"), **client_errors}}}
 
     worker_id = [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    response_id = [{"name": "response_id", "in": "path", "required": True,
+                    "schema": {"type": "string", "minLength": 1, "maxLength": 256}}]
+    stored = {**_json_ok("The stored response, from the engine that created it"), **_errors(400, 401, 404)}
     paths = {
         "/v1/chat/completions": completion("createChatCompletion", "ChatCompletionRequest", "Chat completion"),
         "/v1/completions": completion("createCompletion", "CompletionRequest", "Text completion"),
+        "/v1/responses": completion("createResponse", "ResponsesRequest", "Responses API (typed events when streamed)"),
+        "/v1/responses/{response_id}": {"get": {
+            "operationId": "getResponse", "security": [{"apiKey": []}, {}], "parameters": [
+                *response_id, {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
+                {"name": "starting_after", "in": "query", "required": False, "schema": {"type": "integer"}}],
+            "responses": stored}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            "operationId": "cancelResponse", "security": [{"apiKey": []}, {}], "parameters": response_id,
+            "responses": stored}},
         "/v1/embeddings": passthrough("createEmbedding", "Embeddings (routed by model to one worker)"),
         "/tokenize": passthrough("tokenize", "The engine's tokenizer (routed by model to one worker)"),
         "/detokenize": passthrough("detokenize", "The engine's detokenizer (routed by model to one worker)"),
