@@ -218,7 +218,8 @@ class _StoredStream:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             complete = await responses_api.relay_stream(send, self.upstream, self.headers)
-            if not complete:
+            if not complete:  # logged as the proxy logs a broken stream (the client saw 200 + the error events)
+                self.record.status = 502
                 self.record.error_class = "stream_failed"
         finally:
             await self.upstream.aclose()

@@ -30,6 +30,7 @@ import orjson
 DONE_EVENT = b"data: [DONE]\n\n"
 RESPONSES = "/v1/responses"
 RESPONSE_TERMINALS = frozenset({b"response.completed", b"response.failed", b"response.incomplete", b"error"})
+_TERMINAL_HINTS = (b"response.completed", b"response.failed", b"response.incomplete", b"error")
 
 
 def sse_fields(event: bytes) -> tuple[bytes | None, bytes | None]:
@@ -91,7 +92,7 @@ class ResponsesEvents(StreamProtocol):
 
     def ended(self, out: bytes) -> bool:
         self.text_deltas += out.count(b"event: response.output_text.delta\n")
-        if b"event:" not in out and b'"type"' not in out:
+        if not any(t in out for t in _TERMINAL_HINTS):  # (text deltas, the bulk of a stream, stop here)
             return False
         for event in out.split(b"\n\n"):
             name, data = sse_fields(event)

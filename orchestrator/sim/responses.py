@@ -42,15 +42,20 @@ class ResponseStore:
 
     def __init__(self, max_entries: int = STORE_MAX) -> None:
         self.max_entries = max_entries
-        self._d: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self._d: collections.OrderedDict[str, tuple[dict[str, Any], list[bytes] | None]] = collections.OrderedDict()
 
-    def put(self, resp: dict[str, Any]) -> None:
-        self._d[resp["id"]] = resp
+    def put(self, resp: dict[str, Any], events: list[bytes] | None = None) -> None:
+        self._d[resp["id"]] = (resp, events)
         while len(self._d) > self.max_entries:
             self._d.popitem(last=False)
 
     def get(self, rid: str) -> dict[str, Any] | None:
-        return self._d.get(rid)
+        entry = self._d.get(rid)
+        return entry[0] if entry is not None else None
+
+    def events(self, rid: str) -> list[bytes] | None:
+        entry = self._d.get(rid)
+        return entry[1] if entry is not None else None
 
 
 def input_messages(body: dict[str, Any], previous: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -86,7 +91,9 @@ def _event(kind: str, seq: int, **fields: Any) -> bytes:
             + orjson.dumps({"type": kind, "sequence_number": seq, **fields}) + b"\n\n")
 
 
-async def _send(send: Send, body: bytes, more: bool = True) -> None:
+async def _send(send: Send, body: bytes, more: bool = True, keep: list[bytes] | None = None) -> None:
+    if keep is not None:
+        keep.append(body)
     await send({"type": "http.response.body", "body": body, "more_body": more})
 
 
@@ -145,6 +152,7 @@ async def handle_create(server: SimServer, body: dict[str, Any], scope: Scope, r
                                                "type": "InternalServerError", "param": None, "code": 500}})
         return
     pieces: list[str] = []
+    sent: list[bytes] = []  # a streamed response's events, kept for GET ...?stream=true
     last = None
     started = False
     seq = 0
@@ -178,7 +186,7 @@ async def handle_create(server: SimServer, body: dict[str, Any], scope: Scope, r
                                 + _event("response.in_progress", 1, response=opening)
                                 + _event("response.output_item.added", 2, output_index=0, item=item)
                                 + _event("response.content_part.added", 3, item_id=msg_id, output_index=0,
-                                         content_index=0, part=part))
+                                         content_index=0, part=part), keep=sent)
                     seq = 4
                 for w in words:
                     if fault is not None and len(pieces) >= after:
@@ -187,7 +195,7 @@ async def handle_create(server: SimServer, body: dict[str, Any], scope: Scope, r
                     delta = (" " if pieces else "") + w
                     pieces.append(delta)
                     await _send(send, _event("response.output_text.delta", seq, item_id=msg_id, output_index=0,
-                                             content_index=0, delta=delta, logprobs=[]))
+                                             content_index=0, delta=delta, logprobs=[]), keep=sent)
                     seq += 1
                 last = o
     except _HttpError:
@@ -198,8 +206,8 @@ async def handle_create(server: SimServer, body: dict[str, Any], scope: Scope, r
         raise
     status = "incomplete" if last is not None and last.finish_reason == "length" else "completed"
     resp = final(status)
-    server.response_store.put(resp)
     if not stream:
+        server.response_store.put(resp)
         await _send_json(send, 200, resp)
         return
     if fault is not None:  # the answer was shorter than responses_fault_after: the fault comes at its end
@@ -212,7 +220,8 @@ async def handle_create(server: SimServer, body: dict[str, Any], scope: Scope, r
                 + _event("response.content_part.done", seq + 1, item_id=msg_id, output_index=0, content_index=0,
                          part=item["content"][0])
                 + _event("response.output_item.done", seq + 2, output_index=0, item=item)
-                + _event("response.completed", seq + 3, response=resp), more=False)
+                + _event("response.completed", seq + 3, response=resp), more=False, keep=sent)
+    server.response_store.put(resp, b"".join(sent).split(b"\n\n")[:-1])
 
 
 async def _fault(fault: str, seq: int, send: Send, receive: Receive) -> None:
@@ -234,13 +243,31 @@ async def _fault(fault: str, seq: int, send: Send, receive: Receive) -> None:
 
 
 async def handle_retrieve(server: SimServer, scope: Scope, send: Send) -> None:
+    """GET /v1/responses/{id}; ``?stream=true&starting_after=N`` replays a streamed response's events after
+    sequence number N (vLLM does this for background responses). The ``eof`` fault cuts a replay after
+    ``responses_fault_after`` events."""
+    from urllib.parse import parse_qs
+
     from orchestrator.sim.server import _HttpError, _send_json
 
     rid = scope["path"][len("/v1/responses/"):]
     resp = server.response_store.get(rid)
     if resp is None:
         raise _HttpError(404, f"Response with id '{rid}' not found.", "response_id", "invalid_request_error")
-    await _send_json(send, 200, resp)
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    if query.get("stream", ["false"])[0].lower() not in ("true", "1"):
+        await _send_json(send, 200, resp)
+        return
+    events = server.response_store.events(rid)
+    if events is None:
+        raise _HttpError(400, f"Unknown response_id: {rid}", "response_id")
+    after = query.get("starting_after", [None])[0]
+    start = int(after) + 1 if after is not None and after.lstrip("-").isdigit() else 0
+    events = events[start:]
+    if server.config.responses_fault == "eof":
+        events = events[:server.config.responses_fault_after]
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+    await _send(send, b"".join(e + b"\n\n" for e in events), more=False)
 
 
 async def handle_cancel(server: SimServer, scope: Scope, send: Send) -> None:

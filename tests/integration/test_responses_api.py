@@ -301,3 +301,24 @@ def test_prefix_aware_routing_reads_instructions_and_input(tmp_path):
         gw.stop()
         for e in engs:
             e.stop()
+
+
+def test_a_replayed_stream_comes_from_its_engine_and_ends_by_the_same_rule(engines, tmp_path):
+    with gateway(engines, tmp_path) as gw:
+        r = create(gw, stream=True)
+        original = sse(r.text)
+        rid = original[0][1]["response"]["id"]
+        owner = engines[int(r.headers["x-dyad-worker"].removeprefix("w"))]
+        replay = httpx.get(f"{gw.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": 5}, timeout=10)
+        assert replay.status_code == 200 and replay.headers["content-type"].startswith("text/event-stream")
+        assert sse(replay.text) == original[6:]  # every event after sequence number 5, ending with completed
+        fault(owner, "eof", after=3)
+        cut = httpx.get(f"{gw.url}/v1/responses/{rid}", params={"stream": "true"}, headers={"x-request-id": "replay"},
+                        timeout=10)
+        events = sse(cut.text)
+        assert [n for n, _ in events[:3]] == [n for n, _ in original[:3]]
+        assert [n for n, _ in events[3:]] == ["error", "response.failed"]
+        assert events[-1][1]["response"]["id"] == rid and events[-1][1]["sequence_number"] == 4
+        rec = access(tmp_path, "replay")
+        assert rec["stream"] is True and rec["error_class"] == "stream_failed" and rec["status"] == 502
+        assert rec["workers"] == [{"id": f"w{engines.index(owner)}", "role": "both"}]
