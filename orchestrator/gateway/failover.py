@@ -355,6 +355,7 @@ class StreamRelay:
         self.chat = proxy.call.endpoint == CHAT
         self.failovers = 0
         self.events = 0  # data: events relayed
+        self.held: list[bytes] | None = [] if self.protocol.holds_preamble else None  # (until the first token)
 
     async def run(self, send: Any, response: httpx.Response) -> None:
         p = self.proxy
@@ -416,7 +417,8 @@ class StreamRelay:
                 try:
                     async for chunk in chunks:
                         idle_timer.pause()  # a slow client is not an idle engine
-                        if first:  # (this response's first bytes: the first token, or a continuation's)
+                        # (this response's first token — for OpenAI chunks its first bytes —, or a continuation's)
+                        if first and self.protocol.first_token(chunk):
                             p.mark_first_token()
                             first = False
                         out = recorder.split(chunk) if rewriter is None else rewriter.feed(recorder.split(chunk))
@@ -426,12 +428,18 @@ class StreamRelay:
                             if b'"usage"' in out:
                                 out = self._take_usage(out) if self.protocol.continuable \
                                     else self.protocol.take_usage(out, p)
+                            if self.held is not None:  # events before the first token wait for it (stream_protocol)
+                                self.held.append(out)
+                                if first:
+                                    idle_timer.resume(first_wait)
+                                    continue
+                                out, self.held = b"".join(self.held), None
                             self.events += out.count(b"data:")
                             if out:
                                 await self._emit(send, out)
                         elif len(recorder.pending) > MAX_PENDING_EVENT:
                             return "garbage", f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
-                        idle_timer.resume(idle)
+                        idle_timer.resume(idle if not first else first_wait)
                 finally:
                     idle_timer.cancel()
         except TimeoutError:
@@ -475,6 +483,8 @@ class StreamRelay:
         if self.recorder.done:
             return b"", None, None
         if not self.protocol.continuable:  # e.g. Responses events: their items live on the engine that began them
+            if not self.recorder.sent and self.held is not None:
+                return await self._start_over(failure)
             return self._give_up(f"the engine stream broke ({failure})",
                                  f"a {self.protocol.name} stream's items and ids belong to the engine that began it")
         sent = parse_sent(self.recorder.sent, self.chat)
@@ -512,6 +522,26 @@ class StreamRelay:
         rt.metrics.stream_failovers.labels("continued").inc()
         assert next_attempt.response is not None
         return b"", next_attempt.response, ContinuationRewriter(sent, self.chat)
+
+    async def _start_over(self, failure: str) -> tuple[bytes, httpx.Response | None, None]:
+        """Nothing of this stream reached the client (its preamble was held back): route it again from
+        the start, as before the first byte (the failed worker is excluded)."""
+        p = self.proxy
+        res = self.rt.config.resilience
+        message = f"the engine stream broke before its first token ({failure})"
+        if self.failovers >= res.max_failovers:
+            return self._give_up(message, f"resilience.max_failovers={res.max_failovers} reached")
+        self.failovers += 1
+        self.held = []
+        self.recorder.pending = b""
+        try:
+            next_attempt, _ = await p.open_attempt(retry=True)
+        except ApiError as e:
+            return self._give_up(message, f"no worker could take it: {e.message}")
+        log.warning("request %s: %s; started again on %s", p.call.request_id, message, next_attempt.worker_id)
+        self.rt.metrics.stream_failovers.labels("restarted").inc()
+        assert next_attempt.response is not None
+        return b"", next_attempt.response, None
 
     def _give_up(self, message: str, reason: str) -> tuple[bytes, None, None]:
         self.rt.metrics.stream_failovers.labels("error_event").inc()

@@ -400,7 +400,9 @@ class ProxyResponse:
         # Too late to change the status from here on: a broken upstream is continued on another
         # worker, or the stream ends with an SSE error event (failover.py).
         relay = StreamRelay(self)
-        await relay.run(TokenTimer(child(self.rt.metrics.itl, self.call.model)).wrap(send), response)  # ITL
+        timer = TokenTimer(child(self.rt.metrics.itl, self.call.model), relay.protocol.token_event,
+                           relay.protocol.no_token_event)
+        await relay.run(timer.wrap(send), response)  # ITL
 
     async def _whole(self, send: Any, response: httpx.Response, body: bytes) -> None:
         self.mark_first_token()

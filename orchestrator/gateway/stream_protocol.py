@@ -31,6 +31,8 @@ DONE_EVENT = b"data: [DONE]\n\n"
 RESPONSES = "/v1/responses"
 RESPONSE_TERMINALS = frozenset({b"response.completed", b"response.failed", b"response.incomplete", b"error"})
 _TERMINAL_HINTS = (b"response.completed", b"response.failed", b"response.incomplete", b"error")
+_FIRST_TOKEN_HINTS = (b".delta\n", b'.delta"', b"event: response.completed", b"event: response.failed",
+                      b"event: response.incomplete", b"event: error", b'"type":"error"')
 
 
 def sse_fields(event: bytes) -> tuple[bytes | None, bytes | None]:
@@ -51,6 +53,13 @@ class StreamProtocol:
     name = "base"
     end_marker = ""  # what a complete stream ends with, for messages
     continuable = False  # a broken stream may be continued on another worker (failover.py)
+    holds_preamble = False  # events before the first token are held back until it comes (see first_token)
+    token_event = b"data: {"  # how a token-carrying event starts (stream_timing.TokenTimer counts these)
+    no_token_event: bytes | None = b'"choices":[]'  # ... unless it also holds this (a usage-only event)
+
+    def first_token(self, chunk: bytes) -> bool:
+        """True when ``chunk`` (raw engine bytes) carries the first generated token or the end."""
+        return True
 
     def ended(self, out: bytes) -> bool:
         """True when ``out`` (whole events, as relayed) holds the stream's honest end."""
@@ -83,9 +92,21 @@ class OpenAIChunks(StreamProtocol):
 
 
 class ResponsesEvents(StreamProtocol):
+    """The Responses API's typed events. ``response.created``, ``response.in_progress`` and the opening
+    ``output_item``/``content_part`` events come before the engine has computed anything: they are held
+    back until the first ``*.delta`` (or a terminal event), so that the first byte the client gets is
+    the first token, TTFT means the same as for chat, and a stream that breaks before its first token
+    is tried again on another worker from the start (nothing of it reached the client)."""
+
     name = "responses_events"
     end_marker = "a terminal event (response.completed, response.failed, response.incomplete or error)"
     continuable = False
+    holds_preamble = True
+    token_event = b".delta\n"  # the end of an "event: response.<...>.delta" line (newlines in JSON are escaped)
+    no_token_event = None
+
+    def first_token(self, chunk: bytes) -> bool:
+        return any(h in chunk for h in _FIRST_TOKEN_HINTS)
 
     def __init__(self) -> None:
         self.text_deltas = 0  # response.output_text.delta events relayed (generated tokens without usage)

@@ -17,17 +17,23 @@ _NO_TOKENS = b'"choices":[]'
 
 
 class TokenTimer:
-    __slots__ = ("_observe", "_last")
+    """``event``/``no_tokens``: what marks a token event in this stream's protocol (stream_protocol.py;
+    the defaults are OpenAI chunks')."""
 
-    def __init__(self, histogram: Any) -> None:
+    __slots__ = ("_observe", "_last", "_event", "_no_tokens")
+
+    def __init__(self, histogram: Any, event: bytes = _EVENT, no_tokens: bytes | None = _NO_TOKENS) -> None:
         self._observe = histogram.observe
         self._last: float | None = None
+        self._event = event
+        self._no_tokens = no_tokens
 
     def on_bytes(self, body: bytes) -> None:
-        events = body.count(_EVENT)
+        events = body.count(self._event)
         if not events:
             return
-        events -= body.count(_NO_TOKENS)
+        if self._no_tokens is not None:
+            events -= body.count(self._no_tokens)
         if events <= 0:
             return
         now = time.perf_counter()

@@ -53,7 +53,8 @@ class DyadMetrics:
         self.retries = Counter("dyad_retries_total", "Requests retried on another worker", ["model"], registry=r)
         self.stream_failovers = Counter("dyad_stream_failovers_total",
                                         "Streams whose worker failed mid-stream, by outcome (continued on "
-                                        "another worker, completed, ended with an error event)",
+                                        "another worker, restarted there before its first token, completed, "
+                                        "ended with an error event)",
                                         ["outcome"], registry=r)
         self.breaker_transitions = Counter("dyad_circuit_breaker_transitions_total",
                                            "Circuit breaker state changes per worker", ["worker", "state"],

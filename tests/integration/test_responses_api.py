@@ -322,3 +322,43 @@ def test_a_replayed_stream_comes_from_its_engine_and_ends_by_the_same_rule(engin
         rec = access(tmp_path, "replay")
         assert rec["stream"] is True and rec["error_class"] == "stream_failed" and rec["status"] == 502
         assert rec["workers"] == [{"id": f"w{engines.index(owner)}", "role": "both"}]
+
+
+def test_a_stream_that_breaks_before_its_first_token_starts_again_elsewhere(engines, tmp_path):
+    """The opening events (created, in_progress, ...) are held back until the first token, so a worker that
+    fails before it costs the client nothing: the stream starts over on another worker."""
+    fault(engines[0], "reset", after=0)
+    with gateway(engines, tmp_path) as gw:
+        before = sample(gw, "dyad_stream_failovers_total", {"outcome": "restarted"})
+        recs = []
+        for i in range(2):
+            r = create(gw, stream=True, rid=f"resp-restart-{i}")
+            events = sse(r.text)
+            names = [n for n, _ in events]
+            assert names[0] == "response.created" and names[-1] == "response.completed" and "error" not in names
+            assert names.count("response.created") == 1  # one stream, as if the first worker had never been tried
+            assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+            recs.append(access(tmp_path, f"resp-restart-{i}"))
+        restarted = [r for r in recs if r["attempts"] == 2]
+        assert restarted and all([w["id"] for w in r["workers"]] == ["w0", "w1"] for r in restarted)
+        assert all(r["status"] == 200 and r["error_class"] is None for r in recs)
+        assert sample(gw, "dyad_stream_failovers_total", {"outcome": "restarted"}) - before == len(restarted)
+        # the generated tokens of a restarted stream are the second worker's, counted once
+        assert all(r["generated_tokens"] == 6 for r in recs)
+        fault(engines[1], "eof", after=0)
+        r = create(gw, stream=True, rid="resp-restart-none")
+        names = [n for n, _ in sse(r.text)]
+        assert names == ["error", "response.failed"]  # nothing of either broken stream reached the client
+        events = sse(r.text)
+        assert "before its first token" in events[0][1]["message"]  # (w0 is out of rotation after its reset)
+        assert access(tmp_path, "resp-restart-none")["error_class"] == "stream_failed"
+
+
+def test_itl_counts_only_token_events(engines, tmp_path):
+    with gateway(engines, tmp_path) as gw:
+        before = sample(gw, "dyad_request_itl_seconds_count", {"model": MODEL})
+        r = create(gw, stream=True)
+        assert r.status_code == 200
+        deltas = [n for n, _ in sse(r.text)].count("response.output_text.delta")
+        # one observation per token after the first: the opening and closing events are not tokens
+        assert sample(gw, "dyad_request_itl_seconds_count", {"model": MODEL}) - before == deltas - 1
