@@ -190,10 +190,6 @@ class ResponseOwners:
             return None
         return owner.worker_id
 
-    def forget_worker(self, worker_id: str) -> None:
-        for key in [k for k, o in self._map.items() if o.worker_id == worker_id]:
-            del self._map[key]
-
     def _expire(self, now: float) -> None:
         m = self._map
         while m:
