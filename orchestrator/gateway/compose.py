@@ -17,6 +17,7 @@ from collections.abc import Callable
 from orchestrator import disagg
 from orchestrator.clock import Clock
 from orchestrator.config import DyadConfig
+from orchestrator.gateway import responses_api
 from orchestrator.gateway.admission import Intake
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.gateway.shutdown import ShuttingDown
@@ -36,6 +37,7 @@ def build_runtime(config: DyadConfig, *, clock: Clock | None = None, metrics: Dy
         rt.router.policy = parts.policy
         rt.pd_executor = parts.executor
     rt.intake = Intake(rt)
+    rt.response_owners = responses_api.build_owners(rt.config)  # /v1/responses ids → their engine
     gate = rt.intake.gate
     if gate is not None:  # a drain out of grace: whoever still waits gets 503 + Retry-After (shutdown.py)
         retry_after = rt.config.gateway.retry_after_s
@@ -58,4 +60,5 @@ async def start(rt: GatewayRuntime, read_metrics: Callable[[], bytes | str]) -> 
 async def stop(rt: GatewayRuntime) -> None:
     """Stop the loops, close the engine client, flush telemetry."""
     await rt.stop()
+    await responses_api.close_owners(rt)
     telemetry.close(rt)

@@ -85,7 +85,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         if responses:
             prev = body.get("previous_response_id")
             if prev is not None:  # continues a stored response: only its engine has it
-                owner = responses_api.owner_worker(rt, prev, client.name, "previous_response_id")
+                owner = await responses_api.owner_worker(rt, prev, client.name, "previous_response_id")
                 pinned_away = frozenset(w.id for w in rt.fleet.workers() if w.id != owner.id)
             # routed on the chat messages vLLM renders from instructions + input (prefix-aware)
             route_req = await annotate(rt, request.headers, rid, rq.CHAT, model, responses_api.routing_body(body))
@@ -161,7 +161,7 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
             query = request.query_params
             stream = method == "GET" and query.get("stream", "").lower() in ("true", "1")
             record.stream = stream
-            worker = responses_api.owner_worker(rt, response_id, client.name)
+            worker = await responses_api.owner_worker(rt, response_id, client.name)
             record.workers.append((worker.id, worker.role.value))
             record.attempts = 1
             params = {k: query[k] for k in ("stream", "starting_after") if k in query and method == "GET"}

@@ -15,8 +15,9 @@
   mode) only on the engine that created it, so ``GET /v1/responses/{id}``, ``POST
   /v1/responses/{id}/cancel`` and a new request naming ``previous_response_id`` must reach that
   engine. The gateway remembers response id → (worker, client key) in a bounded, expiring map with
-  hashed keys (client-chosen text never grows memory or sits in it verbatim); an id it does not know —
-  or one created by another client key — is a 404 naming the id, never a guess at a worker;
+  hashed keys (client-chosen text never grows memory or sits in it verbatim), shared between gateway
+  replicas through Redis when the prefix index is there; an id it does not know — or one created by
+  another client key — is a 404 naming the id, never a guess at a worker;
 * **the stream's ending rules** are ``stream_protocol.ResponsesEvents`` (a terminal ``response.*``
   event, else ``event: error`` + ``response.failed``).
 
@@ -27,7 +28,9 @@ replays a background response's events) and ``POST /v1/responses/{id}/cancel``; 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
     from orchestrator.fleet.worker import Worker
     from orchestrator.gateway.runtime import GatewayRuntime
 
+log = logging.getLogger(__name__)
+
 RESPONSES = "/v1/responses"
 # Fields of this route that steer an engine beyond the adapters' internal fields (module docstring).
 RESPONSES_INTERNAL = frozenset({"request_id"})
@@ -50,6 +55,8 @@ MAX_RESPONSE_ID = 256  # longer ids are refused (vLLM's are "resp_" + 32 hex dig
 OWNERS_MAX_ENTRIES = 100_000  # ~100 bytes each: about 10 MB at most
 OWNERS_TTL_S = 24 * 3600.0  # a response older than this is not routed to (its engine may have restarted anyway)
 KEY_BYTES = 16
+REDIS_TIMEOUT_S = 0.5  # a shared-map read or write waits at most this long
+REDIS_RETRY_S = 5.0  # after a Redis failure the map is local-only this long
 
 
 # --- validation ------------------------------------------------------------------------------------
@@ -164,12 +171,17 @@ class Owner:
 
 class ResponseOwners:
     """Response id → (worker, client) for the ids this gateway saw created; bounded (oldest out first)
-    and expiring. Pure data: the caller passes ``now``."""
+    and expiring. Pure data: the caller passes ``now``. With ``shared`` (a ``SharedOwners``: Redis, when
+    the prefix index is on Redis) entries are also written there, and ``find`` asks it for an id this
+    replica did not see, so every gateway replica routes every response id."""
 
-    def __init__(self, max_entries: int = OWNERS_MAX_ENTRIES, ttl_s: float = OWNERS_TTL_S) -> None:
+    def __init__(self, max_entries: int = OWNERS_MAX_ENTRIES, ttl_s: float = OWNERS_TTL_S,
+                 shared: SharedOwners | None = None) -> None:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
+        self.shared = shared
         self._map: OrderedDict[bytes, Owner] = OrderedDict()
+        self._writes: set[asyncio.Future[None]] = set()
 
     def __len__(self) -> int:
         return len(self._map)
@@ -177,10 +189,24 @@ class ResponseOwners:
     def record(self, response_id: str, worker_id: str, client: str, now: float) -> None:
         key = _key(response_id)
         self._map.pop(key, None)
-        self._map[key] = Owner(worker_id, _key(client), now + self.ttl_s)
+        owner = self._map[key] = Owner(worker_id, _key(client), now + self.ttl_s)
         while len(self._map) > self.max_entries:
             self._map.popitem(last=False)
         self._expire(now)
+        if self.shared is not None:  # written in the background: the answer is not held up by Redis
+            task = asyncio.ensure_future(self.shared.put(key, owner, self.ttl_s))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def find(self, response_id: str, client: str, now: float) -> str | None:
+        """``lookup``, then the shared map for an id this replica did not see created."""
+        found = self.lookup(response_id, client, now)
+        if found is not None or self.shared is None:
+            return found
+        owner = await self.shared.get(_key(response_id))
+        if owner is None or owner.client != _key(client):
+            return None
+        return owner.worker_id
 
     def lookup(self, response_id: str, client: str, now: float) -> str | None:
         """The worker that holds ``response_id`` for this client, or None (unknown, expired, another client's)."""
@@ -199,11 +225,87 @@ class ResponseOwners:
             del m[key]
 
 
+class SharedOwners:
+    """The owner map in Redis: ``<key_prefix>:resp:<digest>`` → ``<worker id> <client digest>``, expiring
+    with the local entries. Best effort: while Redis fails, each replica knows what it saw itself."""
+
+    def __init__(self, url: str, key_prefix: str) -> None:
+        self.url = url
+        self.key_prefix = key_prefix
+        self._redis: Any = None
+        self._down_until = 0.0
+
+    def _client(self) -> Any:
+        if self._redis is None:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.from_url(self.url, socket_timeout=REDIS_TIMEOUT_S,
+                                            socket_connect_timeout=REDIS_TIMEOUT_S)
+        return self._redis
+
+    def _name(self, key: bytes) -> str:
+        return f"{self.key_prefix}:resp:{key.hex()}"
+
+    def _failed(self, e: Exception) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._down_until:
+            log.warning("response owners: Redis unreachable (%s: %s); this replica routes the ids it saw itself",
+                        type(e).__name__, e)
+        self._down_until = loop.time() + REDIS_RETRY_S
+
+    async def put(self, key: bytes, owner: Owner, ttl_s: float) -> None:
+        if asyncio.get_running_loop().time() < self._down_until:
+            return
+        try:
+            await self._client().set(self._name(key), f"{owner.worker_id} {owner.client.hex()}",
+                                     ex=max(1, int(ttl_s)))
+        except Exception as e:  # noqa: BLE001 - best effort (see the class docstring)
+            self._failed(e)
+
+    async def get(self, key: bytes) -> Owner | None:
+        if asyncio.get_running_loop().time() < self._down_until:
+            return None
+        try:
+            raw = await self._client().get(self._name(key))
+        except Exception as e:  # noqa: BLE001 - best effort
+            self._failed(e)
+            return None
+        if raw is None:
+            return None
+        worker_id, _, client = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition(" ")
+        try:
+            return Owner(worker_id, bytes.fromhex(client), float("inf"))
+        except ValueError:
+            return None
+
+    async def close(self) -> None:
+        if self._redis is not None:
+            client, self._redis = self._redis, None
+            try:
+                await client.aclose()
+            except Exception:  # noqa: BLE001 - closing a dead connection
+                pass
+
+
+def build_owners(config: Any) -> ResponseOwners:
+    """The gateway's response-owner map (the composition root calls this): shared through Redis when the
+    prefix index lives in a single Redis (``index.backend: redis``), else local to this process."""
+    index = config.index
+    shared = SharedOwners(index.redis_url, index.key_prefix) if index.backend == "redis" else None
+    return ResponseOwners(shared=shared)
+
+
+async def close_owners(rt: Any) -> None:
+    owners = getattr(rt, "response_owners", None)
+    if owners is not None and owners.shared is not None:
+        await owners.shared.close()
+
+
 def owners_of(rt: GatewayRuntime) -> ResponseOwners:
-    """The runtime's map (made on first use: only gateways that serve /v1/responses hold one)."""
+    """The runtime's map (built by the composition root; made here for a runtime built otherwise)."""
     owners = getattr(rt, "response_owners", None)
     if owners is None:
-        owners = ResponseOwners()
+        owners = build_owners(rt.config)
         rt.response_owners = owners  # type: ignore[attr-defined]
     return owners
 
@@ -214,9 +316,9 @@ def not_found(response_id: str, param: str = "response_id") -> NotFound:
                     code="response_not_found")
 
 
-def owner_worker(rt: GatewayRuntime, response_id: str, client: str, param: str = "response_id") -> Worker:
+async def owner_worker(rt: GatewayRuntime, response_id: str, client: str, param: str = "response_id") -> Worker:
     """The worker holding ``response_id`` (404 naming the id when unknown, or when that worker is gone)."""
-    wid = owners_of(rt).lookup(response_id, client, rt.clock.now())
+    wid = await owners_of(rt).find(response_id, client, rt.clock.now())
     worker = rt.fleet.get(wid) if wid is not None else None
     if worker is None:
         raise not_found(response_id, param)

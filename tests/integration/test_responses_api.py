@@ -25,6 +25,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
 from orchestrator.sim.server import SimEngineThread
+from tests.fixtures.redis import redis_server, unique_prefix  # noqa: F401
 
 MODEL = "tiny"
 
@@ -362,3 +363,42 @@ def test_itl_counts_only_token_events(engines, tmp_path):
         deltas = [n for n, _ in sse(r.text)].count("response.output_text.delta")
         # one observation per token after the first: the opening and closing events are not tokens
         assert sample(gw, "dyad_request_itl_seconds_count", {"model": MODEL}) - before == deltas - 1
+
+
+@pytest.mark.redis
+def test_gateway_replicas_share_response_ids_through_redis(engines, tmp_path, redis_server):  # noqa: F811
+    """Two gateway replicas on one Redis (``index.backend: redis``, real redis-server): a response created
+    through one is found through the other (GET and previous_response_id); Redis holds digests only."""
+    prefix = unique_prefix("resp")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    shared = {"index": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix}}
+    with gateway(engines, tmp_path / "a", **shared) as a, gateway(engines, tmp_path / "b", **shared) as b:
+        r = create(a)
+        assert r.status_code == 200
+        rid = r.json()["id"]
+        for _ in range(3):
+            got = httpx.get(f"{b.url}/v1/responses/{rid}", timeout=10)
+            assert got.status_code == 200 and got.json()["id"] == rid
+        nxt = create(b, previous_response_id=rid)
+        assert nxt.status_code == 200 and nxt.headers["x-dyad-worker"] == r.headers["x-dyad-worker"]
+        import redis
+
+        keys = redis.Redis.from_url(redis_server.url).keys(f"{prefix}:resp:*")
+        assert len(keys) == 2 and all(rid.encode() not in k for k in keys)  # digests, not the ids
+        assert httpx.get(f"{b.url}/v1/responses/resp_other", timeout=10).status_code == 404
+
+
+def test_with_redis_unreachable_a_replica_still_routes_the_ids_it_saw(engines, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = {"index": {"backend": "redis", "redis_url": f"redis://127.0.0.1:{port}/0", "key_prefix": "x"}}
+    with gateway(engines, tmp_path, **down) as gw:
+        r = create(gw)
+        assert r.status_code == 200
+        for _ in range(2):
+            assert httpx.get(f"{gw.url}/v1/responses/{r.json()['id']}", timeout=10).status_code == 200
+        assert httpx.get(f"{gw.url}/v1/responses/resp_unknown", timeout=10).status_code == 404
