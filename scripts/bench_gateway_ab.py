@@ -152,6 +152,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of this many words (simulator tokens)")
     ap.add_argument("--fresh-prompts", action="store_true", help="a prompt never seen before for every request")
+    ap.add_argument("--floor", action="store_true",
+                    help="also run the floor targets (scripts/bench_gateway_floor.py: bare uvicorn ASGI and a bare "
+                         "asyncio protocol, each forwarding through FastTransport with nothing else)")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
 
@@ -179,6 +182,14 @@ def main() -> int:
                 procs.append(gw)
                 wait_ready(f"http://127.0.0.1:{port}/ready", gw)
                 targets[f"dyad @ {rev}" + (f" #{i}" if f"dyad @ {rev}" in targets else "")] = (port, gw.pid)
+            for mode in ("asgi", "asgi-coalesced", "protocol") if args.floor else ():
+                port = free_port()
+                fl = subprocess.Popen([PY, str(ROOT / "scripts/bench_gateway_floor.py"), "--engine",
+                                       f"http://127.0.0.1:{eport}", "--port", str(port), "--mode", mode], cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                procs.append(fl)
+                wait_ready(f"http://127.0.0.1:{port}/ready", fl)
+                targets[f"floor ({mode})"] = (port, fl.pid)
             load_before = os.getloadavg()
             out = asyncio.run(measure(targets, args))
             load_after = os.getloadavg()

@@ -7,8 +7,9 @@
   ``.url`` and ``.runtime``; a context manager that stops it on exit.
 - ``await serve(config)``: run a gateway inside the caller's event loop until cancelled.
 
-uvicorn runs with uvloop and httptools when they are installed (they are, via uvicorn[standard]),
-with access logging off: per-request logging costs more than the gateway's own work.
+uvicorn runs with uvloop and the gateway's own httptools protocol (``http_server.py``) when they are
+installed (they are, via uvicorn[standard]), with uvicorn's access logging off (the gateway writes its
+own access record per request).
 """
 
 from __future__ import annotations
@@ -35,10 +36,9 @@ from orchestrator.config import (
 from orchestrator.config_cli import add_serve_flags, flag_overrides
 from orchestrator.gateway.app import create_app
 from orchestrator.gateway.connection_limit import limited_protocol
-from orchestrator.gateway.fastpath import coalescing_protocol
+from orchestrator.gateway.http_server import http_protocol
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.gateway.shutdown import DrainingServer
-from orchestrator.gateway.slow_clients import guarded_protocol
 from orchestrator.gateway.tls import engine_ssl_context, server_ssl_options
 from orchestrator.telemetry.logging import configure_logging
 
@@ -63,19 +63,20 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning",
                    gateway: GatewayConfig | None = None) -> uvicorn.Config:
     """``ssl``: uvicorn's ssl_* options (``tls.server_ssl_options``). ``log_config=None``: uvicorn's loggers
     go through the root logger (``dyad serve`` configures it with ``configure_logging``). ``resilience``:
-    header/body read timeouts against slow clients (``slow_clients.py``; with httptools)."""
-    options = _fast_options()
-    if resilience is not None and options["http"] == "httptools":
-        # + one send per event-loop step towards the client (fastpath.CoalescingTransport)
-        options["http"] = coalescing_protocol(  # type: ignore[assignment]
-            guarded_protocol(resilience.header_timeout_s, resilience.body_timeout_s))
+    header/body read timeouts against slow clients (``http_server.py``; with httptools)."""
+    options: dict[str, Any] = _fast_options()
+    if options["http"] == "httptools":
+        # the gateway's own connection protocol (http_server.py): one write per step towards the client,
+        # header/body timeouts against slow clients when ``resilience`` is given
+        options["http"] = http_protocol(resilience.header_timeout_s if resilience else None,
+                                        resilience.body_timeout_s if resilience else None)
     if gateway is not None and gateway.max_connections is not None:
         base = options["http"]
         if isinstance(base, str):  # uvicorn's name for its protocol class
             from uvicorn.config import HTTP_PROTOCOLS
             from uvicorn.importer import import_from_string
             base = import_from_string(HTTP_PROTOCOLS[base])
-        options["http"] = limited_protocol(base, gateway.max_connections, gateway.retry_after_s)  # type: ignore
+        options["http"] = limited_protocol(base, gateway.max_connections, gateway.retry_after_s)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
                           lifespan="on", timeout_keep_alive=75, server_header=False, date_header=False,
                           timeout_graceful_shutdown=5, **options, **(ssl or {}))

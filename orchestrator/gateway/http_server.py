@@ -1,0 +1,505 @@
+"""The gateway's client-facing HTTP/1.1 connection: httptools parsing, ASGI towards the app, one write per step.
+
+uvicorn still runs the server (listening sockets, TLS, lifespan, signals, graceful shutdown, the
+``server_state`` it uses to close connections and wait for requests); this module is the protocol
+class it runs for every connection (``uvicorn.Config(http=...)``, built by ``http_protocol``). It
+replaces uvicorn's ``HttpToolsProtocol`` plus the three subclasses the gateway used to stack on it,
+in one class, because per request it is the largest cost left after the gateway's own code
+(measured in docs/benchmarks.md, "Request path rebuilt around one attempt", the floor runs):
+
+* **one write per event-loop step** towards the client: a non-streamed answer's head and body leave
+  in one ``send`` (on loopback each write wakes the client, often for half an answer);
+* **slow clients** (slowloris): the complete header block must arrive within ``header_timeout_s``
+  of a connection's (or a keep-alive request's) first moment, and the complete body within
+  ``body_timeout_s`` of the headers; otherwise ``408`` (OpenAI error shape) and the connection is
+  closed; a request task waiting for the body sees a disconnect. httptools puts no bound on a
+  header block, so one larger than ``MAX_HEADER_BYTES`` gets ``431`` and a close. A request
+  httptools cannot parse gets ``400`` in the same JSON shape;
+* what uvicorn's protocol does that the gateway relies on: keep-alive with uvicorn's idle timeout,
+  pipelined requests answered in order (reading pauses while one is in progress), HTTP/1.0,
+  ``Connection: close``, ``Expect: 100-continue``, ``HEAD``, chunked answers when the app gives no
+  Content-Length, back-pressure from a slow reader (``pause_writing``), graceful ``shutdown()``,
+  the ASGI scope uvicorn builds (with its ``ProxyHeadersMiddleware`` around the app, as configured),
+  header names and values checked before they are written, and a 500 when the app fails before
+  answering. WebSocket upgrades are not offered (the gateway has no WebSocket route): such a
+  request is served as plain HTTP, as uvicorn does without a WebSocket library.
+
+``connection_limit.limited_protocol`` wraps this class like any uvicorn protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import re
+import urllib.parse
+from collections import deque
+from typing import Any
+
+import httptools
+import orjson
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
+
+MAX_HEADER_BYTES = 64 * 1024  # request line + headers
+HIGH_WATER = 65536  # pause reading a request body beyond this much unread
+
+_HEADER_NAME_BAD = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
+_HEADER_VALUE_BAD = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+_logger = logging.getLogger("uvicorn.error")
+
+
+def error_response(status: bytes, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 error answer (OpenAI shape) that closes the connection; ``status``: b"408 Request Timeout"."""
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": code}})
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+
+def timeout_response(what: str, seconds: float) -> bytes:
+    return error_response(b"408 Request Timeout", f"The request {what} did not arrive within {seconds:g} s.",
+                          "request_timeout")
+
+
+_INTERNAL_ERROR = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"),
+                   (b"connection", b"close")]
+
+
+class _Cycle:
+    """One request/response on a connection: the ASGI ``receive`` and ``send`` of its app call."""
+
+    __slots__ = ("conn", "scope", "body", "more_body", "event", "disconnected", "keep_alive", "continue_100",
+                 "started", "complete", "chunked", "remaining", "head", "delivered")
+
+    def __init__(self, conn: HttpProtocol, scope: dict[str, Any], keep_alive: bool, continue_100: bool) -> None:
+        self.conn = conn
+        self.scope = scope
+        self.body = b""
+        self.more_body = True
+        self.event: asyncio.Future[None] | None = None  # receive() waiting for body or a disconnect
+        self.disconnected = False
+        self.keep_alive = keep_alive
+        self.continue_100 = continue_100
+        self.started = False
+        self.complete = False
+        self.chunked = False
+        self.remaining = 0  # Content-Length bytes still to send
+        self.head = scope["method"] == "HEAD"
+        self.delivered = False  # the last http.request message went to the app
+
+    def wake(self) -> None:
+        event = self.event
+        if event is not None and not event.done():
+            event.set_result(None)
+
+    async def run(self, app: Any) -> None:
+        try:
+            result = await app(self.scope, self.receive, self.send)
+        except BaseException as exc:
+            _logger.error("Exception in ASGI application\n", exc_info=exc)
+            if not self.started:
+                await self._send_500()
+            else:
+                self.conn.transport.close()
+        else:
+            if result is not None:
+                _logger.error("ASGI callable should return None, but returned '%s'.", result)
+                self.conn.transport.close()
+            elif not self.started and not self.disconnected:
+                _logger.error("ASGI callable returned without starting response.")
+                await self._send_500()
+            elif not self.complete and not self.disconnected:
+                _logger.error("ASGI callable returned without completing response.")
+                self.conn.transport.close()
+        finally:
+            self.conn.cycle_done(self)
+
+    async def _send_500(self) -> None:
+        await self.send({"type": "http.response.start", "status": 500, "headers": _INTERNAL_ERROR})
+        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+
+    async def receive(self) -> dict[str, Any]:
+        conn = self.conn
+        if self.continue_100 and not conn.transport.is_closing():
+            conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.continue_100 = False
+        if not self.disconnected and not self.complete and (self.delivered or (self.more_body and not self.body)):
+            # wait for more body, or (the whole body taken) for the client to leave or our answer to end
+            if self.more_body:
+                conn.resume_reading()
+            self.event = conn.loop.create_future()
+            try:
+                await self.event
+            finally:
+                self.event = None
+        if self.disconnected or self.complete or self.delivered:
+            return {"type": "http.disconnect"}
+        body, self.body = self.body, b""
+        if not self.more_body:
+            self.delivered = True
+        elif conn.reading_paused:
+            conn.resume_reading()
+        return {"type": "http.request", "body": body, "more_body": self.more_body}
+
+    async def send(self, message: Any) -> None:
+        conn = self.conn
+        if conn.writable is not None and not self.disconnected:
+            await conn.writable
+        if self.disconnected:
+            return
+        if not self.started:
+            if message["type"] != "http.response.start":
+                raise RuntimeError(f"Expected ASGI message 'http.response.start', but got '{message['type']}'.")
+            self.started = True
+            self.continue_100 = False
+            status = message["status"]
+            out = [STATUS_LINE[status]]
+            length = None
+            close_asked = False
+            headers = message.get("headers", ())
+            defaults = conn.server_state.default_headers  # (uvicorn's server/date headers; off in the gateway)
+            for name, value in [*defaults, *headers] if defaults else headers:
+                if _HEADER_NAME_BAD.search(name):
+                    raise RuntimeError("Invalid HTTP header name.")
+                if _HEADER_VALUE_BAD.search(value):
+                    raise RuntimeError("Invalid HTTP header value.")
+                name = name.lower()
+                if name == b"content-length" and length is None and not self.chunked:
+                    length = int(value)
+                elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                    self.chunked = True
+                elif name == b"connection" and b"close" in [t.strip().lower() for t in value.split(b",")]:
+                    self.keep_alive = False
+                    close_asked = True
+                out += (name, b": ", value, b"\r\n")
+            if not self.keep_alive and not close_asked:
+                out.append(b"connection: close\r\n")
+            if self.chunked:
+                length = None
+            elif length is None and not self.head and status not in (204, 304):
+                self.chunked = True
+                out.append(b"transfer-encoding: chunked\r\n")
+            self.remaining = length or 0
+            out.append(b"\r\n")
+            conn.write(b"".join(out))
+            return
+        if self.complete:
+            raise RuntimeError(f"Unexpected ASGI message '{message['type']}' sent, after response already completed.")
+        if message["type"] != "http.response.body":
+            raise RuntimeError(f"Expected ASGI message 'http.response.body', but got '{message['type']}'.")
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        if self.head:
+            self.remaining = 0
+        elif self.chunked:
+            if body:
+                conn.write(b"%x\r\n%s\r\n" % (len(body), body) if more else b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+            elif not more:
+                conn.write(b"0\r\n\r\n")
+        else:
+            n = len(body)
+            if n > self.remaining:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.remaining -= n
+            if n:
+                conn.write(body)
+        if not more:
+            if self.remaining != 0:
+                raise RuntimeError("Response content shorter than Content-Length")
+            self.complete = True
+            self.wake()
+            conn.response_complete(self)
+
+
+class HttpProtocol(asyncio.Protocol):
+    """One client connection (uvicorn's protocol-class interface: ``(config, server_state, app_state)``)."""
+
+    header_timeout_s: float | None = None
+    body_timeout_s: float | None = None
+
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if not config.loaded:
+            config.load()
+        self.config = config
+        self.app = config.loaded_app
+        self.loop = _loop or asyncio.get_event_loop()
+        self.parser = httptools.HttpRequestParser(self)
+        try:  # answer the first of pipelined requests even when the client half-closed after sending them
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # httptools < 0.6.3
+            pass
+        self.root_path = config.root_path
+        self.asgi = {"version": config.asgi_version, "spec_version": "2.3"}
+        self.app_state = app_state
+        self.keep_alive_s = config.timeout_keep_alive
+        self.reset_contextvars = getattr(config, "reset_contextvars", False)
+        self.server_state = server_state
+        self.connections = server_state.connections
+        self.tasks = server_state.tasks
+        self.transport: Any = None
+        self.server: Any = None
+        self.client: Any = None
+        self.scheme = "http"
+        self.pipeline: deque[_Cycle] = deque()
+        self.cycle: _Cycle | None = None  # the request being read (or the last one)
+        self.active: _Cycle | None = None  # the request being answered
+        self.reading_paused = False
+        self.writable: asyncio.Future[None] | None = None  # set while the transport's buffer is full
+        self._pending: list[bytes] | None = None  # writes of this event-loop step
+        self._keep_alive_timer: asyncio.TimerHandle | None = None
+        self._guard: asyncio.TimerHandle | None = None
+        # per request being parsed
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.header_bytes = 0
+        self.headers_too_large = False
+        self.expect_continue = False
+
+    # --- asyncio.Protocol --------------------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        self.connections.add(self)
+        self.transport = transport
+        self.server = get_local_addr(transport)
+        self.client = get_remote_addr(transport)
+        self.scheme = "https" if is_ssl(transport) else "http"
+        self._arm(self.header_timeout_s, "headers")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.connections.discard(self)
+        self._disarm()
+        self._stop_keep_alive()
+        for cycle in (self.active, self.cycle, *self.pipeline):
+            if cycle is not None:
+                if not cycle.complete:
+                    cycle.disconnected = True
+                cycle.wake()
+        writable = self.writable
+        if writable is not None:
+            self.writable = None
+            if not writable.done():
+                writable.set_result(None)
+        if exc is None:
+            self.transport.close()
+        self.parser = None  # type: ignore[assignment]
+
+    def eof_received(self) -> None:
+        pass
+
+    def data_received(self, data: bytes) -> None:
+        if self._keep_alive_timer is not None:
+            self._stop_keep_alive()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            _logger.warning("Unsupported upgrade request.")  # (served as plain HTTP: the request is dispatched)
+        except httptools.HttpParserError:
+            self._refuse_unparsable()
+
+    def pause_writing(self) -> None:
+        if self.writable is None:
+            self.writable = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        writable = self.writable
+        if writable is not None:
+            self.writable = None
+            if not writable.done():
+                writable.set_result(None)
+
+    def shutdown(self) -> None:
+        """Graceful shutdown (uvicorn): close when idle, else after the answer in progress."""
+        cycle = self.active
+        if cycle is None or cycle.complete:
+            self.transport.close()
+        else:
+            cycle.keep_alive = False
+            self.pipeline.clear()
+
+    # --- writing -------------------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        if self._pending is None:
+            self._pending = [data]
+            self.loop.call_soon(self._flush)
+        else:
+            self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending = self._pending
+        self._pending = None
+        if pending and not self.transport.is_closing():  # (aborted meanwhile: nothing to send to)
+            self.transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        """Send what is pending, then close."""
+        self._flush()
+        self.transport.close()
+
+    def resume_reading(self) -> None:
+        if self.reading_paused:
+            self.reading_paused = False
+            self.transport.resume_reading()
+
+    def pause_reading(self) -> None:
+        if not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    # --- slow clients ---------------------------------------------------------------------------
+
+    def _arm(self, seconds: float | None, what: str) -> None:
+        if self._guard is not None:
+            self._guard.cancel()
+            self._guard = None
+        if seconds is not None:
+            self._guard = self.loop.call_later(seconds, self._expire, what, seconds)
+
+    def _disarm(self) -> None:
+        if self._guard is not None:
+            self._guard.cancel()
+            self._guard = None
+
+    def _expire(self, what: str, seconds: float) -> None:
+        self._guard = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if what == "body" and (cycle is None or cycle.started or not cycle.more_body):
+            return  # the body is complete, or the app answered without it
+        if cycle is not None and what == "body":
+            cycle.disconnected = True  # the app's receive() now says http.disconnect; its sends are dropped
+            cycle.wake()
+        self._flush()
+        self.transport.write(timeout_response(what, seconds))
+        self.transport.close()
+
+    def _refuse_unparsable(self) -> None:
+        """400 for a request httptools refused, 431 for one past ``MAX_HEADER_BYTES``; JSON either way."""
+        self._disarm()
+        if self.headers_too_large:
+            response = error_response(b"431 Request Header Fields Too Large",
+                                      f"The request line and headers exceed {MAX_HEADER_BYTES} bytes.",
+                                      "headers_too_large")
+        else:
+            _logger.warning("Invalid HTTP request received.")
+            response = error_response(b"400 Bad Request", "The request is not valid HTTP/1.1.", "invalid_http")
+        self._flush()
+        self.transport.write(response)
+        self.transport.close()
+
+    # --- httptools callbacks -----------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.headers = []
+        self.header_bytes = 0
+        self.expect_continue = False
+        self._arm(self.header_timeout_s, "headers")
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self.header_bytes += len(url)
+        if self.header_bytes > MAX_HEADER_BYTES:
+            self.headers_too_large = True
+            raise ValueError(f"request headers larger than {MAX_HEADER_BYTES} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value)
+        if self.header_bytes > MAX_HEADER_BYTES:
+            self.headers_too_large = True
+            raise ValueError(f"request headers larger than {MAX_HEADER_BYTES} bytes")
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_continue = True
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        version = parser.get_http_version()
+        parsed = httptools.parse_url(self.url)
+        raw_path = parsed.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        root = self.root_path
+        scope = {"type": "http", "asgi": self.asgi, "http_version": version, "server": self.server,
+                 "client": self.client, "scheme": self.scheme, "root_path": root, "headers": self.headers,
+                 "state": self.app_state.copy(), "method": parser.get_method().decode("ascii"),
+                 "path": root + path if root else path,
+                 "raw_path": root.encode("ascii") + raw_path if root else raw_path,
+                 "query_string": parsed.query or b""}
+        cycle = self.cycle = _Cycle(self, scope, version != "1.0" and parser.should_keep_alive(),
+                                    self.expect_continue)
+        self._arm(self.body_timeout_s, "body")  # (disarmed when the message completes, usually at once)
+        if self.active is None:
+            self._start(cycle)
+        else:  # pipelined: answered in order
+            self.pause_reading()
+            self.pipeline.append(cycle)
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if cycle is None or cycle.complete:
+            return
+        cycle.body = cycle.body + body if cycle.body else body
+        if len(cycle.body) > HIGH_WATER:
+            self.pause_reading()
+        cycle.wake()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        cycle = self.cycle
+        if cycle is None or cycle.complete:
+            return
+        cycle.more_body = False
+        cycle.wake()
+
+    # --- requests ---------------------------------------------------------------------------------------
+
+    def _start(self, cycle: _Cycle) -> None:
+        self.active = cycle
+        coro = cycle.run(self.app)
+        if self.reset_contextvars:
+            task = self.loop.create_task(coro, context=contextvars.Context())
+        else:
+            task = self.loop.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def response_complete(self, cycle: _Cycle) -> None:
+        self.server_state.total_requests += 1
+        if not cycle.keep_alive:
+            self.close()
+
+    def cycle_done(self, cycle: _Cycle) -> None:
+        """The app call of ``cycle`` returned: start the next pipelined request, or wait idle."""
+        if self.active is not cycle:
+            return
+        self.active = None
+        if self.transport.is_closing() or not cycle.complete:
+            return
+        self.resume_reading()
+        if self.pipeline:
+            self._start(self.pipeline.popleft())
+        elif self.cycle is cycle or self.cycle is None:
+            self._keep_alive_timer = self.loop.call_later(self.keep_alive_s, self._idle_timeout)
+
+    def _stop_keep_alive(self) -> None:
+        if self._keep_alive_timer is not None:
+            self._keep_alive_timer.cancel()
+            self._keep_alive_timer = None
+
+    def _idle_timeout(self) -> None:
+        self._keep_alive_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def http_protocol(header_timeout_s: float | None = None, body_timeout_s: float | None = None) -> type[HttpProtocol]:
+    """The protocol class for ``uvicorn.Config(http=...)``, with the slow-client timeouts (None: no bound)."""
+    return type("DyadHttpProtocol", (HttpProtocol,),
+                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
