@@ -1,7 +1,6 @@
 """What keeps the gateway's request path cheap (measured in docs/benchmarks.md, "Gateway overhead").
 
 - ``GatewayApp``: the two hot endpoints, dispatched ahead of FastAPI's middleware stack and router;
-- ``CoalescingTransport`` / ``coalescing_protocol``: one ``send`` per event-loop step towards a client;
 - ``new_request_id``, ``child`` (cached metric children), ``usage_of`` (usage without parsing it all).
 
 Every request to ``POST /v1/chat/completions`` or ``POST /v1/completions`` would otherwise pass
@@ -91,55 +90,6 @@ class GatewayApp(FastAPI):
             if cls in self.exception_handlers:
                 return cls is Exception
         return False
-
-
-class CoalescingTransport:
-    """Stands in for a client connection's transport: the writes of one event-loop step leave in one ``send``.
-
-    uvicorn writes a response's head and its body separately; on loopback each ``send`` wakes the
-    client (and on a busy 2-core machine often hands it the CPU) only for it to find half a
-    response. Writes are collected and sent together at the end of the step (``loop.call_soon``),
-    so a non-streamed answer is one segment; ``close`` sends what is pending first.
-    """
-
-    __slots__ = ("_transport", "_loop", "_pending")
-
-    def __init__(self, transport: Any, loop: Any) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] | None = None
-
-    def write(self, data: bytes) -> None:
-        if self._pending is None:
-            self._pending = [data]
-            self._loop.call_soon(self._flush)
-        else:
-            self._pending.append(data)
-
-    def _flush(self) -> None:
-        pending = self._pending
-        self._pending = None
-        if pending and not self._transport.is_closing():  # (aborted meanwhile: nothing to send to)
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-def coalescing_protocol(base: type) -> type:
-    """``base`` (an uvicorn HTTP protocol class) writing through a ``CoalescingTransport``."""
-
-    def connection_made(self: Any, transport: Any) -> None:
-        base.connection_made(self, CoalescingTransport(transport, self.loop))
-
-    return type(f"Coalescing{base.__name__}", (base,), {"connection_made": connection_made})
 
 
 # --- small per-request helpers ------------------------------------------------------------------

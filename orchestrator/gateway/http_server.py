@@ -152,12 +152,10 @@ class _Cycle:
         if not self.started:
             if message["type"] != "http.response.start":
                 raise RuntimeError(f"Expected ASGI message 'http.response.start', but got '{message['type']}'.")
-            self.started = True
-            self.continue_100 = False
             status = message["status"]
             out = [STATUS_LINE[status]]
             length = None
-            close_asked = False
+            chunked = close_asked = False
             headers = message.get("headers", ())
             defaults = conn.server_state.default_headers  # (uvicorn's server/date headers; off in the gateway)
             for name, value in [*defaults, *headers] if defaults else headers:
@@ -166,22 +164,26 @@ class _Cycle:
                 if _HEADER_VALUE_BAD.search(value):
                     raise RuntimeError("Invalid HTTP header value.")
                 name = name.lower()
-                if name == b"content-length" and length is None and not self.chunked:
+                if name == b"content-length" and length is None and not chunked:
                     length = int(value)
                 elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                    self.chunked = True
+                    chunked = True
                 elif name == b"connection" and b"close" in [t.strip().lower() for t in value.split(b",")]:
-                    self.keep_alive = False
                     close_asked = True
                 out += (name, b": ", value, b"\r\n")
-            if not self.keep_alive and not close_asked:
+            if close_asked:
+                self.keep_alive = False
+            elif not self.keep_alive:
                 out.append(b"connection: close\r\n")
-            if self.chunked:
+            if chunked:
                 length = None
             elif length is None and not self.head and status not in (204, 304):
-                self.chunked = True
+                chunked = True
                 out.append(b"transfer-encoding: chunked\r\n")
+            self.chunked = chunked
             self.remaining = length or 0
+            self.started = True  # (after the checks: a refused head still leaves room for the 500)
+            self.continue_100 = False
             out.append(b"\r\n")
             conn.write(b"".join(out))
             return

@@ -57,6 +57,22 @@ class _NoSpan:
 NO_SPAN = _NoSpan()
 
 
+class _Off:
+    """``with`` block of a span while tracing is off: yields ``NO_SPAN`` (one object for every call,
+    no generator: ``span`` and ``activate`` run several times per request)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NoSpan:
+        return NO_SPAN
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_OFF = _Off()
+
+
 def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
     """OpenTelemetry attribute values are str/bool/int/float (or lists of one of them); None is dropped."""
     out: dict[str, Any] = {}
@@ -179,16 +195,19 @@ def _carrier(incoming: Mapping[str, str] | Sequence[tuple[bytes, bytes]]) -> dic
     return out
 
 
-@contextlib.contextmanager
 def span(name: str, *, incoming: Mapping[str, str] | Sequence[tuple[bytes, bytes]] | None = None,
-         **attributes: Any) -> Iterator[Any]:
+         **attributes: Any) -> contextlib.AbstractContextManager[Any]:
     """A span around a block (no-op while tracing is off). ``incoming``: the client's headers, whose
     ``traceparent`` becomes the parent (root spans only). An exception leaving the block is recorded
     on the span and marks it as an error."""
-    state = _state
-    if state is None:
-        yield NO_SPAN
-        return
+    if _state is None:
+        return _OFF
+    return _span(_state, name, incoming, attributes)
+
+
+@contextlib.contextmanager
+def _span(state: _Tracing, name: str, incoming: Mapping[str, str] | Sequence[tuple[bytes, bytes]] | None,
+          attributes: dict[str, Any]) -> Iterator[Any]:
     if incoming is None:
         current = state.get_current_span()
         if not current.is_recording() and current.get_span_context().is_valid:
@@ -209,11 +228,11 @@ class OpenSpan:
         self._span = span
         self.span = _Span(span) if span is not None else NO_SPAN
 
+    def activate(self) -> contextlib.AbstractContextManager[Any]:
+        return _OFF if self._span is None else self._activate()
+
     @contextlib.contextmanager
-    def activate(self) -> Iterator[Any]:
-        if self._span is None:
-            yield NO_SPAN
-            return
+    def _activate(self) -> Iterator[Any]:
         from opentelemetry import trace
 
         with trace.use_span(self._span, end_on_exit=False, record_exception=True, set_status_on_exception=True):

@@ -1,9 +1,8 @@
 """The gateway's hot-path machinery (orchestrator/gateway/fastpath.py): dispatch ahead of FastAPI with the
-app's own error handlers, write coalescing towards the client, and the small per-request helpers."""
+app's own error handlers, and the small per-request helpers."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import httpx
@@ -15,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from orchestrator.errors import ApiError, InvalidRequest
-from orchestrator.gateway.fastpath import CoalescingTransport, GatewayApp, child, new_request_id, usage_of
+from orchestrator.gateway.fastpath import GatewayApp, child, new_request_id, usage_of
 
 # --- GatewayApp ----------------------------------------------------------------------------------
 
@@ -98,52 +97,6 @@ async def test_error_inside_the_response_after_start_is_not_rendered_twice():
     with pytest.raises(InvalidRequest):
         await call(app)
     assert calls == []
-
-
-# --- CoalescingTransport -------------------------------------------------------------------------
-
-class RecordingTransport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.closed = False
-        self.paused = 0
-
-    def write(self, data: bytes) -> None:
-        assert not self.closed
-        self.writes.append(data)
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def pause_reading(self) -> None:
-        self.paused += 1
-
-
-async def test_writes_of_one_step_leave_together_and_close_flushes_first():
-    loop = asyncio.get_running_loop()
-    real = RecordingTransport()
-    t = CoalescingTransport(real, loop)
-    t.write(b"HTTP/1.1 200 OK\r\n\r\n")
-    t.write(b"body")
-    assert real.writes == []
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert real.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
-    t.write(b"one")
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    t.write(b"two")  # a later step: its own send
-    t.write(b"last")
-    t.close()
-    assert real.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody", b"one", b"twolast"] and real.closed
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)  # the scheduled flush finds nothing (and writes nothing to a closed transport)
-    assert len(real.writes) == 3
-    t.pause_reading()  # everything else is the real transport's
-    assert real.paused == 1 and t.is_closing()
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -1,0 +1,238 @@
+"""The gateway's client-facing HTTP/1.1 protocol (``http_server.py``), driven byte by byte.
+
+No sockets: the protocol gets a recording transport and a real ASGI app, exactly as uvicorn would
+hand it a connection. What is checked is what a client sees on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from orchestrator.gateway.http_server import MAX_HEADER_BYTES, http_protocol
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.out = b""
+        self.writes = 0
+        self.closed = False
+        self.reading = True
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed
+        self.out += data
+        self.writes += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 5555), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+
+class Config:
+    loaded = True
+    root_path = ""
+    asgi_version = "3.0"
+    timeout_keep_alive = 5
+
+    def __init__(self, app: Any) -> None:
+        self.loaded_app = app
+
+
+class ServerState:
+    def __init__(self) -> None:
+        self.connections: set[Any] = set()
+        self.tasks: set[Any] = set()
+        self.total_requests = 0
+        self.default_headers: list[tuple[bytes, bytes]] = []
+
+
+async def echo(scope: Any, receive: Any, send: Any) -> None:
+    """Answers with the method, path and body it read; ``/stream`` answers in chunks (no length)."""
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    answer = orjson.dumps({"method": scope["method"], "path": scope["path"], "body": body.decode()})
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for part in (b"a", b"b"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    if scope["path"] == "/boom":
+        raise RuntimeError("boom")
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
+    await send({"type": "http.response.body", "body": answer})
+
+
+def connect(app: Any = echo, header_timeout_s: float | None = None, body_timeout_s: float | None = None):
+    state = ServerState()
+    proto = http_protocol(header_timeout_s, body_timeout_s)(Config(app), state, {}, asyncio.get_running_loop())
+    t = Transport()
+    proto.connection_made(t)
+    return proto, t, state
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n%s" % (path.encode(), len(body), extra, body)
+
+
+async def test_one_write_per_answer_and_keep_alive():
+    proto, t, state = connect()
+    proto.data_received(post("/v1/completions", b'{"a":1}'))
+    await settle()
+    assert t.writes == 1  # head and body in one send
+    head, body = t.out.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"connection: close" not in head
+    assert orjson.loads(body) == {"method": "POST", "path": "/v1/completions", "body": '{"a":1}'}
+    assert not t.closed and state.total_requests == 1
+    t.out = b""
+    proto.data_received(post("/second", b"x"))  # the same connection serves the next request
+    await settle()
+    assert b'"path":"/second"' in t.out
+
+
+async def test_pipelined_requests_are_answered_in_order():
+    proto, t, _ = connect()
+    proto.data_received(post("/one", b"1") + post("/two", b"22") + post("/three", b""))
+    await settle()
+    paths = [orjson.loads(part.split(b"\r\n\r\n", 1)[1].split(b"HTTP/1.1")[0])["path"]
+             for part in t.out.split(b"HTTP/1.1 200 OK")[1:]]
+    assert paths == ["/one", "/two", "/three"]
+    assert t.reading  # reading resumed once the queue drained
+
+
+async def test_body_in_pieces_and_chunked_answer():
+    proto, t, _ = connect()
+    full = post("/stream", b"0123456789")
+    proto.data_received(full[:-6])
+    await settle()
+    assert t.out == b""  # the app waits for the rest of the body
+    proto.data_received(full[-6:])
+    await settle()
+    assert b"transfer-encoding: chunked" in t.out and t.out.endswith(b"1\r\na\r\n1\r\nb\r\n0\r\n\r\n")
+
+
+async def test_http10_closes_and_head_has_no_body():
+    proto, t, _ = connect()
+    proto.data_received(b"POST /x HTTP/1.0\r\ncontent-length: 0\r\n\r\n")
+    await settle()
+    assert b"connection: close" in t.out and t.closed
+    proto, t, _ = connect()
+    proto.data_received(b"HEAD /x HTTP/1.1\r\nhost: x\r\n\r\n")
+    await settle()
+    assert t.out.endswith(b"\r\n\r\n") and b"content-length:" in t.out
+
+
+async def test_expect_100_continue():
+    proto, t, _ = connect()
+    proto.data_received(b"POST /x HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n")
+    await settle()
+    assert t.out == b"HTTP/1.1 100 Continue\r\n\r\n"
+    proto.data_received(b"ok")
+    await settle()
+    assert b'"body":"ok"' in t.out
+
+
+async def test_unparsable_and_oversized_requests_get_json_errors():
+    proto, t, _ = connect()
+    proto.data_received(b"NOT HTTP AT ALL\r\n\r\n")
+    assert t.closed and t.out.startswith(b"HTTP/1.1 400 Bad Request")
+    assert orjson.loads(t.out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "invalid_http"
+    proto, t, _ = connect()
+    proto.data_received(b"GET / HTTP/1.1\r\nx-big: " + b"a" * (MAX_HEADER_BYTES + 1) + b"\r\n\r\n")
+    assert t.closed and t.out.startswith(b"HTTP/1.1 431")
+
+
+async def test_slow_headers_and_slow_body_get_408():
+    proto, t, _ = connect(header_timeout_s=0.01, body_timeout_s=0.01)
+    proto.data_received(b"POST /x HTTP/1.1\r\nhost")
+    await asyncio.sleep(0.05)
+    assert t.closed and t.out.startswith(b"HTTP/1.1 408") and b"headers" in t.out
+    got: list[Any] = []
+
+    async def reader(scope: Any, receive: Any, send: Any) -> None:
+        got.append(await receive())
+        got.append(await receive())
+
+    proto, t, _ = connect(reader, header_timeout_s=1, body_timeout_s=0.01)
+    proto.data_received(b"POST /x HTTP/1.1\r\ncontent-length: 10\r\n\r\n12345")
+    await asyncio.sleep(0.05)
+    assert t.closed and t.out.startswith(b"HTTP/1.1 408") and b"body" in t.out
+    assert got == [{"type": "http.request", "body": b"12345", "more_body": True}, {"type": "http.disconnect"}]
+
+
+async def test_client_leaving_is_seen_by_the_app_and_app_errors_are_500():
+    seen: list[Any] = []
+
+    async def waits(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        seen.append(await receive())  # the body is read: the next message is the client leaving
+
+    proto, t, state = connect(waits)
+    proto.data_received(post("/x", b"1"))
+    await settle()
+    assert seen == [] and len(state.tasks) == 1
+    proto.connection_lost(None)
+    await settle()
+    assert seen == [{"type": "http.disconnect"}] and proto not in state.connections
+    proto, t, _ = connect()
+    proto.data_received(post("/boom", b""))
+    await settle()
+    assert t.out.startswith(b"HTTP/1.1 500") and t.closed
+
+
+async def test_graceful_shutdown_closes_after_the_answer_in_progress():
+    release = asyncio.Event()
+
+    async def slow(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    proto, t, _ = connect(slow)
+    proto.data_received(post("/x", b""))
+    await settle()
+    proto.shutdown()
+    assert not t.closed
+    release.set()
+    await settle()
+    assert b"connection: close" in t.out and t.out.endswith(b"ok") and t.closed
+    proto, t, _ = connect()
+    proto.shutdown()  # idle: closed at once
+    assert t.closed
+
+
+@pytest.mark.parametrize("value", [b"a\rb", b"a\nb"])
+async def test_header_values_with_line_breaks_are_refused(value: bytes):
+    async def bad(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-bad", value)]})
+
+    proto, t, _ = connect(bad)
+    proto.data_received(post("/x", b""))
+    await settle()
+    assert b"x-bad" not in t.out and t.out.startswith(b"HTTP/1.1 500")
