@@ -378,7 +378,6 @@ class Intake:
         response so it is released —, the ``x-ratelimit-*`` headers for the answer). ``gone`` returns when
         the client disconnects (``AdmissionGate.acquire``)."""
         rank = self.rank(identity, headers)
-        req.priority = rank
         tokens = req.prompt_tokens + (req.max_tokens if isinstance(req.max_tokens, int) else 0)
         limit_headers = await self.limiter.check(identity, tokens)
         if self.config.ttft_slo_s is not None:

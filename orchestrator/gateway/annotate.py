@@ -1,6 +1,6 @@
 """Annotate once: the request as routing, admission and accounting see it, built one time per request.
 
-``annotate`` turns a validated body into a ``RouteRequest``: the prompt's length (the model's tokenizer
+``annotate`` turns a validated body into a ``RouteRequest`` (an immutable value): the prompt's length (the model's tokenizer
 through the router's prefix tracker when there is one; otherwise ``router.estimate``, which counts by
 character class rather than chars/4), its block hashes, the prefix each worker already holds, other
 gateway replicas' load, and the session key (the session header or the body's ``user``, hashed to a
@@ -43,5 +43,4 @@ async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, mo
     req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
                        max_tokens=max_tokens, block_size=canonical.block_size if canonical is not None else 32,
                        session_key=session_key_of(headers.get(session_header), body))
-    await rt.router.annotate(req, body, endpoint)
-    return req
+    return await rt.router.annotate(req, body, endpoint)

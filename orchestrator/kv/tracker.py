@@ -96,49 +96,49 @@ class PrefixTracker:
 
     # --- the Router's calls ----------------------------------------------------------------------
     async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
-                       candidates: Sequence[Worker]) -> None:
-        """Fill ``req`` with token ids, block hashes, overlaps (and peer load). Never raises: a
-        request this cannot handle (odd content, a tokenizer error) is routed on load alone."""
-        if req.session_key is None:
+                       candidates: Sequence[Worker]) -> RouteRequest:
+        """``req`` with token ids, block hashes, overlaps (and peer load). Never raises: a request this
+        cannot handle (odd content, a tokenizer error) is routed on load alone (``req`` comes back)."""
+        session_key = req.session_key
+        if session_key is None:
             user = body.get("user")
             if isinstance(user, str) and user:
-                req.session_key = f"user:{user}"
+                session_key = f"user:{user}"
         try:
-            await self._annotate(req, body, endpoint, candidates)
+            return await self._annotate(req, body, endpoint, candidates, session_key)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - routing degrades to load, the request goes on
             self.annotate_failures += 1
             log.warning("prefix lookup failed for request %s (%s: %s); routing it on load alone",
                         req.request_id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
-            req.overlaps = {}
+            return _keyed(req, session_key)
 
     async def _annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
-                        candidates: Sequence[Worker]) -> None:
+                        candidates: Sequence[Worker], session_key: str | None) -> RouteRequest:
         tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates)
         if tok is None:
-            return
+            return _keyed(req, session_key)
         ns = self.namespace(req.model)
         bs = self.block_size_for(ns)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        req.token_ids = tok.ids  # shared with the token cache: read-only
-        req.prompt_tokens = len(tok.ids)
-        req.block_size = bs
-        req.block_hashes = tok.block_hashes(self.hasher(ns, bs, salt))
+        block_hashes = tok.block_hashes(self.hasher(ns, bs, salt))
+        peers = req.peer_load
         if len(self.approx) or self.approx.shared:
             await self.approx.expire(self.clock.now())
         started = time.perf_counter()
         ids_of = [w.id for w in candidates]
         if self.shared_load is not None:
             overlaps, peers = await asyncio.gather(
-                self.index.overlaps(req.block_hashes, self.tier_weights, ids_of),
-                self.shared_load.peer_loads(ids_of))
-            req.peer_load = peers  # read by KvAwarePolicy
+                self.index.overlaps(block_hashes, self.tier_weights, ids_of),
+                self.shared_load.peer_loads(ids_of))  # (read by KvAwarePolicy)
         else:
-            overlaps = await self.index.overlaps(req.block_hashes, self.tier_weights, ids_of)
-        req.overlaps = overlaps
+            overlaps = await self.index.overlaps(block_hashes, self.tier_weights, ids_of)
         if self.metrics is not None:
             child(self.metrics.index_lookup_seconds, self.index.backend).observe(time.perf_counter() - started)
+        # token ids are shared with the token cache: read-only
+        return req.annotated(token_ids=tok.ids, prompt_tokens=len(tok.ids), block_size=bs, block_hashes=block_hashes,
+                             overlaps=overlaps, peer_load=peers, session_key=session_key)
 
     async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
         holders = [decision.worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
@@ -414,3 +414,12 @@ def build_prefix_tracker(config: DyadConfig, fleet: FleetRegistry, metrics: Dyad
         tracker.shards = IngestShards(index.client, config.index.key_prefix,  # type: ignore[attr-defined]
                                       shared.replica_id, down_errors=CLUSTER_DOWN_ERRORS)
     return tracker
+
+
+def _keyed(req: RouteRequest, session_key: str | None) -> RouteRequest:
+    """``req`` with ``session_key`` (and nothing else found)."""
+    if req.session_key == session_key:
+        return req
+    return req.annotated(token_ids=req.token_ids, prompt_tokens=req.prompt_tokens, block_size=req.block_size,
+                         block_hashes=req.block_hashes, overlaps=req.overlaps, peer_load=req.peer_load,
+                         session_key=session_key)

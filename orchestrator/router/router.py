@@ -42,7 +42,7 @@ class PrefixTracker(Protocol):
     """What the kv package plugs in (``on_finished`` is optional)."""
 
     async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
-                       candidates: list[Worker]) -> None: ...
+                       candidates: list[Worker]) -> RouteRequest: ...
 
     async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None: ...
 
@@ -86,23 +86,23 @@ class Router:
             if served else "no worker serves it"
         return NoHealthyWorker(req.model, retry_after=self.retry_after_s, reason=reason)
 
-    async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str) -> None:
-        """Once per request: let the prefix tracker (when there is one) fill in token ids, block hashes,
-        per-worker cached-prefix overlaps and other replicas' load. Never raises for lack of workers."""
+    async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str) -> RouteRequest:
+        """Once per request: ``req`` with what the prefix tracker (when there is one) finds — token ids,
+        block hashes, per-worker cached-prefix overlaps, other replicas' load. Never raises for lack of workers."""
         tracker = self.prefix_tracker
         if tracker is None:
-            return
+            return req
         candidates = self.candidates(req.model)
         if candidates:
-            await tracker.annotate(req, body, endpoint, self._scope(req.model, candidates))
+            return await tracker.annotate(req, body, endpoint, self._scope(req.model, candidates))
+        return req
 
     async def route(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
                     exclude: Iterable[str] = ()) -> RouteDecision:
         """``annotate`` then ``decide`` (one call, for callers that route a request once)."""
         if not self.candidates(req.model, exclude):
             raise self._no_candidate(req)
-        await self.annotate(req, body, endpoint)
-        return await self.decide(req, exclude)
+        return await self.decide(await self.annotate(req, body, endpoint), exclude)
 
     async def decide(self, req: RouteRequest, exclude: Iterable[str] = ()) -> RouteDecision:
         """Pick the worker (and, under P/D, the prefill worker) for an annotated request, leaving out
@@ -114,8 +114,8 @@ class Router:
         scope = self._scope(req.model, candidates)
         tracker = self.prefix_tracker
         if tracker is not None:
-            if req.block_hashes:
-                req.inflight_overlaps = self.inflight.covered_by_worker(scope, req.block_hashes)
+            if req.block_hashes:  # this try's view: what other requests are prefilling right now
+                req = req.with_inflight(self.inflight.covered_by_worker(scope, req.block_hashes))
         now = self.clock.now()
         self.inflight.refresh(scope, now)
         decision = self.policy.choose(req, candidates, now)

@@ -43,8 +43,13 @@ class PeerLoad:
     prefill_tokens: int = 0
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RouteRequest:
+    """A request as routing and admission see it: built once per request (``gateway/annotate.py``),
+    never changed afterwards. What one try adds (prefixes in flight on each worker) goes into that
+    try's copy (``with_inflight``); what annotation adds, into a new value (``annotated``). Copies are
+    made field by field (``dataclasses.replace`` costs twice as much)."""
+
     request_id: str
     model: str
     prompt_tokens: int  # known or estimated prompt length in tokens
@@ -61,6 +66,19 @@ class RouteRequest:
     # False: prefill on the decode worker, never on a separate prefill worker (a route the P/D hand-off
     # does not cover, e.g. /v1/responses)
     split_allowed: bool = True
+
+    def annotated(self, *, token_ids: list[int] | None, prompt_tokens: int, block_size: int,
+                  block_hashes: list[int], overlaps: dict[str, Overlap], peer_load: dict[str, PeerLoad],
+                  session_key: str | None) -> RouteRequest:
+        """This request with what the prefix tracker found (tokens, block hashes, overlaps, peer load)."""
+        return RouteRequest(self.request_id, self.model, prompt_tokens, self.max_tokens, token_ids, block_hashes,
+                            block_size, overlaps, self.inflight_overlaps, peer_load, session_key, self.priority)
+
+    def with_inflight(self, inflight_overlaps: dict[str, int]) -> RouteRequest:
+        """This request for one try: with the leading blocks each worker is still prefilling for others."""
+        return RouteRequest(self.request_id, self.model, self.prompt_tokens, self.max_tokens, self.token_ids,
+                            self.block_hashes, self.block_size, self.overlaps, inflight_overlaps, self.peer_load,
+                            self.session_key, self.priority)
 
 
 @dataclass

@@ -276,17 +276,21 @@ class EngineCacheIndex:
         self.fleet = fleet
 
     async def annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
-                       candidates: list[Worker]) -> None:
+                       candidates: list[Worker]) -> RouteRequest:
         if not req.block_hashes:
-            return
+            return req
         host_credit = self.fleet.host_credit
+        overlaps = dict(req.overlaps)
         for w in candidates:
             sw = self.fleet.workers.get(w.id)
             if sw is None:
                 continue
             dev, host = sw.engine.model.cached_prefix_tiers(req.block_hashes)
             if dev or host:  # what the KV-event index holds per tier, credited as the gateway does
-                req.overlaps[w.id] = Overlap(blocks=dev + host, weighted_blocks=dev + host_credit * host)
+                overlaps[w.id] = Overlap(blocks=dev + host, weighted_blocks=dev + host_credit * host)
+        return req.annotated(token_ids=req.token_ids, prompt_tokens=req.prompt_tokens, block_size=req.block_size,
+                             block_hashes=req.block_hashes, overlaps=overlaps, peer_load=req.peer_load,
+                             session_key=req.session_key)
 
     async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
         return None
@@ -443,9 +447,8 @@ class VirtualFleet:
 
     def _route(self, req: SimRequest, now: float) -> _Routed | None:
         rr = RouteRequest(request_id=str(req.id), model=self.model, prompt_tokens=req.isl, max_tokens=req.osl,
-                          block_size=req.block_tokens)
-        if self.prefix_index and req.blocks:
-            rr.block_hashes = list(req.blocks)  # the tokenizer's work, done by the trace
+                          block_size=req.block_tokens,  # block hashes: the tokenizer's work, done by the trace
+                          block_hashes=list(req.blocks) if self.prefix_index and req.blocks else [])
         self._scrape()
         try:
             decision = run_sync(self.router.route(rr, {}, "completions"))

@@ -87,8 +87,8 @@ async def test_engine_events_map_to_the_routers_hashes(vllm_engine: VllmEngine):
             req = RouteRequest(request_id="r1", model=vllm_engine.model, prompt_tokens=0)
 
             async def overlap():
-                await tracker.annotate(req, {"prompt": PROMPT}, "/v1/completions", [worker])
-                ov = req.overlaps.get("v0")
+                got = await tracker.annotate(req, {"prompt": PROMPT}, "/v1/completions", [worker])
+                ov = got.overlaps.get("v0")
                 return ov.blocks if ov else 0
 
             full_blocks = prompt_tokens // 32
@@ -106,8 +106,9 @@ async def test_engine_events_map_to_the_routers_hashes(vllm_engine: VllmEngine):
             chat_req = RouteRequest(request_id="r2", model=vllm_engine.model, prompt_tokens=0)
 
             async def chat_overlap():
-                await tracker.annotate(chat_req, {"messages": MESSAGES}, "/v1/chat/completions", [worker])
-                ov = chat_req.overlaps.get("v0")
+                got = await tracker.annotate(chat_req, {"messages": MESSAGES}, "/v1/chat/completions",
+                                             [worker])
+                ov = got.overlaps.get("v0")
                 return ov is not None and ov.blocks == r.json()["usage"]["prompt_tokens"] // 32
             await until(chat_overlap)
             # The engine empties its cache: AllBlocksCleared empties the worker's entries.
@@ -169,7 +170,7 @@ async def test_real_evictions_remove_entries(vllm_pool: VllmPool):
 
             async def overlap_of(prompt: str) -> int:
                 req = RouteRequest(request_id="probe", model=engine.model, prompt_tokens=0)
-                await tracker.annotate(req, {"prompt": prompt}, "/v1/completions", [worker])
+                req = await tracker.annotate(req, {"prompt": prompt}, "/v1/completions", [worker])
                 ov = req.overlaps.get("v0")
                 return ov.blocks if ov else 0
 

@@ -226,7 +226,7 @@ async def test_replicas_share_in_flight_load_on_the_cluster(cluster):
         assert a.shared_load is not None and a.shared_load.route_key is not None
         req = RouteRequest(request_id="r1", model="m", prompt_tokens=640, block_size=32)
         body = {"model": "m", "prompt": " ".join(f"x{i}" for i in range(640))}
-        await a.annotate(req, body, "/v1/completions", fa.candidates("m"))
+        req = await a.annotate(req, body, "/v1/completions", fa.candidates("m"))
         d = RouteDecision(worker=fa.get("w1"), policy="kv_aware", reason="")
         await a.on_routed(req, d, 0.0)
         await a.shared_load._written("r1")
@@ -237,7 +237,7 @@ async def test_replicas_share_in_flight_load_on_the_cluster(cluster):
         assert await b.shared_load.peer_loads(["w0", "w1"]) == {}
         # the approximate entry recorded by A (no KV events here) is in the cluster index for B
         req2 = RouteRequest(request_id="r2", model="m", prompt_tokens=0)
-        await b.annotate(req2, body, "/v1/completions", fb.candidates("m"))
+        req2 = await b.annotate(req2, body, "/v1/completions", fb.candidates("m"))
         assert req2.overlaps["w1"].blocks == 20
     finally:
         await a.stop()

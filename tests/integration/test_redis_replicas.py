@@ -60,7 +60,7 @@ async def route(tracker, fleet, policy, rid: str, text: str):
     req = RouteRequest(request_id=rid, model="m", prompt_tokens=0)
     body = {"model": "m", "prompt": text}
     cands = fleet.candidates("m")
-    await tracker.annotate(req, body, "/v1/completions", cands)
+    req = await tracker.annotate(req, body, "/v1/completions", cands)
     now = tracker.clock.now()
     d = policy.choose(req, cands, now)
     await tracker.on_routed(req, d, now)
@@ -80,25 +80,25 @@ async def test_replicas_share_index_and_load_and_survive_redis_restart(redis_ser
         # Replica A routes a prompt; replica B, which never saw it, finds it in the shared index.
         req_a, d_a = await route(a, fa, pa, "a1", SYSTEM + " question one")
         req_b = RouteRequest(request_id="b1", model="m", prompt_tokens=0)
-        await b.annotate(req_b, {"prompt": SYSTEM + " another question"}, "/v1/completions", fb.candidates("m"))
+        req_b = await b.annotate(req_b, {"prompt": SYSTEM + " another question"}, "/v1/completions", fb.candidates("m"))
         assert req_b.overlaps[d_a.worker.id].blocks == 20
         # ...and sees A's in-flight request as load on that worker.
         assert req_b.peer_load[d_a.worker.id].inflight == 1  # type: ignore[attr-defined]
         assert req_b.peer_load[d_a.worker.id].prefill_tokens > 0  # type: ignore[attr-defined]
         # A's first token: the request stays in flight but its prompt is no longer queued work.
         await a.on_first_token(req_a, d_a, 0.0)
-        await b.annotate(req_b, {"prompt": SYSTEM + " another question"}, "/v1/completions", fb.candidates("m"))
+        req_b = await b.annotate(req_b, {"prompt": SYSTEM + " another question"}, "/v1/completions", fb.candidates("m"))
         assert req_b.peer_load[d_a.worker.id] == PeerLoad(inflight=1, prefill_tokens=0)
         await a.on_finished(req_a, d_a, True, 0.0)
-        await b.annotate(req_b, {"prompt": SYSTEM + " another question"}, "/v1/completions", fb.candidates("m"))
+        req_b = await b.annotate(req_b, {"prompt": SYSTEM + " another question"}, "/v1/completions", fb.candidates("m"))
         assert req_b.peer_load == {}  # type: ignore[attr-defined]
         # A replica that dies with requests in flight leaks nothing beyond its lease.
         await route(a, fa, pa, "a2", SYSTEM + " question two")
         await a.shared_load.stop(release=False)  # stops renewing: as if the process died
-        await b.annotate(req_b, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
+        req_b = await b.annotate(req_b, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
         assert sum(p.inflight for p in req_b.peer_load.values()) == 1  # type: ignore[attr-defined]
         await asyncio.sleep(1.7)
-        await b.annotate(req_b, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
+        req_b = await b.annotate(req_b, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
         assert req_b.peer_load == {}  # type: ignore[attr-defined]
         # Redis crashes and comes back empty: routing goes on from the local view, then resyncs.
         # (In approximate mode a replica's local view holds its own decisions; with KV events every
@@ -108,12 +108,12 @@ async def test_replicas_share_index_and_load_and_survive_redis_restart(redis_ser
         with redis_server.stopped():
             req, d = await route(b, fb, pb, "b2", SYSTEM + " during the outage")
             assert req.overlaps  # answered from B's local view
-        await b.annotate(req_b, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
+        req_b = await b.annotate(req_b, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
         if b.index._resync_task is not None:  # type: ignore[attr-defined]
             await b.index._resync_task  # type: ignore[attr-defined]
         assert await a.index.size() > 0  # refilled from B's local view, visible to A
         req_a2 = RouteRequest(request_id="a3", model="m", prompt_tokens=0)
-        await a.annotate(req_a2, {"prompt": SYSTEM}, "/v1/completions", fa.candidates("m"))
+        req_a2 = await a.annotate(req_a2, {"prompt": SYSTEM}, "/v1/completions", fa.candidates("m"))
         assert max(o.blocks for o in req_a2.overlaps.values()) == 20
     finally:
         await a.stop()
@@ -137,16 +137,16 @@ async def test_approximate_entries_expire_on_a_shared_clock(redis_server):  # no
         assert d_b.worker.id == d.worker.id and req_b.overlaps[d.worker.id].blocks == 20
         await asyncio.sleep(0.7)  # A's own TTL has passed; B's refresh has not
         probe = RouteRequest(request_id="p1", model="m", prompt_tokens=0)
-        await a.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fa.candidates("m"))
+        probe = await a.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fa.candidates("m"))
         if a.approx._pass is not None:
             await a.approx._pass
         assert probe.overlaps[d.worker.id].blocks == 20  # still in Redis: B refreshed it
         await a.stop()  # A goes away; B's expiry pass cleans up after everyone
         await asyncio.sleep(0.6)
-        await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
+        probe = await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
         if b.approx._pass is not None:
             await b.approx._pass
-        await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
+        probe = await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
         assert probe.overlaps == {}
         assert await b.index.size() == 0
     finally:

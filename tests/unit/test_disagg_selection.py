@@ -61,7 +61,7 @@ def test_a_prefix_still_prefilling_on_a_prefill_worker_counts_as_cached_there():
     fleet = [w("p0", Role.PREFILL), w("p1", Role.PREFILL), w("d0", Role.DECODE)]
     fleet[1].inflight_prefill_tokens = 2048  # the prompt that computes the shared prefix
     r = req(2048, {"p1": 10})
-    r.inflight_overlaps = {"p1": 48}  # longer than what the index knows yet
+    r = r.with_inflight({"p1": 48})  # longer than what the index knows yet
     d = select_pair(r, fleet, 0.0, S)
     assert d.prefill_worker.id == "p0"  # 2048 queued + 512 uncached > 0 + 2048
     fleet[1].inflight_prefill_tokens = 1000

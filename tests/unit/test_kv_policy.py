@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 from adapters.base import LoadSnapshot
 from orchestrator.config import KvAwareConfig
@@ -70,7 +71,7 @@ def test_peer_replicas_load_is_counted():
     ws = workers(2)
     r = req(3200, {"w0": Overlap(50, 50.0)})
     assert KvAwarePolicy(seed=0).choose(r, ws, 0.0).worker.id == "w0"
-    r.peer_load = {"w0": PeerLoad(inflight=8, prefill_tokens=30_000)}  # type: ignore[attr-defined]
+    r = replace(r, peer_load={"w0": PeerLoad(inflight=8, prefill_tokens=30_000)})
     assert KvAwarePolicy(seed=0).choose(r, ws, 0.0).worker.id == "w1"
 
 

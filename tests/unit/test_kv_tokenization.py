@@ -107,7 +107,7 @@ async def test_a_tokenizer_failure_routes_on_load_instead_of_failing_the_request
     fleet = FleetRegistry.from_config(cfg)
     tracker = PrefixTracker(cfg, fleet, MemoryPrefixIndex(), rt)
     req = RouteRequest(request_id="r", model="m", prompt_tokens=7)
-    await tracker.annotate(req, {"prompt": "hello", "user": "ann"}, COMPLETIONS, fleet.workers())
+    req = await tracker.annotate(req, {"prompt": "hello", "user": "ann"}, COMPLETIONS, fleet.workers())
     assert req.overlaps == {} and req.block_hashes == [] and req.prompt_tokens == 7
     assert req.session_key == "user:ann" and tracker.annotate_failures == 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -58,7 +59,7 @@ class Tracker:
 
     async def annotate(self, r, body, endpoint, candidates):
         self.calls.append(f"annotate:{endpoint}:{','.join(w.id for w in candidates)}:{body['prompt']}")
-        r.overlaps = {"a": Overlap(blocks=2, weighted_blocks=2.0)}
+        return replace(r, overlaps={"a": Overlap(blocks=2, weighted_blocks=2.0)})
 
     async def on_routed(self, r, decision, now):
         decision.predicted_cached_tokens = 64
@@ -71,8 +72,8 @@ class Tracker:
 async def test_tracker_seam_is_called_around_the_policy():
     t = Tracker()
     router, metrics = make_router(Worker("a", "http://a", models=["m"]), tracker=t)
-    r = req()
-    d = await router.route(r, {"prompt": "hello"}, "/v1/completions")
+    r = await router.annotate(req(), {"prompt": "hello"}, "/v1/completions")  # a new value: requests are immutable
+    d = await router.decide(r)
     assert t.calls == ["annotate:/v1/completions:a:hello", "routed:a:5.0"]
     assert r.overlaps["a"].blocks == 2
     assert router.recent_decisions[-1]["predicted_cached_tokens"] == 64
@@ -129,8 +130,8 @@ class HashingTracker:
 
     async def annotate(self, r, body, endpoint, candidates):
         words = body["prompt"].split()
-        r.block_hashes = [hash(tuple(words[: i + 1])) for i in range(len(words))]
-        r.prompt_tokens = len(words) * r.block_size
+        return replace(r, block_hashes=[hash(tuple(words[: i + 1])) for i in range(len(words))],
+                       prompt_tokens=len(words) * r.block_size)
 
     async def on_routed(self, r, decision, now):
         pass
@@ -146,22 +147,23 @@ async def test_prefixes_in_flight_are_credited_and_charged_once():
     router = Router(KvAwarePolicy(seed=0), FleetRegistry([a, b], configured_models=["m"]), VirtualClock(0.0),
                     None, HashingTracker())
     shared = " ".join(f"s{i}" for i in range(40))
-    r1 = RouteRequest("r1", "m", 1, block_size=32)
-    d1 = await router.route(r1, {"prompt": shared + " x1 x2"}, "/v1/completions")
+    r1 = await router.annotate(RouteRequest("r1", "m", 1, block_size=32), {"prompt": shared + " x1 x2"},
+                               "/v1/completions")
+    d1 = await router.decide(r1)
     router.begin(d1, r1)
     holder, other = d1.worker, (b if d1.worker is a else a)
     assert holder.inflight_prefill_tokens == 42 * 32
-    r2 = RouteRequest("r2", "m", 1, block_size=32)
-    d2 = await router.route(r2, {"prompt": shared + " y1 y2"}, "/v1/completions")
-    assert r2.inflight_overlaps == {holder.id: 40}
+    r2 = await router.annotate(RouteRequest("r2", "m", 1, block_size=32), {"prompt": shared + " y1 y2"},
+                               "/v1/completions")
+    assert r2.inflight_overlaps == {}  # the annotated request stays as it is; each try sees its own copy
+    d2 = await router.decide(r2)
     assert d2.worker is holder and d2.predicted_cached_tokens == 40 * 32
     router.begin(d2, r2)
     assert holder.inflight_prefill_tokens == 42 * 32 + 2 * 32  # the copy pays for its tail only
     assert other.inflight_prefill_tokens == 0
     router.first_token(d1, r1)
     router.first_token(d2, r2)
-    r3 = RouteRequest("r3", "m", 1, block_size=32)
-    await router.route(r3, {"prompt": shared + " z"}, "/v1/completions")
-    assert r3.inflight_overlaps == {}  # from now on the KV-event index speaks for those blocks
+    d3 = await router.route(RouteRequest("r3", "m", 1, block_size=32), {"prompt": shared + " z"}, "/v1/completions")
+    assert d3.predicted_cached_tokens == 0  # from now on the KV-event index speaks for those blocks
     assert (a.inflight_prefill_tokens, b.inflight_prefill_tokens) == (0, 0)
     assert len(router.inflight) == 0
