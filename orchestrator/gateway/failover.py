@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ from orchestrator.errors import ApiError
 from orchestrator.gateway.attempt import aborted_by_gateway
 from orchestrator.gateway.executor import UpstreamCall
 from orchestrator.gateway.stream_protocol import OpenAIChunks, StreamProtocol, protocol_for
+from orchestrator.gateway.transport import raw_chunks
 
 if TYPE_CHECKING:
     from orchestrator.gateway.proxy import ProxyResponse
@@ -283,7 +285,8 @@ def _final_length_event(sent: SentStream, chat: bool) -> bytes:
 
 
 class IdleTimer:
-    """Expires an ``asyncio.timeout`` when no chunk came for a while, with one timer per idle period.
+    """Calls ``expire(now)`` when no chunk came for a while, with one timer per idle period (the relay
+    passes a callback that cancels its task; ``asyncio.Timeout.reschedule`` works too).
 
     Moving an ``asyncio.Timeout`` at every chunk (cancel one timer handle, push another) costs a heap
     operation twice per chunk; here a chunk only writes down when its wait ended, and the one timer,
@@ -291,11 +294,11 @@ class IdleTimer:
     ``resume``: the chunk is being relayed to a possibly slow client) it never expires.
     """
 
-    __slots__ = ("_loop", "_deadline", "_due", "_paused", "_idle", "_handle", "_armed")
+    __slots__ = ("_loop", "_expire", "_due", "_paused", "_idle", "_handle", "_armed")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: asyncio.Timeout, first_wait: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, expire: Callable[[float], object], first_wait: float) -> None:
         self._loop = loop
-        self._deadline = deadline
+        self._expire = expire
         self._due = loop.time() + first_wait
         self._idle = first_wait
         self._paused = False
@@ -329,7 +332,7 @@ class IdleTimer:
         if self._paused:
             self._arm(now + self._idle)
         elif now >= self._due:
-            self._deadline.reschedule(now)  # expires: the ``async with`` raises TimeoutError
+            self._expire(now)
         else:
             self._arm(self._due)
 
@@ -408,48 +411,57 @@ class StreamRelay:
         loop = asyncio.get_running_loop()
         idle = res.stream_idle_timeout_s
         first_wait = self.rt.config.gateway.first_byte_timeout_s if not self.recorder.sent else idle
-        chunks = response.aiter_raw()
+        chunks = raw_chunks(response)
         recorder = self.recorder
         first = True
+        task = asyncio.current_task()
+        assert task is not None
+        went_idle = False
+
+        def expire(now: float) -> None:  # (a plain task cancel: ``asyncio.timeout`` costs more per stream)
+            nonlocal went_idle
+            went_idle = True
+            task.cancel()
+
+        idle_timer = IdleTimer(loop, expire, first_wait)
         try:
-            async with asyncio.timeout(None) as deadline:
-                idle_timer = IdleTimer(loop, deadline, first_wait)
-                try:
-                    async for chunk in chunks:
-                        idle_timer.pause()  # a slow client is not an idle engine
-                        # (this response's first token — for OpenAI chunks its first bytes —, or a continuation's)
-                        if first and self.protocol.first_token(chunk):
-                            p.mark_first_token()
-                            first = False
-                        out = recorder.split(chunk) if rewriter is None else rewriter.feed(recorder.split(chunk))
-                        if out:
-                            if out[:1] not in _SSE_STARTS:
-                                return "garbage", f"the engine sent bytes that are not server-sent events: {out[:60]!r}"
-                            if b'"usage"' in out:
-                                out = self._take_usage(out) if self.protocol.continuable \
-                                    else self.protocol.take_usage(out, p)
-                            if self.held is not None:  # events before the first token wait for it (stream_protocol)
-                                self.held.append(out)
-                                if first:
-                                    idle_timer.resume(first_wait)
-                                    continue
-                                out, self.held = b"".join(self.held), None
-                            self.events += out.count(b"data:")
-                            if out:
-                                await self._emit(send, out)
-                        elif len(recorder.pending) > MAX_PENDING_EVENT:
-                            return "garbage", f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
-                        idle_timer.resume(idle if not first else first_wait)
-                finally:
-                    idle_timer.cancel()
-        except TimeoutError:
-            return "idle", f"no data from the engine for {first_wait if not recorder.sent else idle:g} s"
+            async for chunk in chunks:
+                idle_timer.pause()  # a slow client is not an idle engine
+                # (this response's first token — for OpenAI chunks its first bytes —, or a continuation's)
+                if first and self.protocol.first_token(chunk):
+                    p.mark_first_token()
+                    first = False
+                out = recorder.split(chunk) if rewriter is None else rewriter.feed(recorder.split(chunk))
+                if out:
+                    if out[:1] not in _SSE_STARTS:
+                        return "garbage", f"the engine sent bytes that are not server-sent events: {out[:60]!r}"
+                    if b'"usage"' in out:
+                        out = self._take_usage(out) if self.protocol.continuable \
+                            else self.protocol.take_usage(out, p)
+                    if self.held is not None:  # events before the first token wait for it (stream_protocol)
+                        self.held.append(out)
+                        if first:
+                            idle_timer.resume(first_wait)
+                            continue
+                        out, self.held = b"".join(self.held), None
+                    self.events += out.count(b"data:")
+                    if out:
+                        await self._emit(send, out)
+                elif len(recorder.pending) > MAX_PENDING_EVENT:
+                    return "garbage", f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
+                idle_timer.resume(idle if not first else first_wait)
         except httpx.HTTPError as e:
             return "reset", f"{type(e).__name__}: {e}"
         except asyncio.CancelledError:
+            if went_idle:
+                task.uncancel()
+                if task.cancelling() == 0:  # nothing else cancelled the task: the engine went quiet
+                    return "idle", f"no data from the engine for {first_wait if not recorder.sent else idle:g} s"
             if not aborted_by_gateway(p.attempt):
                 raise
             return "aborted", p.attempt.aborted if p.attempt is not None and p.attempt.aborted else "aborted"
+        finally:
+            idle_timer.cancel()
         if recorder.done and p.attempt is not None:
             p.attempt.abortable = False
         if not recorder.done:

@@ -251,8 +251,13 @@ class HttpProtocol(asyncio.Protocol):
         self.reading_paused = False
         self.writable: asyncio.Future[None] | None = None  # set while the transport's buffer is full
         self._pending: list[bytes] | None = None  # writes of this event-loop step
-        self._keep_alive_timer: asyncio.TimerHandle | None = None
-        self._guard: asyncio.TimerHandle | None = None
+        # One deadline at a time (header, body or keep-alive idle) and one timer that may fire early and
+        # then re-arms for the rest: setting a deadline costs no timer operation (three per request else).
+        self._deadline: float | None = None  # loop time
+        self._deadline_what = ""  # "headers" | "body" | "idle"
+        self._deadline_s = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         # per request being parsed
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
@@ -273,7 +278,9 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
         self._disarm()
-        self._stop_keep_alive()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for cycle in (self.active, self.cycle, *self.pipeline):
             if cycle is not None:
                 if not cycle.complete:
@@ -292,8 +299,8 @@ class HttpProtocol(asyncio.Protocol):
         pass
 
     def data_received(self, data: bytes) -> None:
-        if self._keep_alive_timer is not None:
-            self._stop_keep_alive()
+        if self._deadline_what == "idle":
+            self._deadline = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -354,19 +361,39 @@ class HttpProtocol(asyncio.Protocol):
     # --- slow clients ---------------------------------------------------------------------------
 
     def _arm(self, seconds: float | None, what: str) -> None:
-        if self._guard is not None:
-            self._guard.cancel()
-            self._guard = None
-        if seconds is not None:
-            self._guard = self.loop.call_later(seconds, self._expire, what, seconds)
+        if seconds is None:
+            self._deadline = None
+            return
+        loop = self.loop
+        when = loop.time() + seconds
+        self._deadline, self._deadline_what, self._deadline_s = when, what, seconds
+        timer = self._timer
+        if timer is None or when < self._timer_at:  # (a later deadline waits for the timer to fire early)
+            if timer is not None:
+                timer.cancel()
+            self._timer_at = when
+            self._timer = loop.call_at(when, self._on_timer)
 
     def _disarm(self) -> None:
-        if self._guard is not None:
-            self._guard.cancel()
-            self._guard = None
+        self._deadline = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        when = self._deadline
+        if when is None:
+            return
+        if self.loop.time() < when:  # moved since: wait for the rest
+            self._timer_at = when
+            self._timer = self.loop.call_at(when, self._on_timer)
+            return
+        self._deadline = None
+        if self._deadline_what == "idle":
+            if not self.transport.is_closing():
+                self.transport.close()
+        else:
+            self._expire(self._deadline_what, self._deadline_s)
 
     def _expire(self, what: str, seconds: float) -> None:
-        self._guard = None
         if self.transport.is_closing():
             return
         cycle = self.cycle
@@ -488,17 +515,7 @@ class HttpProtocol(asyncio.Protocol):
         if self.pipeline:
             self._start(self.pipeline.popleft())
         elif self.cycle is cycle or self.cycle is None:
-            self._keep_alive_timer = self.loop.call_later(self.keep_alive_s, self._idle_timeout)
-
-    def _stop_keep_alive(self) -> None:
-        if self._keep_alive_timer is not None:
-            self._keep_alive_timer.cancel()
-            self._keep_alive_timer = None
-
-    def _idle_timeout(self) -> None:
-        self._keep_alive_timer = None
-        if not self.transport.is_closing():
-            self.transport.close()
+            self._arm(self.keep_alive_s, "idle")
 
 
 def http_protocol(header_timeout_s: float | None = None, body_timeout_s: float | None = None) -> type[HttpProtocol]:

@@ -354,6 +354,16 @@ async def read_all(response: httpx.Response) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def raw_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The raw body of a response, chunk by chunk: from the connection directly when ``FastTransport``
+    opened it (no ``aiter_raw`` layers per chunk), else ``aiter_raw``. Errors are httpx's."""
+    stream = response.stream
+    if isinstance(stream, _Body) and not response.is_stream_consumed:
+        response.is_stream_consumed = True
+        return stream.__aiter__()
+    return response.aiter_raw()
+
+
 def _request_head(request: httpx.Request) -> bytes:
     target = request.url.raw_path
     lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]

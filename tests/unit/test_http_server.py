@@ -83,9 +83,12 @@ async def echo(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": answer})
 
 
-def connect(app: Any = echo, header_timeout_s: float | None = None, body_timeout_s: float | None = None):
+def connect(app: Any = echo, header_timeout_s: float | None = None, body_timeout_s: float | None = None,
+            keep_alive_s: float = 5):
     state = ServerState()
-    proto = http_protocol(header_timeout_s, body_timeout_s)(Config(app), state, {}, asyncio.get_running_loop())
+    config = Config(app)
+    config.timeout_keep_alive = keep_alive_s
+    proto = http_protocol(header_timeout_s, body_timeout_s)(config, state, {}, asyncio.get_running_loop())
     t = Transport()
     proto.connection_made(t)
     return proto, t, state
@@ -236,3 +239,14 @@ async def test_header_values_with_line_breaks_are_refused(value: bytes):
     proto.data_received(post("/x", b""))
     await settle()
     assert b"x-bad" not in t.out and t.out.startswith(b"HTTP/1.1 500")
+
+
+async def test_idle_keep_alive_connection_is_closed_and_a_new_request_moves_the_deadlines():
+    proto, t, _ = connect(header_timeout_s=0.15, body_timeout_s=0.15, keep_alive_s=0.3)
+    for _ in range(3):  # requests 0.1 s apart: no header, body or idle deadline of an earlier one fires
+        proto.data_received(post("/x", b"1"))
+        await asyncio.sleep(0.1)
+        assert not t.closed
+    assert t.out.count(b"HTTP/1.1 200 OK") == 3
+    await asyncio.sleep(0.35)  # idle past the keep-alive timeout: closed, with no 408
+    assert t.closed and b"408" not in t.out

@@ -13,7 +13,7 @@ def test_a_shorter_idle_wait_after_the_first_chunk_expires_on_time() -> None:
         t0 = loop.time()
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(None) as deadline:
-                timer = IdleTimer(loop, deadline, 60.0)  # the first wait: long
+                timer = IdleTimer(loop, deadline.reschedule, 60.0)  # the first wait: long
                 timer.pause()
                 timer.resume(0.05)  # a chunk came: from now on 0.05 s of silence ends it
                 await asyncio.sleep(30)
@@ -28,7 +28,7 @@ def test_paused_it_never_expires_and_each_chunk_moves_the_deadline() -> None:
         seen = []
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(None) as deadline:
-                timer = IdleTimer(loop, deadline, 0.05)
+                timer = IdleTimer(loop, deadline.reschedule, 0.05)
                 timer.pause()  # relaying to a slow client for longer than the idle wait
                 await asyncio.sleep(0.3)
                 seen.append("paused: not expired")
@@ -48,7 +48,7 @@ def test_cancelled_it_never_fires() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(None) as deadline:
-            timer = IdleTimer(loop, deadline, 0.01)
+            timer = IdleTimer(loop, deadline.reschedule, 0.01)
             timer.cancel()
             await asyncio.sleep(0.6)
 
