@@ -36,7 +36,7 @@ def request_id_of(request: Request) -> str:
     rid = request.headers.get("x-request-id")
     if not rid or len(rid) > MAX_REQUEST_ID or not rid.isprintable():
         rid = new_request_id()
-    request.state.request_id = rid
+    request.scope.setdefault("state", {})["request_id"] = rid  # = request.state.request_id, without a State object
     return rid
 
 

@@ -34,7 +34,7 @@ from orchestrator.gateway.failover import StreamRelay
 from orchestrator.gateway.fastpath import child
 from orchestrator.gateway.responses import send_error
 from orchestrator.gateway.stream_timing import TokenTimer
-from orchestrator.gateway.transport import read_all
+from orchestrator.gateway.transport import header, raw_headers, read_all
 from orchestrator.router.estimate import estimate_text_tokens
 from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry import tracing
@@ -278,8 +278,8 @@ class ProxyResponse:
                     raise _Retry(NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
                                                  reason=f"the answer from {worker.id} broke off")) from None
                 return self._check_json(attempt, status, body, response, last_try)
-            ctype = response.headers.get("content-type", "")
-            if "event-stream" not in ctype:
+            ctype = header(response, b"content-type") or b""
+            if b"event-stream" not in ctype:
                 raw = await self._read_bounded(response)
                 await response.aclose()
                 return self._not_sse(attempt, raw, last_try)
@@ -363,7 +363,7 @@ class ProxyResponse:
     def _check_json(self, attempt: Attempt, status: int, body: bytes, response: httpx.Response,
                     last_try: bool) -> bytes:
         """A non-streamed answer must be a JSON object; a 200 carrying an error is that error."""
-        if response.headers.get("content-encoding"):
+        if header(response, b"content-encoding"):
             self._settle_5xx(request_caused=False)
             return body  # compressed: relayed as is (never asked for by the gateway)
         try:
@@ -407,7 +407,7 @@ class ProxyResponse:
                                         f"server-sent events (starting {snippet!r}).", code="bad_engine_answer"))
 
     def _response_headers(self, response: httpx.Response, with_length: bytes | None) -> list[tuple[bytes, bytes]]:
-        headers = [(k, v) for k, v in response.headers.raw if k.lower() in _PASS_HEADERS]
+        headers = [(k.lower(), v) for k, v in raw_headers(response) if k.lower() in _PASS_HEADERS]
         if with_length is not None:
             headers.append((b"content-length", with_length))
         return headers + self._headers()

@@ -283,8 +283,10 @@ class FastTransport(httpx.AsyncBaseTransport):
             finally:
                 if timer is not None:
                     timer.cancel()
-            return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, read_timeout),
-                                  extensions=_HTTP11, request=request)
+            if request is not None:
+                return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, read_timeout),
+                                      extensions=_HTTP11, request=request)
+            return EngineResponse(conn.status, conn.headers, _Body(conn, read_timeout))
         raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
 
     async def aclose(self) -> None:
@@ -296,6 +298,55 @@ class FastTransport(httpx.AsyncBaseTransport):
 
 
 _HTTP11 = {"http_version": b"HTTP/1.1"}
+
+
+class EngineResponse(httpx.Response):
+    """The ``httpx.Response`` of ``FastTransport.post``: the same object to every caller, except that
+    its ``headers`` (an ``httpx.Headers``, which normalizes and re-encodes every header on creation and
+    on each lookup) are built only if asked for; the hot path reads ``raw_headers`` (``header``)."""
+
+    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]], stream: _Body) -> None:
+        # (httpx.Response.__init__ minus the Headers; the attributes its methods use)
+        self.status_code = status_code
+        self.raw_headers = raw_headers  # as the engine sent them
+        self._headers: httpx.Headers | None = None
+        self._request = None
+        self.next_request = None
+        self.extensions = {"http_version": b"HTTP/1.1"}
+        self.history = []
+        self.is_closed = False
+        self.is_stream_consumed = False
+        self.default_encoding = "utf-8"
+        self.stream = stream
+        self._num_bytes_downloaded = 0
+
+    @property  # type: ignore[override]
+    def headers(self) -> httpx.Headers:
+        if self._headers is None:
+            self._headers = httpx.Headers(self.raw_headers)
+        return self._headers
+
+    @headers.setter
+    def headers(self, value: Any) -> None:
+        self._headers = httpx.Headers(value)
+
+
+def header(response: httpx.Response, name: bytes) -> bytes | None:
+    """The value of header ``name`` (lower-case) of ``response``, without building ``httpx.Headers``."""
+    if isinstance(response, EngineResponse) and response._headers is None:
+        for k, v in response.raw_headers:
+            if k.lower() == name:
+                return v
+        return None
+    value = response.headers.get(name.decode("latin-1"))
+    return None if value is None else value.encode("latin-1")
+
+
+def raw_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    """``response``'s headers as (name, value) bytes pairs, as received."""
+    if isinstance(response, EngineResponse) and response._headers is None:
+        return response.raw_headers
+    return response.headers.raw
 _TARGETS: dict[str, tuple[tuple[str, int], bytes]] = {}
 
 
