@@ -182,7 +182,7 @@ def main() -> int:
                 procs.append(gw)
                 wait_ready(f"http://127.0.0.1:{port}/ready", gw)
                 targets[f"dyad @ {rev}" + (f" #{i}" if f"dyad @ {rev}" in targets else "")] = (port, gw.pid)
-            for mode in ("asgi", "asgi-coalesced", "protocol") if args.floor else ():
+            for mode in ("asgi", "asgi-dyad", "protocol") if args.floor else ():
                 port = free_port()
                 fl = subprocess.Popen([PY, str(ROOT / "scripts/bench_gateway_floor.py"), "--engine",
                                        f"http://127.0.0.1:{eport}", "--port", str(port), "--mode", mode], cwd=ROOT,

@@ -6,11 +6,12 @@ Not a gateway: a benchmark target for ``scripts/bench_gateway_ab.py --floor``. I
 httptools) and relays the answer (whole, or chunk by chunk for a stream) — no parsing, routing,
 accounting, logging or checks. Two servers in front of it:
 
-- ``--mode asgi``: uvicorn with uvloop and httptools and a bare ASGI callable (what the gateway runs on);
+- ``--mode asgi``: uvicorn with uvloop and its httptools protocol, and a bare ASGI callable;
+- ``--mode asgi-dyad``: the same on the gateway's own connection protocol (``http_server.py``);
 - ``--mode protocol``: an ``asyncio.Protocol`` with the httptools request parser, no ASGI at all.
 
-The difference between the gateway and ``asgi`` is Dyad's own code; between ``asgi`` and ``protocol``
-it is uvicorn's ASGI machinery.
+The difference between the gateway and ``asgi-dyad`` is Dyad's own code; between ``asgi`` and
+``protocol``, uvicorn's ASGI machinery.
 
     python scripts/bench_gateway_floor.py --engine http://127.0.0.1:8001 --port 9000 --mode asgi
 """
@@ -122,15 +123,13 @@ def main() -> int:
     ap.add_argument("--engine", required=True, help="engine base URL (http://host:port)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--mode", choices=["asgi", "asgi-coalesced", "protocol"], default="asgi")
+    ap.add_argument("--mode", choices=["asgi", "asgi-dyad", "protocol"], default="asgi")
     args = ap.parse_args()
     import uvloop
     if args.mode.startswith("asgi"):
         import uvicorn
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-        from orchestrator.gateway.fastpath import coalescing_protocol
-        http: Any = coalescing_protocol(HttpToolsProtocol) if args.mode == "asgi-coalesced" else "httptools"
+        from orchestrator.gateway.http_server import http_protocol
+        http: Any = http_protocol() if args.mode == "asgi-dyad" else "httptools"
         uvicorn.run(asgi_app(args.engine), host=args.host, port=args.port, loop="uvloop", http=http,
                     access_log=False, log_level="warning", lifespan="on")
         return 0

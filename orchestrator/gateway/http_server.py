@@ -500,22 +500,28 @@ class HttpProtocol(asyncio.Protocol):
         task.add_done_callback(self.tasks.discard)
 
     def response_complete(self, cycle: _Cycle) -> None:
+        """``cycle``'s answer is sent: the next request may start (its app call may still be finishing,
+        as with uvicorn), or the connection waits idle, or closes."""
         self.server_state.total_requests += 1
         if not cycle.keep_alive:
             self.close()
-
-    def cycle_done(self, cycle: _Cycle) -> None:
-        """The app call of ``cycle`` returned: start the next pipelined request, or wait idle."""
+            return
         if self.active is not cycle:
             return
         self.active = None
-        if self.transport.is_closing() or not cycle.complete:
+        if self.transport.is_closing():
             return
         self.resume_reading()
         if self.pipeline:
             self._start(self.pipeline.popleft())
-        elif self.cycle is cycle or self.cycle is None:
+        elif self.cycle is cycle:
             self._arm(self.keep_alive_s, "idle")
+
+    def cycle_done(self, cycle: _Cycle) -> None:
+        """The app call of ``cycle`` returned (without completing its answer, if it is still the active one:
+        the connection was closed or lost then)."""
+        if self.active is cycle:
+            self.active = None
 
 
 def http_protocol(header_timeout_s: float | None = None, body_timeout_s: float | None = None) -> type[HttpProtocol]:
