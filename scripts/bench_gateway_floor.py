@@ -128,6 +128,7 @@ def main() -> int:
     import uvloop
     if args.mode.startswith("asgi"):
         import uvicorn
+
         from orchestrator.gateway.http_server import http_protocol
         http: Any = http_protocol() if args.mode == "asgi-dyad" else "httptools"
         uvicorn.run(asgi_app(args.engine), host=args.host, port=args.port, loop="uvloop", http=http,

@@ -33,7 +33,7 @@ def session_key_of(header: str | None, body: dict[str, Any]) -> str | None:
 
 
 async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, model: str,
-                   body: dict[str, Any]) -> RouteRequest:
+                   body: dict[str, Any], *, split_allowed: bool = True) -> RouteRequest:
     """The request as routing and admission see it, built once: the prompt's length (the model's
     tokenizer through the prefix tracker when there is one, else ``estimate_prompt_tokens``), block
     hashes, cached-prefix overlap per worker, other replicas' load, the hashed session key."""
@@ -42,5 +42,5 @@ async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, mo
     session_header = rt.config.router.kv_aware.session_header
     req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
                        max_tokens=max_tokens, block_size=canonical.block_size if canonical is not None else 32,
-                       session_key=session_key_of(headers.get(session_header), body))
+                       session_key=session_key_of(headers.get(session_header), body), split_allowed=split_allowed)
     return await rt.router.annotate(req, body, endpoint)

@@ -88,8 +88,9 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
                 owner = await responses_api.owner_worker(rt, prev, client.name, "previous_response_id")
                 pinned_away = frozenset(w.id for w in rt.fleet.workers() if w.id != owner.id)
             # routed on the chat messages vLLM renders from instructions + input (prefix-aware)
-            route_req = await annotate(rt, request.headers, rid, rq.CHAT, model, responses_api.routing_body(body))
-            route_req.split_allowed = False  # the P/D hand-off (disagg/vllm_flow.py) speaks chat/completions only
+            # (never split: the P/D hand-off, disagg/vllm_flow.py, speaks chat/completions only)
+            route_req = await annotate(rt, request.headers, rid, rq.CHAT, model, responses_api.routing_body(body),
+                                       split_allowed=False)
         else:
             route_req = await annotate(rt, request.headers, rid, endpoint, model, body)
         # Demand, counted before admission: queued, refused and failed requests are demand too (the planner).

@@ -72,13 +72,14 @@ class RouteRequest:
                   session_key: str | None) -> RouteRequest:
         """This request with what the prefix tracker found (tokens, block hashes, overlaps, peer load)."""
         return RouteRequest(self.request_id, self.model, prompt_tokens, self.max_tokens, token_ids, block_hashes,
-                            block_size, overlaps, self.inflight_overlaps, peer_load, session_key, self.priority)
+                            block_size, overlaps, self.inflight_overlaps, peer_load, session_key, self.priority,
+                            self.split_allowed)
 
     def with_inflight(self, inflight_overlaps: dict[str, int]) -> RouteRequest:
         """This request for one try: with the leading blocks each worker is still prefilling for others."""
         return RouteRequest(self.request_id, self.model, self.prompt_tokens, self.max_tokens, self.token_ids,
                             self.block_hashes, self.block_size, self.overlaps, inflight_overlaps, self.peer_load,
-                            self.session_key, self.priority)
+                            self.session_key, self.priority, self.split_allowed)
 
 
 @dataclass

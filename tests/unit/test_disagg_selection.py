@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from adapters.base import LoadSnapshot, Role
@@ -199,6 +201,6 @@ def test_a_request_that_may_not_be_split_prefills_on_its_decode_worker():
     policy = PdRoutingPolicy(RoundRobinPolicy(), S, lambda model: prefill)
     long = req(4000)
     assert policy.choose(long, [w("d0", Role.DECODE)], 0.0).prefill_worker is not None
-    long.split_allowed = False  # e.g. /v1/responses: the P/D hand-off does not cover it
+    long = dataclasses.replace(long, split_allowed=False)  # e.g. /v1/responses: the P/D hand-off does not cover it
     d = policy.choose(long, [w("d0", Role.DECODE)], 0.0)
     assert d.prefill_worker is None and d.worker.id == "d0"
