@@ -44,6 +44,7 @@ from adapters.base import EngineAdapter, EngineKind
 from orchestrator.config import DyadConfig
 from orchestrator.fleet.worker import Worker
 from orchestrator.kv.hashing import BlockHasher
+from orchestrator.kv.message_content import Untokenizable, message_text
 from orchestrator.kv.word_tokenizer import SimTokenizer
 
 log = logging.getLogger("dyad.kv.tokenization")
@@ -65,33 +66,6 @@ def _text_size(prompt_or_messages: Any) -> int:
         elif isinstance(content, list):
             size += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
     return size
-
-
-class Untokenizable(Exception):
-    """This request's content cannot be tokenized locally (non-text parts, template error)."""
-
-
-def message_text(content: Any) -> str:
-    """OpenAI message content → the string vLLM gives a "string"-format chat template.
-
-    A list of parts becomes its text parts joined by newlines (vLLM's behaviour); any non-text part
-    (image, audio) makes the content untokenizable here.
-    """
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
-                texts.append(str(part.get("text", "")))
-            else:
-                raise Untokenizable("non-text message part")
-        return "\n".join(texts)
-    raise Untokenizable("message content of unexpected type")
 
 
 def _special(value: Any) -> str | None:

@@ -20,6 +20,8 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from orchestrator.kv.message_content import message_text
+
 DEFAULT_VOCAB_SIZE = 32000
 
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pe", "su", "do", "ha", "ji", "fu", "be", "xo")
@@ -99,30 +101,13 @@ class SimTokenizer:
         return len(text.split())
 
     # --- chat -------------------------------------------------------------------------------
-    @staticmethod
-    def message_text(content: Any) -> str:
-        """OpenAI message content (string, or list of parts) → plain text."""
-        if content is None:
-            return ""
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if isinstance(part, dict) and part.get("type") == "text":
-                    texts.append(str(part.get("text", "")))
-                elif isinstance(part, str):
-                    texts.append(part)
-            return " ".join(texts)
-        return str(content)
-
     def apply_chat_template(self, messages: Iterable[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """A simple role-tagged template: ``<|role|> content <|end|>`` per message, then
         ``<|assistant|>`` when a reply is to be generated."""
         parts = []
         for m in messages:
             role = str(m.get("role", "user"))
-            parts.append(f"<|{role}|> {self.message_text(m.get('content'))} <|end|>")
+            parts.append(f"<|{role}|> {message_text(m.get('content'))} <|end|>")
         if add_generation_prompt:
             parts.append("<|assistant|>")
         return " ".join(parts)

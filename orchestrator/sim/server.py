@@ -39,6 +39,7 @@ import httpx
 import orjson
 import uvicorn
 
+from orchestrator.kv.message_content import Untokenizable, message_text
 from orchestrator.sim.engine_model import EngineModel, SimOutput, SimRequest, SimRequestError
 from orchestrator.sim.kv_publisher import KvEventPublisher
 from orchestrator.sim.logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
@@ -542,6 +543,11 @@ class SimServer:
             if c is not None and not isinstance(c, str | list):
                 raise _HttpError(400, f"'messages[{i}].content' must be a string or a list of parts",
                                  f"messages[{i}].content")
+            try:
+                message_text(c)
+            except Untokenizable:  # a text-only model, as vLLM answers for one
+                raise _HttpError(400, f"'messages[{i}].content' has a non-text part; this simulated model "
+                                      "takes text only", f"messages[{i}].content") from None
         return msgs
 
     def _parse(self, body: dict[str, Any], chat: bool, scope: Scope) -> _GenParams:

@@ -90,6 +90,8 @@ def test_chat_stream_chunks_and_include_usage(client):
         ("/v1/completions", {"model": "m", "prompt": "a " * 4000, "max_tokens": 200}, 400, "max_tokens"),
         ("/v1/chat/completions", {"model": "m", "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": "m", "messages": [{"content": "x"}]}, 400, "messages[0].role"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         400, "messages[0].content"),  # a text-only model (orchestrator/kv/message_content.py)
     ],
 )
 def test_openai_shaped_errors(client, path, body, status, param):
