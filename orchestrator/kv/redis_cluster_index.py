@@ -153,6 +153,18 @@ class RedisClusterPrefixIndex(PrefixIndex):
     MAX_BACKLOG = 100_000  # writes queued while a resync runs
     uses_anchors = True  # the tracker passes each block's group anchor to ``store``
     RESYNC_CHUNK = 2000
+    RETRY_INTERVAL_S = 1.0  # between probes while on the mirror
+    CALL_TIMEOUT_S = 0.5  # a routing-path call slower than this counts as down
+    PROBE_CALL_TIMEOUTS = 4  # a probe's calls (CLUSTER INFO, slot table, topology re-read) get 4× longer
+
+    @classmethod
+    def return_bound_s(cls, retry_interval_s: float = RETRY_INTERVAL_S,
+                       call_timeout_s: float = CALL_TIMEOUT_S) -> float:
+        """How long after the cluster serves every slot again a replica on its mirror takes to start
+        its resync, at most: a probe (sleep, then CLUSTER INFO and the slot table, each bounded) that
+        still met the old topology re-reads it (bounded too), and the next probe succeeds."""
+        probe = retry_interval_s + 3 * cls.PROBE_CALL_TIMEOUTS * call_timeout_s
+        return 2 * probe
 
     def __init__(
         self,
@@ -163,9 +175,9 @@ class RedisClusterPrefixIndex(PrefixIndex):
         *,
         client: RedisCluster | None = None,
         clock: Clock = SYSTEM_CLOCK,
-        retry_interval_s: float = 1.0,
-        socket_timeout_s: float = 0.5,
-        call_timeout_s: float = 0.5,
+        retry_interval_s: float = RETRY_INTERVAL_S,
+        socket_timeout_s: float = CALL_TIMEOUT_S,
+        call_timeout_s: float = CALL_TIMEOUT_S,
         max_blocks_per_worker: int | None = None,
     ) -> None:
         self.key_prefix = key_prefix
@@ -244,14 +256,14 @@ class RedisClusterPrefixIndex(PrefixIndex):
             try:
                 # any node (the client's default node may be the one that died), on a fresh topology
                 info = await asyncio.wait_for(self._client.cluster_info(target_nodes=RedisCluster.RANDOM),
-                                              self._call_timeout_s * 4)
+                                              self._call_timeout_s * self.PROBE_CALL_TIMEOUTS)
                 if not cluster_serves_all_slots(info):
                     continue  # e.g. a primary died without a replica: stay on the mirror until fixed
-                await asyncio.wait_for(self._load_slots(), self._call_timeout_s * 4)
+                await asyncio.wait_for(self._load_slots(), self._call_timeout_s * self.PROBE_CALL_TIMEOUTS)
             except CLUSTER_DOWN_ERRORS as e:
                 log.debug("redis cluster probe: still down (%s)", e)
                 with contextlib.suppress(*CLUSTER_DOWN_ERRORS):  # re-read the slots from any live node
-                    await asyncio.wait_for(self._client.nodes_manager.initialize(), self._call_timeout_s * 4)
+                    await asyncio.wait_for(self._client.nodes_manager.initialize(), self._call_timeout_s * self.PROBE_CALL_TIMEOUTS)
                 continue
             log.warning("redis cluster index reachable again; resyncing this replica's local index into it")
             # Lookups stay on the mirror until the cluster holds it again; writes made meanwhile

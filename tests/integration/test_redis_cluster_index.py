@@ -10,8 +10,11 @@ joined by ``redis-cli --cluster create``; tests/fixtures/redis_cluster.py).
 - ``test_gateway_survives_primary_kill_...``: a real gateway (``dyad serve``) over two simulated
   engines (the sim server in-process: KV events on, vLLM's wire format) with ``index.backend:
   redis_cluster`` on 3 primaries + 3 replicas, and a second, read-only replica (``ingest_events:
-  false``) that finds what the first learnt; under routing load one primary is killed -9, its
-  replica is promoted; no request fails, and the cluster index serves again (resynced) afterwards.
+  false``) that finds what the first learnt; under routing load one primary is killed -9; its
+  replica is promoted within the bound Redis' failover algorithm gives for the node timeout
+  (``RedisCluster.failover_bound_s``); no request fails; the gateway's index returns to the cluster
+  within ``RedisClusterPrefixIndex.return_bound_s`` after that; a new prefix it learns is then found
+  in the cluster by the read-only replica.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ async def test_cluster_index_shares_entries_per_tier_and_touches_few_slots(clust
 
 
 def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
-    with RedisCluster(primaries=3, replicas=1, node_timeout_ms=1000) as cl:
+    with RedisCluster(primaries=3, replicas=1, node_timeout_ms=1000) as cl:  # replicas synced (see fixture)
         engines = [SimEngineThread(model="m", profile="cpu-tiny", seed=i, kv_events=True).start() for i in range(2)]
         prefix = unique_prefix("fo")
         config = {
@@ -100,6 +103,8 @@ def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
         gw = GatewayProcess(config, tmp_path, "gw")
         # a second replica that only reads the shared index (index.ingest_events: false)
         reader = GatewayProcess({**config, "index": {**config["index"], "ingest_events": False}}, tmp_path, "reader")
+        threads: list[threading.Thread] = []
+        done = threading.Event()
         try:
             gw.wait_ready()
             reader.wait_ready()
@@ -116,7 +121,6 @@ def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
             assert int(third.headers["x-dyad-predicted-cached-tokens"]) >= 288
 
             errors: list[str] = []
-            done = threading.Event()
             count = [0]
 
             def load(tag: str) -> None:
@@ -138,54 +142,65 @@ def test_gateway_survives_primary_kill_and_index_recovers(tmp_path):
                 th.start()
             time.sleep(1.5)
             before = count[0]
-            roles = cl.role_of()
-            victim = next(p for p, r in roles.items() if r == "master")
+            victim = next(p for p, r in cl.role_of().items() if r == "master")
+            killed_at = time.monotonic()
             cl.kill(victim)
-            # the replica is promoted after cluster-node-timeout; keep routing meanwhile
-            cl.wait_ok(30)
-            time.sleep(4.0)
+            # Redis replaces the primary: in every running node's view every slot is owned by a running
+            # primary again, within the bound Redis' failover algorithm gives for this node timeout.
+            failover_s = cl.wait_serving(cl.failover_bound_s())
+            promoted = [p for p in cl.running() if "Failover election won" in cl.log(p)]
+            assert len(promoted) == 1, cl.describe()
+            # The gateway, routing all along, noticed the dead node, served from its mirror, and returns
+            # to the cluster (resync) within the index's own bound once the cluster serves again.
+            bound = RedisClusterPrefixIndex.return_bound_s()
+            deadline = time.monotonic() + bound
+            while "redis cluster index resynced" not in gw.log.read_text():
+                assert time.monotonic() < deadline, (
+                    f"the gateway's index did not return to the cluster within {bound:.1f} s of the failover"
+                    f"\n{gw.log.read_text()[-3000:]}\n{cl.describe()}")
+                time.sleep(0.2)
+            resynced_s = time.monotonic() - killed_at
             done.set()
             for th in threads:
                 th.join(60)
             assert not errors, errors[:5]
-            assert count[0] - before >= 10  # requests kept flowing through the failover
-            assert cl.role_of()[victim] != "master" or victim not in cl.running()
+            assert count[0] - before >= 10  # requests kept flowing through the failover and the resync
+            log = gw.log.read_text()
+            assert "redis cluster index unreachable" in log and "reachable again" in log, log[-3000:]
+            print(f"failover: cluster serving again {failover_s:.1f} s after the kill (bound "
+                  f"{cl.failover_bound_s():.1f} s); gateway resynced {resynced_s:.1f} s after the kill; "
+                  f"{count[0] - before} requests meanwhile, 0 failed")
 
-            # The index recovered: a new prefix is learnt through the cluster and found again.
+            # The index recovered for real: a new prefix, learnt by the gateway from KV events, is in the
+            # cluster, where the read-only replica (which never saw it) finds it. The reader may itself be
+            # on its mirror after the failover (its first call met the old topology): it comes back
+            # within the same bound.
             system = words("after", 320)
-            deadline = time.monotonic() + 20
+            a = complete(gw.url, system + " q")
+            deadline = time.monotonic() + bound
             while True:
-                a = complete(gw.url, system + f" q{time.monotonic()}")
                 time.sleep(0.3)
-                b = complete(gw.url, system + f" r{time.monotonic()}")
+                b = complete(reader.url, system + f" r{time.monotonic()}")
                 if (b.headers["x-dyad-worker"] == a.headers["x-dyad-worker"]
                         and int(b.headers["x-dyad-predicted-cached-tokens"]) >= 288):
                     break
-                assert time.monotonic() < deadline, "index did not recover"
-            # ... and the cluster itself holds the entries again (not only the gateway's mirror)
-            async def check() -> int:
-                live = "redis://" + ",".join(f"127.0.0.1:{p}" for p in cl.running())  # a fresh client: live nodes
+                assert time.monotonic() < deadline, (
+                    f"the read-only replica did not find the new prefix in the cluster within {bound:.1f} s"
+                    f"\n{reader.log.read_text()[-3000:]}")
+
+            async def held() -> tuple[int, int]:  # a fresh client on the live nodes: what the cluster holds
+                live = "redis://" + ",".join(f"127.0.0.1:{p}" for p in cl.running())
                 probe = RedisClusterPrefixIndex(live, prefix, call_timeout_s=10.0, socket_timeout_s=5.0)
                 try:
-                    return await probe.size()
+                    return await probe.size(), probe.fallback_lookups + probe.errors
                 finally:
                     await probe.close()
-            # the replica's promotion takes the cluster's node timeout plus an election: wait until every
-            # live node serves all slots again, then for the gateway's probe to write its mirror back
-            # (liveness bounds: on a loaded 2-core machine both took longer than 20 s once)
-            cl.wait_ok(timeout_s=60)
-            deadline = time.monotonic() + 60
-            while asyncio.run(check()) == 0:
-                if time.monotonic() > deadline:
-                    # Known defect, kept visible rather than hidden: in this session's later runs a fresh
-                    # client still found the dead primary in the slot map and the gateway's mirror was not
-                    # written back within 60 s (routing itself recovered above, on the mirror). Issue 16
-                    # stays open for it.
-                    pytest.xfail("after a primary failover the cluster did not hold the index again within 60 s")
-                time.sleep(0.5)
-            log = gw.log.read_text()
-            assert "redis cluster index unreachable" in log and "reachable again" in log, log[-3000:]
+            size, failures = asyncio.run(held())
+            assert size > 0 and failures == 0, (size, failures)
         finally:
+            done.set()
+            for th in threads:
+                th.join(60)
             gw.stop()
             reader.stop()
             for e in engines:
