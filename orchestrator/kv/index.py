@@ -1,7 +1,8 @@
 """The global prefix index: which worker holds which KV block, in which tier.
 
-One interface, two backends: ``MemoryPrefixIndex`` (default, one gateway) and ``RedisPrefixIndex``
-(router replicas share it). Both answer the routing question "for this request's block list, how many
+One interface, three backends: ``MemoryPrefixIndex`` (default, one gateway), and ``RedisPrefixIndex``
+and ``RedisClusterPrefixIndex`` (router replicas share them; their common part is
+``shared_index.SharedPrefixIndex``). Both answer the routing question "for this request's block list, how many
 consecutive blocks from the start does each worker hold?" with cost proportional to the request's
 blocks (block → set of workers; the walk stops as soon as no worker still matches), never to the
 fleet size. Both are bounded (``index.max_blocks`` (worker, block) entries, least recently stored or
@@ -16,8 +17,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from enum import IntFlag
+from typing import TYPE_CHECKING
 
 from orchestrator.router.types import Overlap
+
+if TYPE_CHECKING:
+    from orchestrator.telemetry.metrics import DyadMetrics
 
 
 class Tier(IntFlag):
@@ -77,6 +82,23 @@ class PrefixIndex(ABC):
     """Worker ↔ block membership. All methods are coroutines so the Redis backend fits the same shape."""
 
     backend: str = "abstract"
+    max_blocks: int
+    evictions: int
+    _metrics: DyadMetrics | None
+
+    def _init_capacity(self, max_blocks: int, metrics: DyadMetrics | None) -> None:
+        """The bound every backend keeps (``index.max_blocks``), its gauge, and the eviction count."""
+        self.max_blocks = max_blocks
+        self._metrics = metrics
+        self.evictions = 0
+        if metrics is not None:
+            metrics.index_capacity.labels(self.backend).set(max_blocks)
+
+    def _count_evictions(self, n: int) -> None:
+        """``n`` entries were dropped by the cap (``dyad_index_evictions_total``)."""
+        self.evictions += n
+        if self._metrics is not None:
+            self._metrics.index_evictions.labels(self.backend).inc(n)
 
     @abstractmethod
     async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE,

@@ -21,17 +21,13 @@ if TYPE_CHECKING:
     from orchestrator.telemetry.metrics import DyadMetrics
 
 
-
 class MemoryPrefixIndex(PrefixIndex):
     backend = "memory"
 
     def __init__(self, max_blocks: int = 1_000_000, metrics: DyadMetrics | None = None) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")
-        self.max_blocks = max_blocks
-        self._metrics = metrics
-        if metrics is not None:
-            metrics.index_capacity.labels(self.backend).set(max_blocks)
+        self._init_capacity(max_blocks, metrics)
         self._table = SlotTable()  # worker id ↔ slot; a cleared worker's slot is reused first
         self._slots = self._table.slot_of
         self._ids = self._table.ids  # slot → worker id
@@ -39,7 +35,6 @@ class MemoryPrefixIndex(PrefixIndex):
         self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # (slot, block), oldest first
         self._by_slot: dict[int, set[int]] = {}
         self._walk_inputs = WalkInputs()
-        self.evictions = 0
 
     # --- slots
     def _slot(self, worker_id: str) -> int:
@@ -124,22 +119,11 @@ class MemoryPrefixIndex(PrefixIndex):
         over = len(self._lru) - self.max_blocks
         if over <= 0:
             return
-        blocks, by_slot = self._blocks, self._by_slot
+        blocks, lru, drop = self._blocks, self._lru, self._drop
         for _ in range(over):
-            (slot, h), _v = self._lru.popitem(last=False)
-            mask = blocks.get(h)
-            if mask is not None:
-                mask &= ~(0xFF << (SLOT_BITS * slot))
-                if mask:
-                    blocks[h] = mask
-                else:
-                    del blocks[h]
-            mine = by_slot.get(slot)
-            if mine is not None:
-                mine.discard(h)
-        self.evictions += over
-        if self._metrics is not None:
-            self._metrics.index_evictions.labels(self.backend).inc(over)
+            (slot, h), _v = lru.popitem(last=False)
+            drop(slot, h, blocks.get(h, 0) & ~(0xFF << (SLOT_BITS * slot)))
+        self._count_evictions(over)
 
     def _gauge(self) -> None:
         if self._metrics is not None:

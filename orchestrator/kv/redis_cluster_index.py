@@ -47,9 +47,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
-from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier, chain_anchors
-from orchestrator.kv.masks import WalkInputs, walk
-from orchestrator.kv.memory_index import MemoryPrefixIndex
+from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, Tier, chain_anchors
+from orchestrator.kv.shared_index import SharedPrefixIndex
 from orchestrator.router.types import Overlap
 
 if TYPE_CHECKING:
@@ -148,7 +147,7 @@ class _Scripts:
             await client.script_load(src)  # redis-py sends SCRIPT LOAD to every primary
 
 
-class RedisClusterPrefixIndex(PrefixIndex):
+class RedisClusterPrefixIndex(SharedPrefixIndex):
     backend = "redis_cluster"
     MAX_BACKLOG = 100_000  # writes queued while a resync runs
     uses_anchors = True  # the tracker passes each block's group anchor to ``store``
@@ -180,34 +179,18 @@ class RedisClusterPrefixIndex(PrefixIndex):
         call_timeout_s: float = CALL_TIMEOUT_S,
         max_blocks_per_worker: int | None = None,
     ) -> None:
-        self.key_prefix = key_prefix
-        self.max_blocks = max_blocks
+        super().__init__(key_prefix, max_blocks, metrics, clock, retry_interval_s)
         self.max_blocks_per_worker = max_blocks_per_worker or max_blocks
-        self._metrics = metrics
-        if metrics is not None:
-            metrics.index_capacity.labels(self.backend).set(max_blocks)
-        self._clock = clock
         self._client = client or cluster_client(url, socket_timeout_s)
-        self.mirror = MemoryPrefixIndex(max_blocks=max_blocks)
         self._scripts = _Scripts()
         p = key_prefix
         self._meta = [f"{p}:meta:{{{p}:meta}}:{k}" for k in ("slots", "nslots", "free", "gen", "epoch")]
         # our hash → its group anchor, for blocks this replica wrote (resync and tier moves need it)
         self._anchor: OrderedDict[int, int] = OrderedDict()
-        self._slot_view: tuple[bytes, bytes] = (b"", b"")
-        self._slot_of: dict[str, int] = {}
-        self._id_of: dict[int, str] = {}
         self._my_slots: dict[str, int] = {}  # slots this replica assigned or read, for writes
-        self._walk_inputs = WalkInputs()
-        self.available = True
-        self._retry_interval_s = retry_interval_s
         self._call_timeout_s = call_timeout_s
         self._probe_task: asyncio.Task[None] | None = None
         self._backlog: list[Callable[[], Awaitable[Any]]] | None = None  # writes made during a resync
-        self.fallback_lookups = 0
-        self.resyncs = 0
-        self.slot_reloads = 0
-        self.evictions = 0
         self.errors = 0
 
     @property
@@ -335,13 +318,8 @@ class RedisClusterPrefixIndex(PrefixIndex):
     async def _load_slots(self) -> None:
         epoch_gen, table = await self._pipeline([("MGET", self._meta[4], self._meta[3]),
                                                  ("HGETALL", self._meta[0])])
-        epoch, gen = epoch_gen
-        self._slot_view = (epoch or b"", gen or b"")
-        self._slot_of = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in table.items()}
-        self._id_of = {s: w for w, s in self._slot_of.items()}
+        self._set_slot_table(*epoch_gen, table)
         self._my_slots = dict(self._slot_of)
-        self._walk_inputs.slots_changed()
-        self.slot_reloads += 1
 
     # --- writes
     def _group(self, block_hashes: Sequence[int], anchors: Sequence[int]) -> dict[int, list[int]]:
@@ -365,13 +343,9 @@ class RedisClusterPrefixIndex(PrefixIndex):
         calls.append(("EVALSHA", sha["touch"], 1, self._wkey(slot), *touch))
         results = await self._pipeline(calls)
         dropped = results[-1]
-        if dropped:
-            self.evictions += len(dropped)
-            if self._metrics is not None:
-                self._metrics.index_evictions.labels(self.backend).inc(len(dropped))
-            pairs = [(int(m[:16], 16), int(m[16:], 16)) for m in (d.decode() if isinstance(d, bytes) else d
-                                                                   for d in dropped)]
-            await self._write_remove(slot, [h for _, h in pairs], [a for a, _ in pairs], 0, touch_worker=False)
+        if dropped:  # past the per-worker cap: the oldest entries leave the worker's set; clear their bits
+            self._count_evictions(len(dropped))
+            await self._drop_members(slot, dropped)
 
     async def _write_remove(self, slot: int, block_hashes: Sequence[int], anchors: Sequence[int], tier: int,
                             touch_worker: bool = True) -> None:
@@ -389,6 +363,15 @@ class RedisClusterPrefixIndex(PrefixIndex):
             members += [f"{a:016x}{hs[int(i) - 1]:016x}" for i in gone]
         if members:
             await self._pipeline([("ZREM", self._wkey(slot), *members)])
+
+    async def _drop_members(self, slot: int, members: Sequence[bytes | str]) -> None:
+        """Clear worker ``slot``'s bits (all tiers) from the blocks named by members of its set
+        (``<anchor><hash>`` in hex) that have already left that set (cap eviction, clearing)."""
+        pairs = [(int(m[:16], 16), int(m[16:], 16)) for m in (x.decode() if isinstance(x, bytes) else x
+                                                               for x in members)]
+        for i in range(0, len(pairs), self.RESYNC_CHUNK):
+            chunk = pairs[i:i + self.RESYNC_CHUNK]
+            await self._write_remove(slot, [h for _, h in chunk], [a for a, _ in chunk], 0, touch_worker=False)
 
     async def store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE,
                     anchors: Sequence[int] | None = None) -> None:
@@ -438,12 +421,7 @@ class RedisClusterPrefixIndex(PrefixIndex):
             if slot is None:
                 return
         wkey = self._wkey(slot)
-        members = (await self._pipeline([("ZRANGE", wkey, 0, -1)]))[0]
-        pairs = [(int(m[:16], 16), int(m[16:], 16)) for m in (x.decode() if isinstance(x, bytes) else x
-                                                               for x in members)]
-        for i in range(0, len(pairs), self.RESYNC_CHUNK):
-            chunk = pairs[i:i + self.RESYNC_CHUNK]
-            await self._write_remove(slot, [h for _, h in chunk], [a for a, _ in chunk], 0, touch_worker=False)
+        await self._drop_members(slot, (await self._pipeline([("ZRANGE", wkey, 0, -1)]))[0])
         await self._pipeline([("DEL", wkey),
                               ("EVALSHA", self._scripts.sha["free"], 3, self._meta[0], self._meta[2],
                                self._meta[3], worker_id)])
@@ -458,15 +436,10 @@ class RedisClusterPrefixIndex(PrefixIndex):
             self._mark_down(e)
 
     async def _resync_all(self) -> None:
-        grouped: dict[tuple[str, int], list[int]] = {}
-        for worker_id, h, mask in self.mirror.entries():
-            for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
-                if mask & tier:
-                    grouped.setdefault((worker_id, int(tier)), []).append(h)
-        for (worker_id, tier), hashes in grouped.items():
+        for (worker_id, tier), hashes in self._mirror_by_tier().items():
             for i in range(0, len(hashes), self.RESYNC_CHUNK):
                 chunk = hashes[i:i + self.RESYNC_CHUNK]
-                await self._write_store(worker_id, chunk, self._anchors_for(chunk, None), Tier(tier))
+                await self._write_store(worker_id, chunk, self._anchors_for(chunk, None), tier)
 
     # --- reads
     async def overlaps(
@@ -481,12 +454,7 @@ class RedisClusterPrefixIndex(PrefixIndex):
         if masks is None:
             self.fallback_lookups += 1
             return self.mirror.overlaps_now(block_hashes, tier_weights, workers)
-        candidates = self._walk_inputs.candidates(workers, self._slot_of)
-        if not candidates:
-            return {}
-        found = walk(masks, candidates, self._walk_inputs.credit(tier_weights))
-        id_of = self._id_of
-        return {id_of[s]: Overlap(blocks=n, weighted_blocks=wb) for s, (n, wb) in found.items() if s in id_of}
+        return self._answer(masks, tier_weights, workers)
 
     async def _read_masks(self, block_hashes: Sequence[int]) -> list[int]:
         anchors = chain_anchors(block_hashes)

@@ -47,9 +47,8 @@ from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
-from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier
-from orchestrator.kv.masks import WalkInputs, walk
-from orchestrator.kv.memory_index import MemoryPrefixIndex
+from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, Tier
+from orchestrator.kv.shared_index import SharedPrefixIndex
 from orchestrator.router.types import Overlap
 
 if TYPE_CHECKING:
@@ -244,7 +243,7 @@ class LuaScript:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
 
 
-class RedisPrefixIndex(PrefixIndex):
+class RedisPrefixIndex(SharedPrefixIndex):
     backend = "redis"
     RESYNC_CHUNK = 2000
 
@@ -260,34 +259,17 @@ class RedisPrefixIndex(PrefixIndex):
         retry_interval_s: float = 1.0,
         socket_timeout_s: float = 0.5,
     ) -> None:
-        self.key_prefix = key_prefix
-        self.max_blocks = max_blocks
-        self._metrics = metrics
-        if metrics is not None:
-            metrics.index_capacity.labels(self.backend).set(max_blocks)
-        self._clock = clock
+        super().__init__(key_prefix, max_blocks, metrics, clock, retry_interval_s)
         self._client = client or aioredis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
-        self.mirror = MemoryPrefixIndex(max_blocks=max_blocks)  # this replica's own view; fallback
         self._store_s, self._remove_s, self._clear_s = LuaScript(_STORE), LuaScript(_REMOVE), LuaScript(_CLEAR)
         self._lookup_s, self._expire_s = LuaScript(_LOOKUP), LuaScript(_EXPIRE)
         # Remaining approximate TTL (s) of a (worker, block) this replica recorded, for resync.
         self.approximate_ttl_of: Callable[[str, int], float | None] | None = None
         self._meta_keys = [f"{key_prefix}:idx:epoch", f"{key_prefix}:idx:gen"]
-        # The slot table as last read from Redis, valid for (epoch, generation) = _slot_view.
-        self._slot_view: tuple[bytes, bytes] = (b"", b"")
-        self._slot_of: dict[str, int] = {}
-        self._id_of: dict[int, str] = {}
-        self._walk_inputs = WalkInputs()
-        self.available = True
         self._down_since: float | None = None
         self._next_try = 0.0
-        self._retry_interval_s = retry_interval_s
         self._resync_task: asyncio.Task[None] | None = None
-        self.evictions = 0
-        self.fallback_lookups = 0
-        self.resyncs = 0
-        self.slot_reloads = 0
 
     @property
     def client(self) -> aioredis.Redis:
@@ -328,20 +310,18 @@ class RedisPrefixIndex(PrefixIndex):
     async def resync(self) -> None:
         """Write the local mirror back into Redis (after Redis came back, possibly empty)."""
         try:
-            grouped: dict[tuple[str, int], list[int]] = {}
+            exact: list[tuple[str, int, int]] = []
             approximate: list[tuple[str, int, float]] = []
             ttl_of = self.approximate_ttl_of
             for worker_id, h, mask in self.mirror.entries():
                 left = ttl_of(worker_id, h) if ttl_of is not None else None
                 if left is not None:
                     approximate.append((worker_id, h, left))
-                    continue
-                for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
-                    if mask & tier:
-                        grouped.setdefault((worker_id, int(tier)), []).append(h)
-            for (worker_id, tier), hashes in grouped.items():
+                else:
+                    exact.append((worker_id, h, mask))
+            for (worker_id, tier), hashes in self._mirror_by_tier(exact).items():
                 for i in range(0, len(hashes), self.RESYNC_CHUNK):
-                    await self._write_store(worker_id, hashes[i:i + self.RESYNC_CHUNK], Tier(tier))
+                    await self._write_store(worker_id, hashes[i:i + self.RESYNC_CHUNK], tier)
             for worker_id, h, left in approximate:  # keep their remaining TTL
                 await self._write_store(worker_id, [h], Tier.DEVICE, max(1, int(left * 1000)))
             self.resyncs += 1
@@ -354,9 +334,7 @@ class RedisPrefixIndex(PrefixIndex):
                                                  *hex_hashes(block_hashes), uuid.uuid4().hex])
         evicted, size = res  # type: ignore[misc]
         if evicted:
-            self.evictions += int(evicted)
-            if self._metrics is not None:
-                self._metrics.index_evictions.labels(self.backend).inc(int(evicted))
+            self._count_evictions(int(evicted))
         if self._metrics is not None:
             self._metrics.index_blocks.labels(self.backend).set(int(size))
 
@@ -412,11 +390,7 @@ class RedisPrefixIndex(PrefixIndex):
             pipe.mget(self._meta_keys)
             pipe.hgetall(f"{self.key_prefix}:idx:slots")
             (epoch, gen), table = await pipe.execute()
-        self._slot_view = (epoch or b"", gen or b"")
-        self._slot_of = {k.decode(): int(v) for k, v in table.items()}
-        self._id_of = {s: w for w, s in self._slot_of.items()}
-        self._walk_inputs.slots_changed()
-        self.slot_reloads += 1
+        self._set_slot_table(epoch, gen, table)
 
     async def overlaps(
         self,
@@ -439,12 +413,7 @@ class RedisPrefixIndex(PrefixIndex):
             self.fallback_lookups += 1
             return self.mirror.overlaps_now(block_hashes, tier_weights, workers)
         self._mark_up()
-        candidates = self._walk_inputs.candidates(workers, self._slot_of)
-        if not candidates:
-            return {}
-        found = walk(unpack_masks(blob), candidates, self._walk_inputs.credit(tier_weights))
-        id_of = self._id_of
-        return {id_of[s]: Overlap(blocks=n, weighted_blocks=wb) for s, (n, wb) in found.items() if s in id_of}
+        return self._answer(unpack_masks(blob), tier_weights, workers)
 
     async def size(self) -> int:
         if not self._may_try():
