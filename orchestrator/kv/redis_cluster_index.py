@@ -26,7 +26,8 @@ connection errors, ``TRYAGAIN``, or a call slower than ``call_timeout_s``), this
 once: lookups are answered from it and writes go only to it, so no request waits on a dead node.
 A background probe asks the cluster every ``retry_interval_s`` (redis-py re-reads the topology, so
 a promoted replica is found); once ``cluster_state`` is ``ok`` and all 16,384 slots are served (a
-primary that died without a replica keeps this replica on its mirror until the node is back) the
+primary that died without a replica, or whose replica refuses promotion, keeps this replica on its
+mirror until the node is back; docs/operations.md, "Failover") the
 mirror is written back (``resync``) and the cluster serves again. Replicas
 and the planner point at the same cluster (any node is a seed).
 """
