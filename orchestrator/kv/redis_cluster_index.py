@@ -247,7 +247,8 @@ class RedisClusterPrefixIndex(SharedPrefixIndex):
             except CLUSTER_DOWN_ERRORS as e:
                 log.debug("redis cluster probe: still down (%s)", e)
                 with contextlib.suppress(*CLUSTER_DOWN_ERRORS):  # re-read the slots from any live node
-                    await asyncio.wait_for(self._client.nodes_manager.initialize(), self._call_timeout_s * self.PROBE_CALL_TIMEOUTS)
+                    await asyncio.wait_for(self._client.nodes_manager.initialize(),
+                                           self._call_timeout_s * self.PROBE_CALL_TIMEOUTS)
                 continue
             log.warning("redis cluster index reachable again; resyncing this replica's local index into it")
             # Lookups stay on the mirror until the cluster holds it again; writes made meanwhile

@@ -67,7 +67,8 @@ class SharedPrefixIndex(PrefixIndex):
         id_of = self._id_of
         return {id_of[s]: Overlap(blocks=n, weighted_blocks=wb) for s, (n, wb) in found.items() if s in id_of}
 
-    def _mirror_by_tier(self, entries: Iterable[tuple[str, int, int]] | None = None) -> dict[tuple[str, Tier], list[int]]:
+    def _mirror_by_tier(self, entries: Iterable[tuple[str, int, int]] | None = None
+                        ) -> dict[tuple[str, Tier], list[int]]:
         """Mirror entries (or ``entries``) grouped per (worker, tier), oldest first: what a resync writes."""
         grouped: dict[tuple[str, Tier], list[int]] = {}
         for worker_id, h, mask in self.mirror.entries() if entries is None else entries:
