@@ -50,8 +50,11 @@ def chain(tag: int, n: int) -> list[int]:
 
 async def test_cluster_index_shares_entries_per_tier_and_touches_few_slots(cluster):
     prefix = unique_prefix("clu")
-    a = RedisClusterPrefixIndex(cluster.url, prefix, max_blocks=10_000, max_blocks_per_worker=100)
-    b = RedisClusterPrefixIndex(cluster.url, prefix, max_blocks=10_000)
+    # the 0.5 s production call bound guards routing latency; this shared machine can be slower (a call
+    # past it would switch the index to its mirror, which is not what this test is about)
+    a = RedisClusterPrefixIndex(cluster.url, prefix, max_blocks=10_000, max_blocks_per_worker=100,
+                                call_timeout_s=5.0)
+    b = RedisClusterPrefixIndex(cluster.url, prefix, max_blocks=10_000, call_timeout_s=5.0)
     mem = MemoryPrefixIndex()
     try:
         c1 = chain(1, 40)
