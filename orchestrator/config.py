@@ -428,6 +428,14 @@ class PlannerConfig(_Section):
         None, ge=0, description="Seconds a role change takes; set it to let the planner move workers between "
                                 "roles (always on for actuator role_change)")
     correct_from_latency: bool = Field(True, description="Correct the profile from observed TTFT/ITL")
+    standby_prefill: int = Field(
+        0, ge=0, description="Warm standby prefill workers to keep started but out of rotation (actuator local or "
+                             "kubernetes); growth activates them in well under a second before starting cold "
+                             "ones. They count against max_workers")
+    standby_decode: int = Field(0, ge=0, description="Warm standby decode workers (as standby_prefill)")
+    standby_wake_s: float = Field(
+        1.0, ge=0, description="Seconds an activated standby worker takes to serve (a registry state change: "
+                               "about one health interval)")
     input_max_age_s: float | None = Field(
         None, gt=0, description="Plan only on inputs measured this recently: ISL/OSL/latency older than this "
                                 "(default: 3 x interval_s) make the planner hold its sizes and say why")

@@ -1,12 +1,15 @@
 """The fleet registry: which workers exist and whether they may receive requests.
 
 Workers come from the configuration, the admin API and discovery sources (``fleet/discovery``). The registry owns the state machine
-(healthy / unhealthy / draining): the health loop and the gateway report probe results and failed
+(healthy / unhealthy / draining / standby): the health loop and the gateway report probe results and failed
 attempts here, and the thresholds in ``HealthConfig`` decide when a worker flips. It does no I/O,
 so the same registry runs live and in the virtual-time simulator.
 
 Draining is an operator decision and sits above health: a draining worker keeps being probed (so
 ``undrain`` knows whether to return it as healthy or unhealthy) but receives nothing new.
+Standby (warm capacity the planner holds out of rotation) is the same kind of decision: a standby
+worker is probed and scraped, never routed to, and ``activate`` puts it in rotation at once (a state
+change, no I/O) when its last probe passed.
 """
 
 from __future__ import annotations
@@ -139,6 +142,8 @@ class FleetRegistry:
             worker.last_error = None
             if first or worker.consecutive_successes >= self.health.success_threshold:
                 worker.health_ok = True
+                if worker.ready_at is None:
+                    worker.ready_at = now
         elif self._recently_served(worker, now):
             # Real traffic outranks a missed probe: an engine that just answered a request is up, even if
             # its /health probe timed out on an overloaded machine. Requests that fail mark it at once.
@@ -167,7 +172,7 @@ class FleetRegistry:
         self._apply_health(worker)
 
     def _apply_health(self, worker: Worker) -> None:
-        if worker.state is WorkerState.DRAINING:
+        if worker.state in (WorkerState.DRAINING, WorkerState.STANDBY):
             return
         self._set_state(worker, WorkerState.HEALTHY if worker.health_ok else WorkerState.UNHEALTHY)
 
@@ -188,5 +193,20 @@ class FleetRegistry:
     def undrain(self, worker_id: str) -> Worker:
         worker = self._workers[worker_id]
         if worker.state is WorkerState.DRAINING:
+            self._set_state(worker, WorkerState.HEALTHY if worker.health_ok else WorkerState.UNHEALTHY)
+        return worker
+
+    def park(self, worker_id: str) -> Worker:
+        """Hold a worker out of rotation as warm standby (still probed). Callers drain it first: a
+        worker parked with requests in flight finishes them, but gets nothing new."""
+        worker = self._workers[worker_id]
+        self._set_state(worker, WorkerState.STANDBY)
+        return worker
+
+    def activate(self, worker_id: str) -> Worker:
+        """Put a standby (or draining) worker back in rotation: healthy at once when its last probe
+        passed, else unhealthy until the health loop sees it up."""
+        worker = self._workers[worker_id]
+        if worker.state in (WorkerState.STANDBY, WorkerState.DRAINING):
             self._set_state(worker, WorkerState.HEALTHY if worker.health_ok else WorkerState.UNHEALTHY)
         return worker

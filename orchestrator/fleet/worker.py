@@ -20,6 +20,9 @@ class WorkerState(StrEnum):
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"
     DRAINING = "draining"  # finishes what it has, accepts nothing new
+    # warm standby: started and health-checked, held out of rotation until activated (the planner's
+    # ``activate``); not draining: nothing is finishing there, it is capacity waiting to be used
+    STANDBY = "standby"
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Worker:
     last_progress_at: float | None = None  # a first token or a whole answer came back (tells stalls from slow requests)
     last_error: str | None = None
     health_ok: bool | None = None  # last verdict of the health thresholds; None = never probed
+    ready_at: float | None = None  # when its health probe first passed (None: never ready yet)
     # A pending role change (applied once the worker has drained its old-role work):
     target_role: Role | None = None
     api_key: str | None = None

@@ -6,7 +6,9 @@ One interface, ``Actuator.apply(decision) -> list[str]`` (what was done, for log
 - ``RecommendOnly``: does nothing but export the decision as metrics and keep it for the admin API.
 - ``LocalProcessActuator``: starts/stops engine processes on this host from a command template per
   role (``{port}`` is filled with a free port); ``on_started``/``on_stopped`` hooks let the gateway
-  add/remove the worker from its registry.
+  add/remove the worker from its registry. A ``start`` with ``then="standby"`` starts a warm standby
+  worker (``LocalProcess.standby``: the gateway registers it out of rotation); ``activate``/``park``
+  are registry state changes, carried out by the gateway's wrapper (``planner/install.py``).
 - ``KubernetesActuator``: sets ``spec.replicas`` of one Deployment/StatefulSet per role through the
   API server's ``scale`` subresource; scale-in marks the pods that will go draining and waits for
   them to drain before the replicas go down (the gateways' pod discovery honours the mark).
@@ -51,6 +53,8 @@ def export_metrics(decision: PlanDecision, metrics: DyadMetrics) -> None:
         metrics.planner_predicted.labels("osl").set(decision.forecast.osl)
     for role, n in decision.desired.items():
         metrics.planner_desired_workers.labels(role).set(n)
+    for role, n in decision.standby.items():
+        metrics.planner_standby_workers.labels(role).set(n)
     for a in decision.actions:
         metrics.planner_decisions.labels(a.kind).inc()
     if not decision.actions:
@@ -77,6 +81,8 @@ class LocalProcess:
     role: Role
     port: int
     proc: subprocess.Popen
+    standby: bool = False  # started as warm standby (held out of rotation until activated)
+    started_at: float = 0.0  # clock time of the start
 
     @property
     def url(self) -> str:
@@ -94,6 +100,7 @@ class LocalProcessActuator:
     on_stopped: Callable[[LocalProcess], Awaitable[None] | None] | None = None
     stop_timeout_s: float = 10.0
     name: str = "local"
+    clock: Clock = SYSTEM_CLOCK
     processes: dict[str, LocalProcess] = field(default_factory=dict)
     _n: int = 0
 
@@ -103,7 +110,7 @@ class LocalProcessActuator:
             if asyncio.iscoroutine(r):
                 await r
 
-    async def start(self, role: Role) -> LocalProcess:
+    async def start(self, role: Role, standby: bool = False) -> LocalProcess:
         if role not in self.commands:
             raise ValueError(f"no command template for role '{role.value}'")
         port = free_port()
@@ -112,7 +119,7 @@ class LocalProcessActuator:
         argv = shlex.split(self.commands[role].format(port=port, role=role.value, worker_id=wid))
         proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
-        p = LocalProcess(wid, role, port, proc)
+        p = LocalProcess(wid, role, port, proc, standby=standby, started_at=self.clock.now())
         self.processes[wid] = p
         await self._hook(self.on_started, p)
         return p
@@ -134,8 +141,9 @@ class LocalProcessActuator:
         done = []
         for a in decision.actions:
             if a.kind == "start":
-                p = await self.start(a.role)
-                done.append(f"started {p.worker_id} ({a.role.value}) on port {p.port}")
+                p = await self.start(a.role, standby=a.then == "standby")
+                done.append(f"started {p.worker_id} ({a.role.value}{', standby' if p.standby else ''}) "
+                            f"on port {p.port}")
             elif a.kind == "stop" and a.worker_id and await self.stop(a.worker_id):
                 done.append(f"stopped {a.worker_id}")
         return done
@@ -143,6 +151,24 @@ class LocalProcessActuator:
     async def close(self) -> None:
         for wid in list(self.processes):
             await self.stop(wid)
+
+
+def keep_reason(now: float, *, started_at: float, ready_at: float | None, alive: bool, min_serve_s: float,
+                start_timeout_s: float) -> str | None:
+    """Why an actuator must not stop (or drain to stop) a worker it started yet; None: it may go.
+
+    A start in progress is never cut short (an engine that takes longer than ``start_timeout_s``,
+    or whose process died, is no longer "in progress"), and a worker that became ready (or was put
+    in rotation) serves at least ``min_serve_s`` before it is let go: stopping an engine seconds
+    after paying for its start is churn whatever the forecast says. The planner may override it
+    with an action that carries ``force=True``. Pure: times are passed in."""
+    if ready_at is None:
+        if alive and now - started_at < start_timeout_s:
+            return f"still starting ({now - started_at:.1f} s since its start)"
+        return None
+    if now - ready_at < min_serve_s:
+        return f"in rotation for {now - ready_at:.1f} s only (serves at least {min_serve_s:g} s)"
+    return None
 
 
 Pod = dict[str, Any]

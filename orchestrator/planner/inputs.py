@@ -11,7 +11,8 @@ What "fresh" means, per input:
   primes the counters, the series is absent, the source failed) holds. A measured 0 is a real
   answer: nothing arrived, and lengths and latency are then not needed.
 - **ISL** comes from what arrived, **OSL** and **latency** (TTFT, and ITL when requests decode
-  more than one token) from what finished. A busy interval in which nothing finished (overload,
+  more than one token) from what finished: latency from the gateway's streams, or, when a window
+  has none (non-streamed traffic), from the engines' own histograms (``Observation.latency_source``). A busy interval in which nothing finished (overload,
   long outputs) has no OSL or latency of its own, so each input may be carried from its last
   measurement for at most ``max_age_s``; older than that, or never seen, it holds.
 
@@ -33,6 +34,9 @@ ISL_MISSING = "isl_missing"
 OSL_MISSING = "osl_missing"
 LATENCY_MISSING = "latency_missing"
 REASONS = (SOURCE_UNAVAILABLE, RATE_MISSING, ISL_MISSING, OSL_MISSING, LATENCY_MISSING)
+# what a latency hold names: both places latency can come from (``metrics_source``) had none
+NO_LATENCY_SOURCE = (" (sources tried: the gateway's streamed requests, and the engines' own TTFT/ITL histograms "
+                     "through the gateway's scrape of their /metrics or Prometheus)")
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,11 @@ class InputGate:
             return Hold(OSL_MISSING, f"requests arrive but their output length is {self._age('mean_osl', now)}")
         if self.need_latency:
             if self._fresh("ttft_mean", now) is None and self._fresh("ttft_p90", now) is None:
-                return Hold(LATENCY_MISSING, f"requests arrive but TTFT is {self._age('ttft_mean', now)}")
+                return Hold(LATENCY_MISSING, f"requests arrive but TTFT is {self._age('ttft_mean', now)}"
+                                             f"{NO_LATENCY_SOURCE}")
             if osl > 1.5 and self._fresh("itl_mean", now) is None and self._fresh("itl_p90", now) is None:
-                return Hold(LATENCY_MISSING, f"requests decode but ITL is {self._age('itl_mean', now)}")
+                return Hold(LATENCY_MISSING, f"requests decode but ITL is {self._age('itl_mean', now)}"
+                                             f"{NO_LATENCY_SOURCE}")
         # lengths carried over; latency is not (the correction compares it with this interval's load)
         return replace(obs, mean_isl=isl, mean_osl=osl)
 

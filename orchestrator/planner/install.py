@@ -28,6 +28,7 @@ from orchestrator.planner.actuators import (
     LocalProcessActuator,
     RecommendOnly,
     RoleChangeActuator,
+    keep_reason,
 )
 from orchestrator.planner.core import Planner, PlannerSettings
 from orchestrator.planner.inputs import InputGate
@@ -58,7 +59,8 @@ def settings_from_config(cfg: PlannerConfig) -> PlannerSettings:
         scale_in_step=cfg.scale_in_step, decode_headroom=cfg.decode_headroom, fast_interval_s=cfg.fast_interval_s,
         cooldown_s=cfg.cooldown_s, role_change_s=role_change_s, start_s=cfg.start_s,
         correct_from_latency=cfg.correct_from_latency, headroom=cfg.headroom,
-        burst_window_s=cfg.burst_window_s, fixed_fleet=cfg.actuator == "role_change")
+        burst_window_s=cfg.burst_window_s, fixed_fleet=cfg.actuator == "role_change",
+        standby_prefill=cfg.standby_prefill, standby_decode=cfg.standby_decode, standby_wake_s=cfg.standby_wake_s)
 
 
 # Shipped as package data: `dyad profile --sim gpu-like --out orchestrator/planner/profiles/gpu-like.json`
@@ -76,11 +78,18 @@ def perf_model_from_config(cfg: PlannerConfig) -> PerfModel:
     return PerfModel.load(DEFAULT_PROFILE)
 
 
-def source_from_config(cfg: PlannerConfig, read_metrics: Callable[[], bytes | str], http: Any = None) -> Source:
+def source_from_config(cfg: PlannerConfig, read_metrics: Callable[[], bytes | str], http: Any = None,
+                       fleet: Any = None) -> Source:
+    """The planner's inputs. With ``fleet`` (the gateway's registry), a window without streamed
+    requests takes its latency from the engines' own histograms: Prometheus's scrape of the engines
+    (mapped to roles by the workers' addresses), or the gateway's scrape of their /metrics."""
     if cfg.prometheus_url:
         window = cfg.prometheus_window_s or cfg.interval_s
-        return PrometheusSource(cfg.prometheus_url, window_s=window, model=cfg.model)
-    return DirectSource(read=read_metrics)
+        return PrometheusSource(cfg.prometheus_url, window_s=window, model=cfg.model,
+                                engines=(lambda: [(w.role, w.url) for w in fleet.workers()]) if fleet else None)
+    return DirectSource(read=read_metrics,
+                        engines=(lambda: [(w.id, w.role, w.load) for w in fleet.workers()
+                                          if w.state is not WorkerState.UNHEALTHY]) if fleet else None)
 
 
 def actuator_from_config(cfg: PlannerConfig, runtime: Any) -> Actuator:
@@ -99,10 +108,11 @@ def actuator_from_config(cfg: PlannerConfig, runtime: Any) -> Actuator:
         return RoleChangeActuator(set_role)
     # local processes, plus role changes when they are configured as faster than a start
     local = LocalProcessActuator(dict(cfg.local_commands), on_started=_registrar(runtime, cfg),
-                                 on_stopped=lambda p: _unregister(runtime, p))
+                                 on_stopped=lambda p: _unregister(runtime, p), clock=runtime.clock)
+    draining = _DrainingLocal(local, runtime, min_serve_s=min_serve_s(cfg), start_timeout_s=start_timeout_s(cfg))
     if cfg.role_change_s is not None and cfg.role_change_s < cfg.start_s:
-        return RoleChangeActuator(set_role, drain=lambda wid: runtime.fleet.drain(wid), fallback=local)
-    return _DrainingLocal(local, runtime)
+        return RoleChangeActuator(set_role, drain=lambda wid: runtime.fleet.drain(wid), fallback=draining)
+    return draining
 
 
 def kubernetes_actuator(cfg: PlannerConfig, runtime: Any) -> KubernetesActuator:
@@ -145,10 +155,11 @@ def kubernetes_actuator(cfg: PlannerConfig, runtime: Any) -> KubernetesActuator:
 
 def _registrar(runtime: Any, cfg: PlannerConfig) -> Callable[[LocalProcess], None]:
     def register(p: LocalProcess) -> None:
-        # Unhealthy until the health loop sees the engine up: no request goes to a starting engine.
+        # Unhealthy until the health loop sees the engine up: no request goes to a starting engine. A
+        # standby worker is registered in standby: probed, never routed to until ``activate``.
         runtime.fleet.add(Worker(id=p.worker_id, url=p.url, engine=cfg.local_engine, role=p.role,
                                  models=list(cfg.local_models), configured_models=bool(cfg.local_models),
-                                 state=WorkerState.UNHEALTHY))
+                                 state=WorkerState.STANDBY if p.standby else WorkerState.UNHEALTHY))
     return register
 
 
@@ -157,21 +168,59 @@ def _unregister(runtime: Any, p: LocalProcess) -> None:
         runtime.fleet.remove(p.worker_id)
 
 
+def min_serve_s(cfg: PlannerConfig) -> float:
+    """Shortest time a worker the planner started serves before the actuator lets it go: as long as
+    the planner itself takes to decide a scale-in (``scale_in_intervals`` intervals below capacity).
+    A worker stopped sooner cost a start for nothing; it derives from the interval, not a constant."""
+    return cfg.scale_in_intervals * cfg.interval_s
+
+
+def start_timeout_s(cfg: PlannerConfig) -> float:
+    """After this long a start that has not become ready is no longer "in progress" (it may be stopped)."""
+    return 3 * cfg.start_s + cfg.interval_s
+
+
 class _DrainingLocal:
-    """The local actuator with drains carried out on the registry (stop follows once idle)."""
+    """The local actuator with drains, warm standby and the churn guard carried out on the registry.
+
+    - ``drain``: out of rotation, requests in flight finish; ``stop`` follows once idle.
+    - ``activate``: a standby worker goes into rotation (a registry state change: no I/O, well
+      under a second; the router picks it at its next request).
+    - ``park``: a worker goes to standby: drained first (nothing new, in-flight finishes), then held
+      out of rotation with its process kept (probed and scraped, ready for ``activate``).
+    - churn guard (``keep_reason``): a worker still starting, or in rotation for less than
+      ``min_serve_s``, is not stopped or drained-to-stop unless the action says ``force``; the
+      refusal is one line in what was applied, and the planner re-plans next interval.
+    """
 
     name = "local"
 
-    def __init__(self, local: LocalProcessActuator, runtime: Any) -> None:
+    def __init__(self, local: LocalProcessActuator, runtime: Any, min_serve_s: float = 0.0,
+                 start_timeout_s: float = 0.0) -> None:
         self.local = local
         self.runtime = runtime
+        self.min_serve_s = min_serve_s
+        self.start_timeout_s = start_timeout_s
         self._stopping: dict[str, asyncio.Task[None]] = {}  # worker id → stop once idle
+        self._parking: dict[str, asyncio.Task[None]] = {}  # worker id → park once idle
+        self._rotation_at: dict[str, float] = {}  # worker id → when it was last activated from standby
 
     async def close(self) -> None:
-        for task in list(self._stopping.values()):
+        tasks = [*self._stopping.values(), *self._parking.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._stopping.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.local.close()
+
+    def keep_reason(self, worker: Worker, now: float) -> str | None:
+        p = self.local.processes.get(worker.id)
+        if p is None or (self.min_serve_s <= 0 and self.start_timeout_s <= 0):
+            return None
+        ready = worker.ready_at
+        if ready is not None and worker.id in self._rotation_at:
+            ready = max(ready, self._rotation_at[worker.id])
+        return keep_reason(now, started_at=p.started_at, ready_at=ready, alive=p.proc is not None and p.proc.poll() is None,
+                           min_serve_s=self.min_serve_s, start_timeout_s=self.start_timeout_s)
 
     async def _stop_when_idle(self, worker: Worker) -> None:
         try:
@@ -182,36 +231,76 @@ class _DrainingLocal:
         finally:
             self._stopping.pop(worker.id, None)
 
+    async def _park_when_idle(self, worker: Worker) -> None:
+        try:
+            while worker.inflight > 0:
+                await asyncio.sleep(0.05)
+            if self.runtime.fleet.get(worker.id) is worker and worker.state is WorkerState.DRAINING:
+                self.runtime.fleet.park(worker.id)
+        finally:
+            self._parking.pop(worker.id, None)
+
     async def apply(self, decision: Any) -> list[str]:
         done = []
         fleet = self.runtime.fleet
-        later = set()
+        now = self.local.clock.now()
+        rest = []
         for a in decision.actions:
-            if a.kind == "drain" and a.worker_id and fleet.get(a.worker_id) is not None:
-                fleet.drain(a.worker_id)
-                done.append(f"draining {a.worker_id}")
-            elif a.kind == "stop" and a.worker_id and (w := fleet.get(a.worker_id)) is not None:
+            w = fleet.get(a.worker_id) if a.worker_id else None
+            to_stop = a.kind == "stop" or (a.kind == "drain" and a.then in (None, "stop"))
+            if to_stop and w is not None and not getattr(a, "force", False) and (why := self.keep_reason(w, now)):
+                done.append(f"kept {w.id}: {why}")
+                continue
+            if a.kind == "drain" and w is not None:
+                fleet.drain(w.id)
+                done.append(f"draining {w.id}" + (f" (then {a.then})" if a.then else ""))
+            elif a.kind == "activate" and w is not None:
+                task = self._parking.pop(w.id, None)
+                if task is not None:
+                    task.cancel()
+                fleet.activate(w.id)
+                self._rotation_at[w.id] = now
+                done.append(f"activated {w.id} ({w.state.value})")
+            elif a.kind == "park" and w is not None:
+                # drain first: what it has finishes, nothing new arrives; the process is kept
+                if w.state is not WorkerState.DRAINING:
+                    fleet.drain(w.id)
+                if w.inflight > 0:
+                    if w.id not in self._parking:
+                        self._parking[w.id] = asyncio.create_task(self._park_when_idle(w))
+                    done.append(f"parking {w.id} once its {w.inflight} request(s) finish")
+                else:
+                    fleet.park(w.id)
+                    done.append(f"parked {w.id} (standby)")
+            elif a.kind == "stop" and w is not None:
                 # The planner saw it idle, but the router may have sent it a request since: take it out of
                 # rotation first; if something is in flight, stop it once that finished (the loop goes on).
                 if w.state is not WorkerState.DRAINING:
                     fleet.drain(w.id)
-                if w.inflight > 0 and a.worker_id in self.local.processes:
-                    later.add(a.worker_id)
-                    if a.worker_id not in self._stopping:
-                        self._stopping[a.worker_id] = asyncio.create_task(self._stop_when_idle(w))
-                    done.append(f"stopping {a.worker_id} once its {w.inflight} request(s) finish")
-        if later:
-            decision = replace(decision, actions=[a for a in decision.actions
-                                                  if not (a.kind == "stop" and a.worker_id in later)])
-        return done + await self.local.apply(decision)
+                if w.inflight > 0 and w.id in self.local.processes:
+                    if w.id not in self._stopping:
+                        self._stopping[w.id] = asyncio.create_task(self._stop_when_idle(w))
+                    done.append(f"stopping {w.id} once its {w.inflight} request(s) finish")
+                else:
+                    rest.append(a)
+            elif a.kind in ("start", "stop"):
+                rest.append(a)
+        return done + await self.local.apply(replace(decision, actions=rest))
+
+
+def _local_of(actuator: Actuator) -> LocalProcessActuator | None:
+    inner = actuator.local if isinstance(actuator, _DrainingLocal) else getattr(actuator, "fallback", None)
+    if isinstance(inner, _DrainingLocal):
+        inner = inner.local
+    return inner if isinstance(inner, LocalProcessActuator) else None
 
 
 def stoppable_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
     """Which workers ``actuator`` can stop (None: any). A local actuator stops only the engines it
     started; role changes alone stop nothing. The planner never drains the others to stop them: a
     drained worker that is then not stopped would stay out of service for good."""
-    local = actuator.local if isinstance(actuator, _DrainingLocal) else getattr(actuator, "fallback", None)
-    if isinstance(local, LocalProcessActuator):
+    local = _local_of(actuator)
+    if local is not None:
         return lambda w: w.id in local.processes
     if isinstance(actuator, RoleChangeActuator):
         return lambda w: False
@@ -226,8 +315,8 @@ def stoppable_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
 def starting_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
     """Which unhealthy workers are engines the local actuator started that have not been healthy yet
     (a worker that was healthy once and fell over is unhealthy, not starting)."""
-    local = actuator.local if isinstance(actuator, _DrainingLocal) else getattr(actuator, "fallback", None)
-    if not isinstance(local, LocalProcessActuator):
+    local = _local_of(actuator)
+    if local is None:
         return None
     served: set[str] = set()
 
@@ -250,7 +339,7 @@ def build_service(runtime: Any, read_metrics: Callable[[], bytes | str]) -> Plan
     stoppable = stoppable_by(actuator)
     starting = starting_by(actuator)
     gate = InputGate(cfg.input_max_age_s or 3 * cfg.interval_s, need_latency=cfg.correct_from_latency)
-    return PlannerService(planner, source_from_config(cfg, read_metrics), actuator,
+    return PlannerService(planner, source_from_config(cfg, read_metrics, fleet=runtime.fleet), actuator,
                           fleet=lambda: views_from_workers(runtime.fleet.workers(), stoppable, starting), clock=runtime.clock,
                           metrics=runtime.metrics, gate=gate)
 

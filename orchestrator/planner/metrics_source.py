@@ -7,6 +7,14 @@ rate is what the fleet manages, not what it is asked for; sizing from it under-p
 queue grows and overshoots once the backlog clears. Finished requests give only what needs a finish:
 the mean OSL (generated tokens) and latency (TTFT/ITL).
 
+Latency has two sources. The gateway measures TTFT/ITL on the streams it relays (what clients see,
+``dyad_request_ttft_seconds``); a non-streamed request has no first token the gateway can time.
+When a window has no stream latency, the engines' own histograms (``vllm:`` / ``sglang:``
+``time_to_first_token_seconds`` and ``inter_token_latency_seconds``, measured by the engine for every
+request, streamed or not) stand in: from the gateway's scrape of each engine's ``/metrics``
+(``Worker.load``) or from Prometheus when it scrapes the engines. ``Observation.latency_source``
+says which one was used ("gateway", "engines" or None); ``latency_from_engines`` is the pure part.
+
 Two sources, same output:
 - ``PrometheusSource`` asks a Prometheus server (HTTP API, instant queries over ``dyad_*`` series
   the gateway exports); use it when Prometheus already scrapes the gateway.
@@ -19,14 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.base import Histogram
+from adapters.base import Histogram, LoadSnapshot, Role
 
 
 @dataclass
@@ -49,6 +57,7 @@ class Observation:
     running: float | None = None
     kv_usage: float | None = None  # mean over workers, 0..1
     prefix_hit_ratio: float | None = None  # cached / prompt tokens, 0..1
+    latency_source: str | None = None  # where TTFT/ITL came from: "gateway" (streams), "engines" or None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
@@ -63,6 +72,110 @@ def _num(x: Any) -> float | None:
 
 
 PEAK_WINDOW_S = 5.0  # bursts are measured at this time scale (a few TTFT targets): what queues see
+
+
+# ---------------------------------------------------------------- latency from the engines
+
+@dataclass(frozen=True)
+class EngineLatency:
+    """One engine's latency histograms over one window (observations in the window only)."""
+
+    role: Role
+    ttft: Histogram | None
+    itl: Histogram | None
+
+
+def merge_histograms(hs: list[Histogram | None]) -> Histogram | None:
+    """Sum histograms of the same series from several engines (buckets kept only when they agree)."""
+    got = [h for h in hs if h is not None and h.count > 0]
+    if not got:
+        return None
+    bounds = [b for b, _ in got[0].buckets]
+    same = all([b for b, _ in h.buckets] == bounds for h in got)
+    buckets = [(b, sum(h.buckets[i][1] for h in got)) for i, b in enumerate(bounds)] if same else []
+    return Histogram(buckets, sum(h.sum for h in got), sum(h.count for h in got))
+
+
+LATENCY_FIELDS = ("ttft_mean", "ttft_p90", "ttft_p99", "itl_mean", "itl_p90")
+
+
+def latency_from_engines(parts: list[EngineLatency]) -> dict[str, float | None]:
+    """The Observation's TTFT/ITL fields from the engines' own histograms (pure).
+
+    Aggregated workers (role both) see a request from arrival to its first token: their TTFT is
+    the request's, less the gateway's own time. In a P/D fleet a split request's first token comes
+    after two engines: the prefill engine's TTFT (queue + prefill) plus the decode engine's (KV
+    transfer + first step), so the pools' means (and p90s) are added — an upper estimate when some
+    requests prefill locally on the decode worker. ITL comes from the workers that decode."""
+    pre = merge_histograms([p.ttft for p in parts if p.role is Role.PREFILL])
+    first = merge_histograms([p.ttft for p in parts if p.role is not Role.PREFILL])
+    itl = merge_histograms([p.itl for p in parts if p.role is not Role.PREFILL])
+
+    def add(f: Callable[[Histogram], float | None]) -> float | None:
+        vals = [f(h) for h in (pre, first) if h is not None]
+        vals = [v for v in vals if v is not None]
+        return sum(vals) if vals else None
+
+    return {
+        "ttft_mean": add(Histogram.mean), "ttft_p90": add(lambda h: h.quantile(0.9)),
+        "ttft_p99": add(lambda h: h.quantile(0.99)),
+        "itl_mean": itl.mean() if itl is not None else None,
+        "itl_p90": itl.quantile(0.9) if itl is not None else None,
+    }
+
+
+def with_engine_latency(obs: Observation, engine: dict[str, float | None]) -> Observation:
+    """``obs`` with the gateway's stream latency when it has any, else the engines' (pure)."""
+    if obs.ttft_mean is not None or obs.itl_mean is not None:
+        return replace(obs, latency_source="gateway")
+    if engine.get("ttft_mean") is None and engine.get("itl_mean") is None:
+        return replace(obs, latency_source=None)
+    return replace(obs, latency_source="engines", **{k: engine.get(k) for k in LATENCY_FIELDS})
+
+
+# Engine series (both dialects), read when the gateway has no stream latency for a window
+ENGINE_TTFT = "(vllm|sglang):time_to_first_token_seconds"
+ENGINE_ITL = "(vllm|sglang):inter_token_latency_seconds"
+
+
+def engine_latency_queries(window: str) -> dict[str, str]:
+    """PromQL for the engines' histograms per scrape target (``instance``), over ``window``."""
+    out = {}
+    for key, name in (("ttft", ENGINE_TTFT), ("itl", ENGINE_ITL)):
+        out[f"{key}_bucket"] = f'sum by (instance, le) (increase({{__name__=~"{name}_bucket"}}[{window}]))'
+        out[f"{key}_sum"] = f'sum by (instance) (increase({{__name__=~"{name}_sum"}}[{window}]))'
+        out[f"{key}_count"] = f'sum by (instance) (increase({{__name__=~"{name}_count"}}[{window}]))'
+    return out
+
+
+def instance_of(url: str) -> str:
+    """A worker URL as Prometheus labels its scrape target (``host:port``)."""
+    rest = url.split("://", 1)[-1]
+    return rest.split("/", 1)[0]
+
+
+def engine_parts_from_prometheus(results: dict[str, list[dict[str, Any]]],
+                                 roles: dict[str, Role]) -> list[EngineLatency]:
+    """Prometheus vector results (``engine_latency_queries``) → one ``EngineLatency`` per instance
+    (pure). ``roles`` maps an instance to its worker's role; an instance the gateway does not know
+    is not one of its workers and is left out."""
+    hist: dict[tuple[str, str], dict[str, Any]] = {}
+    for key, rows in results.items():
+        series, _, part = key.partition("_")
+        for row in rows:
+            inst = row["metric"].get("instance", "")
+            if inst not in roles:
+                continue
+            v = _num(row["value"][1]) or 0.0
+            h = hist.setdefault((inst, series), {"buckets": {}, "sum": 0.0, "count": 0.0})
+            if part == "bucket":
+                h["buckets"][float(row["metric"]["le"])] = v
+            else:
+                h[part] = v
+    out: dict[str, dict[str, Histogram | None]] = {}
+    for (inst, series), h in hist.items():
+        out.setdefault(inst, {})[series] = Histogram(sorted(h["buckets"].items()), h["sum"], h["count"])
+    return [EngineLatency(roles[i], d.get("ttft"), d.get("itl")) for i, d in out.items()]
 
 
 # ---------------------------------------------------------------- Prometheus HTTP API
@@ -113,23 +226,37 @@ class PrometheusSource:
     """
 
     def __init__(self, url: str, window_s: float = 60.0, model: str | None = None,
-                 client: httpx.AsyncClient | None = None, timeout_s: float = 5.0) -> None:
+                 client: httpx.AsyncClient | None = None, timeout_s: float = 5.0,
+                 engines: Callable[[], Iterable[tuple[Role, str]]] | None = None) -> None:
         self.url = url.rstrip("/")
+        self.engines = engines  # (role, url) of the gateway's workers: engine latency when streams give none
         self.window_s = window_s
         self.model = model
         self._client = client
         self.timeout_s = timeout_s
 
-    async def _query(self, client: httpx.AsyncClient, expr: str) -> float | None:
+    async def _vector(self, client: httpx.AsyncClient, expr: str) -> list[dict[str, Any]]:
         r = await client.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=self.timeout_s)
         r.raise_for_status()
         body = r.json()
         if body.get("status") != "success":
             raise RuntimeError(f"prometheus query failed: {body.get('error')}")
-        result = body["data"]["result"]
+        return list(body["data"]["result"])
+
+    async def _query(self, client: httpx.AsyncClient, expr: str) -> float | None:
+        result = await self._vector(client, expr)
         if not result:
             return None
         return _num(result[0]["value"][1])
+
+    async def _engine_latency(self, client: httpx.AsyncClient, window: str) -> dict[str, float | None]:
+        """The engines' TTFT/ITL over the window, per scrape target mapped to the worker's role."""
+        roles = {instance_of(url): role for role, url in (self.engines() if self.engines else ())}
+        if not roles:
+            return {}
+        queries = engine_latency_queries(window)
+        answers = await asyncio.gather(*(self._vector(client, e) for e in queries.values()))
+        return latency_from_engines(engine_parts_from_prometheus(dict(zip(queries, answers, strict=True)), roles))
 
     async def observe(self, now: float) -> Observation:
         client = self._client or httpx.AsyncClient()
@@ -139,18 +266,22 @@ class PrometheusSource:
             # concurrently: a hung Prometheus costs one timeout per interval, not one per field
             answers = await asyncio.gather(*(self._query(client, e) for e in queries.values()),
                                            return_exceptions=True)
+            for answer in answers:
+                if isinstance(answer, BaseException):
+                    raise answer
+            values = dict(zip(queries, answers, strict=True))
+            rate = values.pop("request_rate")
+            if rate is None:
+                raise NoPrometheusData(f"Prometheus at {self.url} has no dyad_request_arrivals_total samples over "
+                                       f"the last {window} (just restarted, or not scraping the gateway); holding")
+            obs = Observation(at=now, window_s=self.window_s, request_rate=rate, **values)
+            engine: dict[str, float | None] = {}
+            if obs.ttft_mean is None and obs.itl_mean is None and self.engines is not None:
+                engine = await self._engine_latency(client, window)  # no streams this window
         finally:
             if self._client is None:
                 await client.aclose()
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                raise answer
-        values = dict(zip(queries, answers, strict=True))
-        rate = values.pop("request_rate")
-        if rate is None:
-            raise NoPrometheusData(f"Prometheus at {self.url} has no dyad_request_arrivals_total samples over "
-                                   f"the last {window} (just restarted, or not scraping the gateway); holding")
-        return Observation(at=now, window_s=self.window_s, request_rate=rate, **values)
+        return with_engine_latency(obs, engine)
 
 
 # ---------------------------------------------------------------- direct scrape of the gateway
@@ -240,7 +371,8 @@ class DirectSource:
     """
 
     def __init__(self, metrics_url: str | None = None, client: httpx.AsyncClient | None = None,
-                 timeout_s: float = 5.0, *, read: Callable[[], bytes | str] | None = None) -> None:
+                 timeout_s: float = 5.0, *, read: Callable[[], bytes | str] | None = None,
+                 engines: Callable[[], Iterable[tuple[str, Role, LoadSnapshot]]] | None = None) -> None:
         if (metrics_url is None) == (read is None):
             raise ValueError("DirectSource needs exactly one of metrics_url and read")
         self.metrics_url = metrics_url
@@ -248,6 +380,10 @@ class DirectSource:
         self._client = client
         self.timeout_s = timeout_s
         self._prev: Scrape | None = None
+        # (worker id, role, last scraped load): the engines' histograms, read from the gateway's own
+        # scrape of each engine's /metrics; used for latency when no stream gave any
+        self.engines = engines
+        self._engine_prev: dict[str, LoadSnapshot] = {}
 
     async def _text(self) -> str:
         if self.read is not None:
@@ -266,9 +402,31 @@ class DirectSource:
     async def observe(self, now: float) -> Observation:
         cur = parse_gateway_metrics(await self._text(), now)
         prev, self._prev = self._prev, cur
+        engine = self._engine_window()
         if prev is None:
             return Observation(at=now, window_s=0.0, request_rate=None)
         if not cur.has_arrivals:
             # a gateway that does not export arrival counters: demand is not measured (never plan on 0)
             return Observation(at=now, window_s=cur.at - prev.at, request_rate=None)
-        return observation_from_scrapes(prev, cur)
+        return with_engine_latency(observation_from_scrapes(prev, cur), engine)
+
+    def _engine_window(self) -> dict[str, float | None]:
+        """The engines' latency since the last call (an engine seen for the first time only primes)."""
+        if self.engines is None:
+            return {}
+        parts = []
+        seen: dict[str, LoadSnapshot] = {}
+        for wid, role, load in self.engines():
+            seen[wid] = load
+            old = self._engine_prev.get(wid)
+            if old is None:
+                continue
+
+            def delta(cur: Histogram | None, before: Histogram | None) -> Histogram | None:
+                if cur is None:
+                    return None
+                return cur.minus(before) if before is not None else None
+
+            parts.append(EngineLatency(role, delta(load.ttft, old.ttft), delta(load.itl, old.itl)))
+        self._engine_prev = seen
+        return latency_from_engines(parts)

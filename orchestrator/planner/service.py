@@ -45,11 +45,15 @@ def views_from_workers(workers: Iterable[Worker],
     out = []
     for w in workers:
         state = {WorkerState.HEALTHY: "healthy", WorkerState.DRAINING: "draining"}.get(w.state, "unhealthy")
-        if starting is not None and starting(w) and state == "unhealthy":  # called for every worker: it
-            state = "starting"                                            # tracks which were up once
+        is_starting = starting is not None and starting(w)  # called for every worker: it tracks which were up once
+        standby = False
+        if w.state is WorkerState.STANDBY:  # warm standby: ready ones can be activated; others are on their way
+            state, standby = ("standby", False) if w.health_ok else ("starting", True)
+        elif is_starting and state == "unhealthy":
+            state = "starting"
         role = w.target_role or w.role
         out.append(WorkerView(w.id, role, state, w.inflight, int(w.load.waiting),
-                              stoppable=True if stoppable is None else stoppable(w)))
+                              stoppable=True if stoppable is None else stoppable(w), standby=standby))
     return out
 
 
@@ -109,7 +113,10 @@ class PlannerService:
         entry["applied"] = done
         entry["actuator"] = self.actuator.name
         self.history.append(entry)
-        self.timeline.append(decision.timeline_row())
+        row = decision.timeline_row()
+        # where this interval's TTFT/ITL came from: "gateway" (streams), "engines" (their histograms) or None
+        row["latency_source"] = decision.observation.latency_source if decision.observation else None
+        self.timeline.append(row)
 
     async def react_once(self) -> PlanDecision | None:
         """The fast load-reactive look (``Planner.react``) between intervals; acts only to scale out."""
@@ -186,6 +193,19 @@ class PlannerService:
                 await self._task
             self._task = None
 
+    def standby_status(self) -> dict[str, Any]:
+        """Warm standby: how many the config keeps per role, and the workers held out of rotation now."""
+        s = self.planner.settings
+        try:
+            fleet = self.fleet()
+        except Exception:  # noqa: BLE001 - a status page never fails on the fleet view
+            fleet = []
+        workers = [{"id": w.id, "role": w.role.value, "ready": w.state == "standby"}
+                   for w in fleet if w.state == "standby" or w.standby]
+        counts = {r: sum(1 for w in workers if w["role"] == r) for r in ("prefill", "decode")}
+        return {"wanted": {"prefill": s.standby_prefill, "decode": s.standby_decode}, "count": counts,
+                "workers": workers}
+
     def status(self) -> dict[str, Any]:
         s = self.planner.settings
         return {
@@ -193,6 +213,7 @@ class PlannerService:
             "targets": {"ttft_s": s.targets.ttft_s, "itl_s": s.targets.itl_s},
             "limits": vars(s.limits), "last_error": self.last_error, "held": self.held,
             "draining": self.planner.draining(),
+            "standby": self.standby_status(),
             "last": self.history[-1] if self.history else None,
             "history": list(self.history),
             "timeline": list(self.timeline),

@@ -131,6 +131,9 @@ class DyadMetrics:
                                        ["quantity"], registry=r)
         self.planner_desired_workers = Gauge("dyad_planner_desired_workers", "Workers the planner wants",
                                              ["role"], registry=r)
+        self.planner_standby_workers = Gauge("dyad_planner_standby_workers",
+                                             "Warm standby workers per role (started, held out of rotation)",
+                                             ["role"], registry=r)
         self.planner_max_workers = Gauge("dyad_planner_max_workers", "The planner's worker budget (planner.max_workers)",
                                          registry=r)
         self.planner_decisions = Counter("dyad_planner_decisions_total", "Planner decisions", ["action"],
