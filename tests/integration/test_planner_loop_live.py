@@ -13,7 +13,10 @@ Asserted, per the issue's "Must show":
 - every worker it started serves traffic (counted by the engine itself) within 30 s of being ready;
 - the pools shrink after the load drops;
 - not one request fails or is truncated: every stream, checked one by one, is a 200 whose last event
-  is ``data: [DONE]``, with a ``finish_reason`` and no error event before it.
+  is ``data: [DONE]``, with a ``finish_reason`` and no error event before it;
+- no churn: no engine is stopped while its start is in progress, and none is stopped less than
+  ``min_serve_s`` after it became ready (``scale_in_intervals`` x ``interval_s``: as long as the
+  planner needs to decide a scale-in, derived from the interval, not a tuned constant).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
+from orchestrator.planner.install import min_serve_s
 from orchestrator.sim.profiles import load_profile
 from orchestrator.sim.server import SimEngineThread
 from orchestrator.sim.virtual_time import sweep_profile
@@ -59,6 +63,7 @@ class Seen:
 
     role: str
     ready_at: float | None = None
+    registry_ready_at: float | None = None  # the registry's own time of its first passing probe (same clock)
     served_at: float | None = None
     gone_at: float | None = None
 
@@ -86,6 +91,8 @@ class Monitor:
                     s = self.started.setdefault(w.id, Seen(w.role.value))
                     if w.state.value == "healthy" and s.ready_at is None:
                         s.ready_at = now
+                    if w.ready_at is not None:
+                        s.registry_ready_at = w.ready_at
                     if s.ready_at is not None and s.served_at is None and served(client, w.url):
                         s.served_at = now
                 for wid, s in self.started.items():
@@ -230,6 +237,14 @@ def test_planner_follows_a_day_with_local_engines(tmp_path: Path):
         assert final_p < peak_p, ("the prefill pool did not shrink after the load dropped", peak_p, final_p)
         assert final_d < peak_d, ("the decode pool did not shrink after the load dropped", peak_d, final_d)
         assert any(s.gone_at is not None for s in monitor.started.values()), "the actuator stopped nothing"
+        # no churn: every engine the actuator stopped had become ready and served at least min_serve_s
+        floor = min_serve_s(config.planner)
+        for wid, s in monitor.started.items():
+            if s.gone_at is None:
+                continue
+            assert s.registry_ready_at is not None, f"{wid} was stopped before it was ever ready: {s}"
+            assert s.gone_at - s.registry_ready_at >= floor, (
+                f"{wid} stopped {s.gone_at - s.registry_ready_at:.1f} s after it was ready (< {floor:g} s)", s)
         print(f"sent {sent} streams; peak {peak_p} prefill, {peak_d} decode; started {len(monitor.started)} engines; "
               f"final {monitor.counts[-1][1:]}; took {time.monotonic() - t0:.0f} s")
     finally:

@@ -147,3 +147,57 @@ def test_planner_on_prometheus_moves_workers_with_the_mix(prometheus_server, tmp
             gw.stop()
         for e in engines:
             e.stop()
+
+
+def test_non_streamed_traffic_plans_on_the_engines_latency(prometheus_server, tmp_path: Path):  # noqa: F811
+    """Only non-streamed requests: the gateway times no first token, so its TTFT/ITL series stay
+    empty. With Prometheus scraping the engines too, the planner takes TTFT/ITL from the engines'
+    ``vllm:time_to_first_token_seconds`` / ``vllm:inter_token_latency_seconds`` (simulated engines
+    export vLLM's names) and plans, latency correction on, instead of holding on latency_missing;
+    the timeline names the source."""
+    profile = load_profile("gpu-like")
+    perf = tmp_path / "profile.json"
+    perf.write_text(json.dumps(sweep_profile(profile)))
+    engines = [SimEngineThread(model=MODEL, profile=profile, seed=i, kv_events=False).start() for i in range(2)]
+    gw = None
+    try:
+        config = load_config({
+            "models": [{"name": MODEL}],
+            "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "role": role, "models": [MODEL]}
+                        for i, (e, role) in enumerate(zip(engines, ["prefill", "decode"], strict=True))],
+            "gateway": {"admin_token": ADMIN["Authorization"].split()[1]},
+            "health": {"interval_s": 0.5},
+            "scrape": {"interval_s": 0.5},
+            "disagg": {"enabled": True, "min_prefill_tokens": 32},
+            "planner": {
+                "enabled": True, "interval_s": 1.5, "prometheus_url": prometheus_server.url,
+                "prometheus_window_s": 4, "actuator": "recommend", "profile": str(perf),
+                "ttft_target_s": 1.0, "itl_target_s": 0.05, "max_workers": 6, "predictor": "constant",
+            },
+        }, environ={})
+        assert config.planner.correct_from_latency  # the default: latency is a required input
+        gw = GatewayThread(config).start()
+        prometheus_server.set_targets([f"{gw.url}/metrics"] + [f"{e.url}/metrics" for e in engines])
+
+        def planned_on_engines() -> bool:
+            status = httpx.get(f"{gw.url}/admin/planner", headers=ADMIN, timeout=5).json()
+            return any(r.get("latency_source") == "engines" and (r.get("rate_observed") or 0) > 0
+                       and r.get("ttft_mean_s") for r in status["timeline"])
+
+        sent, failed = asyncio.run(drive(gw.url, prefill_heavy, rate=6, max_s=40, until=planned_on_engines))
+        status = httpx.get(f"{gw.url}/admin/planner", headers=ADMIN, timeout=5).json()
+        assert failed == [] and sent > 10
+        rows = [r for r in status["timeline"] if r.get("latency_source") == "engines"]
+        assert rows, ("the planner never took latency from the engines", status["held"], status["timeline"][-3:])
+        # the gateway really had no latency of its own: nothing was streamed
+        assert not prometheus_server.query_value("sum(dyad_request_ttft_seconds_count)")
+        # it planned (no latency hold) and acted: long prompts at 6 req/s need more than one prefill worker
+        planned = [h for h in status["history"] if (h["observation"] or {}).get("latency_source") == "engines"]
+        assert planned and not any("latency_missing" in r for h in planned for r in h["reasons"])
+        assert any(h["desired"].get("prefill", 0) > h["current"].get("prefill", 0) for h in planned), \
+            [(h["desired"], h["current"]) for h in planned]
+    finally:
+        if gw is not None:
+            gw.stop()
+        for e in engines:
+            e.stop()
