@@ -1,0 +1,157 @@
+"""Warm standby, live: the local actuator keeps a started engine out of rotation and the planner
+activates it before starting a cold one.
+
+A real gateway (P/D routing) over one prefill and one decode ``dyad sim-engine`` (the simulator
+stands in for engines; the slowed GPU-like profile of the live-loop test, so the peak needs a
+second prefill worker). The planner keeps ``standby_prefill: 1``:
+
+- the actuator starts a standby prefill engine; the registry holds it in ``standby``: it is
+  health-checked (its probe passes) but the router never sends it a request (the engine's own
+  request counter stays at 0 under traffic);
+- when the load rises the planner ``activate``s it: it is in rotation in well under a second (a
+  registry state change) and serves soon after; a cold engine is started to refill the pool;
+- not one request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.fleet.worker import WorkerState
+from orchestrator.gateway.serve import GatewayThread
+from orchestrator.sim.profiles import load_profile
+from orchestrator.sim.server import SimEngineThread
+from orchestrator.sim.virtual_time import sweep_profile
+from tests.integration.test_planner_loop_live import ENGINE, MODEL, chat_body, one_stream
+
+pytestmark = [pytest.mark.timeout(240)]
+
+
+def requests_served(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+async def traffic(url: str, rate: float, until, max_s: float) -> tuple[int, list[str]]:
+    problems: list[str] = []
+    tasks: set[asyncio.Task] = set()
+    sent = 0
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async def go() -> None:
+            p = await one_stream(client, chat_body())
+            if p is not None:
+                problems.append(p)
+
+        start = time.monotonic()
+        while time.monotonic() - start < max_s and not until():
+            t = asyncio.create_task(go())
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+            sent += 1
+            await asyncio.sleep(1 / rate)
+        if tasks:
+            await asyncio.wait(tasks, timeout=120)
+    return sent, problems
+
+
+def test_standby_worker_is_held_out_then_activated(tmp_path: Path):
+    engine_file = tmp_path / "engine.json"
+    engine_file.write_text(json.dumps(ENGINE))
+    perf = tmp_path / "perf.json"
+    perf.write_text(json.dumps(sweep_profile(load_profile(str(engine_file)))))
+    cmd = (f"{sys.executable} -m orchestrator.cli sim-engine --port {{port}} --model {MODEL} "
+           f"--profile {engine_file} --no-kv-events --seed 7")
+    static = [SimEngineThread(model=MODEL, profile=load_profile(str(engine_file)), seed=i, kv_events=False).start()
+              for i in range(2)]
+    gw = None
+    stop = threading.Event()
+    try:
+        config = load_config({
+            "models": [{"name": MODEL}],
+            "workers": [{"id": "p0", "url": static[0].url, "engine": "sim", "role": "prefill", "models": [MODEL]},
+                        {"id": "d0", "url": static[1].url, "engine": "sim", "role": "decode", "models": [MODEL]}],
+            "gateway": {"admin_token": "standby-admin"},
+            "health": {"interval_s": 0.3},
+            "scrape": {"interval_s": 0.5},
+            "disagg": {"enabled": True, "min_prefill_tokens": 32},
+            "planner": {
+                "enabled": True, "interval_s": 1.5, "actuator": "local", "max_workers": 6, "profile": str(perf),
+                "local_commands": {"prefill": cmd, "decode": cmd}, "local_engine": "sim", "local_models": [MODEL],
+                "ttft_target_s": 0.5, "itl_target_s": 0.025, "predictor": "constant", "start_s": 5,
+                "scale_in_intervals": 3, "correct_from_latency": False, "standby_prefill": 1,
+            },
+        }, environ={})
+        gw = GatewayThread(config).start()
+        fleet = gw.runtime.fleet
+        states: dict[str, list[tuple[float, str]]] = {}  # worker id → (time, state) changes seen
+
+        def watch() -> None:
+            while not stop.is_set():
+                now = time.monotonic()
+                for w in fleet.workers():
+                    seq = states.setdefault(w.id, [])
+                    if not seq or seq[-1][1] != w.state.value:
+                        seq.append((now, w.state.value))
+                stop.wait(0.02)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+        def standby_ready():
+            return next((w for w in fleet.workers() if w.state is WorkerState.STANDBY and w.health_ok), None)
+
+        # light traffic until the actuator has a standby prefill engine that passed its probe
+        sent0, problems0 = asyncio.run(traffic(gw.url, 1.0, lambda: standby_ready() is not None, 40))
+        sb = standby_ready()
+        assert sb is not None, ("no standby worker", gw.runtime.planner.status()["standby"])
+        assert sb.id.startswith("local-prefill") and sb.ready_at is not None
+        # held out of rotation: more traffic, and the standby engine serves none of it
+        sent1, problems1 = asyncio.run(traffic(gw.url, 1.0, lambda: False, 4))
+        assert fleet.get(sb.id).state is WorkerState.STANDBY
+        assert requests_served(sb.url) == 0 and requests_served(static[0].url) > 0
+        status = httpx.get(f"{gw.url}/admin/planner", timeout=5,
+                           headers={"Authorization": "Bearer standby-admin"}).json()
+        assert status["standby"]["count"]["prefill"] == 1 and status["standby"]["wanted"]["prefill"] == 1
+        assert "dyad_planner_standby_workers{role=\"prefill\"} 1.0" in httpx.get(f"{gw.url}/metrics").text
+
+        # the peak: the planner activates the standby engine (before any cold start of that role)
+        def activated() -> bool:
+            return any(a["kind"] == "activate" for h in gw.runtime.planner.history for a in h["actions"])
+
+        seen_at: list[float] = []
+
+        def activated_a_while_ago() -> bool:  # keep the peak on for 6 s after the activation
+            if not seen_at and activated():
+                seen_at.append(time.monotonic())
+            return bool(seen_at) and time.monotonic() - seen_at[0] > 6
+
+        sent2, problems2 = asyncio.run(traffic(gw.url, 9.0, activated_a_while_ago, 60))
+        stop.set()
+        history = gw.runtime.planner.history
+        act = next(h for h in history for a in h["actions"] if a["kind"] == "activate")
+        assert act["actions"][[a["kind"] for a in act["actions"]].index("activate")]["worker_id"] == sb.id
+        # in rotation within well under a second of the decision
+        healthy_at = next(t for t, s in states[sb.id] if s == "healthy")
+        lag = healthy_at - act["at"]
+        assert lag < 1.0, (lag, states[sb.id])
+        assert requests_served(sb.url) > 0, ("the activated standby engine never served", states[sb.id])
+        problems = problems0 + problems1 + problems2
+        assert problems == [], problems[:5]
+        cold = [w for w in fleet.workers() if w.id.startswith("local-") and w.id != sb.id]
+        print(f"standby {sb.id}: activated {lag * 1000:.0f} ms after the decision; sent {sent0 + sent1 + sent2}; "
+              f"other engines started: {[(w.id, w.state.value) for w in cold]}")
+    finally:
+        stop.set()
+        if gw is not None:
+            gw.stop()
+        for e in static:
+            e.stop()
