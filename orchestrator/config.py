@@ -122,6 +122,9 @@ class KubernetesDiscoveryConfig(_Section):
     kv_events_topic: str = Field("kv-events", description="KV-event topic")
     draining_annotation: str = Field("dyad.dev/draining", description="Pod annotation that marks a pod "
                                                                       "draining (value \"true\")")
+    standby_annotation: str = Field("dyad.dev/standby", description="Pod annotation that marks a pod warm "
+                                                                    "standby (value \"true\"): health-checked, "
+                                                                    "not routed to (the planner's actuator sets it)")
     watch_timeout_s: int = Field(300, ge=1, description="Server-side timeout of one watch request "
                                                         "(the watch then resumes from its resourceVersion)")
 

@@ -172,6 +172,13 @@ def keep_reason(now: float, *, started_at: float, ready_at: float | None, alive:
 
 
 Pod = dict[str, Any]
+
+
+def _pod_ready(pod: Pod) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"  # ReplicaSets remove the lowest cost first
 
 
@@ -180,10 +187,12 @@ def pod_ordinal(name: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
-def scale_in_victims(kind: str, pods: list[Pod], target: int, annotation: str) -> list[str]:
+def scale_in_victims(kind: str, pods: list[Pod], target: int, annotation: str,
+                     standby_annotation: str | None = None) -> list[str]:
     """The pods a scale-in to ``target`` replicas removes, by name. A StatefulSet removes its highest
     ordinals (no choice); a Deployment's ReplicaSet removes the pods with the lowest deletion cost, so
-    we choose: pods already marked draining first, then pods not Ready, then the highest names."""
+    we choose: pods already marked draining first, then serving pods before warm standby ones, then
+    pods not Ready, then the highest names."""
     if kind == "statefulsets":
         return sorted((p["metadata"]["name"] for p in pods
                        if (pod_ordinal(p["metadata"]["name"]) or 0) >= target), key=lambda n: pod_ordinal(n) or 0)
@@ -192,10 +201,12 @@ def scale_in_victims(kind: str, pods: list[Pod], target: int, annotation: str) -
 
     def rank(p: Pod) -> tuple:
         meta = p["metadata"]
-        marked = (meta.get("annotations") or {}).get(annotation) == "true"
+        ann = meta.get("annotations") or {}
+        marked = ann.get(annotation) == "true"
+        standby = ann.get(standby_annotation) == "true" if standby_annotation else False
         ready = any(c.get("type") == "Ready" and c.get("status") == "True"
                     for c in (p.get("status") or {}).get("conditions") or [])
-        return (not marked, ready, [-ord(ch) for ch in meta["name"]])
+        return (not marked, standby, ready, [-ord(ch) for ch in meta["name"]])  # the standby pool is kept
 
     return sorted(p["metadata"]["name"] for p in sorted(live, key=rank)[:excess])
 
@@ -265,6 +276,14 @@ class KubernetesActuator:
     A later decision that wants the capacity back cancels the drain (the marks are removed). The
     state is level-triggered: every ``apply`` re-reads the scale and the pods, so a restarted
     planner finds marked pods and carries on.
+
+    Warm standby (``standby``: pods per role kept started but out of rotation): the replicas are
+    the planner's serving count plus the standby pool; pods are held out with
+    ``standby_annotation: "true"``, which every gateway's pod discovery honours (probed, not
+    routed). New pods that the pool still needs are annotated while they start (before they turn
+    Ready, so no gateway routes to them); ``activate`` removes a pod's mark (in rotation as soon as
+    the watch delivers it) and the replicas grow to refill the pool; ``park`` marks a drained pod
+    (the planner drains it first, through the draining annotation without a deletion cost).
     """
 
     api: KubeApi
@@ -272,12 +291,15 @@ class KubernetesActuator:
     workloads: dict[Role, str]
     is_idle: Callable[[Pod], Awaitable[bool | None]] | None = None
     draining_annotation: str = "dyad.dev/draining"
+    standby: dict[Role, int] = field(default_factory=dict)  # warm standby pods kept per role
+    standby_annotation: str = "dyad.dev/standby"
     settle_s: float = 5.0
     drain_timeout_s: float = 600.0
     poll_s: float = 1.0
     clock: Clock = SYSTEM_CLOCK
     name: str = "kubernetes"
     pending: dict[Role, DrainingScaleIn] = field(default_factory=dict)
+    owed: dict[Role, int] = field(default_factory=dict)  # standby marks still to put on pods being created
     events: list[str] = field(default_factory=list)  # what the background finisher did (also logged)
     _finisher: asyncio.Task | None = None
     _lock: asyncio.Lock | None = None
@@ -325,7 +347,8 @@ class KubernetesActuator:
             target = max(target, pending.target if pending is not None else replicas)
         pods = await self._pods(scale)
         kind = self._kind(role)[0]
-        victims = set(scale_in_victims(kind, pods, target, self.draining_annotation)) if target < replicas else set()
+        victims = (set(scale_in_victims(kind, pods, target, self.draining_annotation, self.standby_annotation))
+                   if target < replicas else set())
         for p in pods:
             name = p["metadata"]["name"]
             if self._marked(p) and name not in victims and not p["metadata"].get("deletionTimestamp"):
@@ -395,27 +418,99 @@ class KubernetesActuator:
             self._finisher = asyncio.create_task(self._finish_loop(), name="dyad-k8s-drain")
 
     async def _finish_loop(self) -> None:
-        while self.pending:
-            await asyncio.sleep(self.poll_s)
+        while self.pending or any(self.owed.values()):
+            # pods being created for the standby pool are marked before they turn Ready: look often then
+            await asyncio.sleep(min(self.poll_s, 0.2) if any(self.owed.values()) else self.poll_s)
             try:
                 await self.check_drains()
+                if any(self.owed.values()):
+                    async with self._serialized():
+                        for line in [x for role in list(self.owed) for x in await self._fill_standby(role)]:
+                            log.info("kubernetes actuator: %s", line)
+                            self.events.append(line)
             except Exception as e:  # the API server is briefly away: try again next round
                 log.warning("kubernetes actuator: drain check failed: %s: %s", type(e).__name__, e)
+
+    # ------------------------------------------------------------ warm standby
+    def _is_standby(self, pod: Pod) -> bool:
+        return (pod["metadata"].get("annotations") or {}).get(self.standby_annotation) == "true"
+
+    async def _set_standby(self, pod: str, on: bool) -> None:
+        ann: dict[str, Any] = {self.standby_annotation: "true" if on else None}
+        if on:
+            ann[self.draining_annotation] = None  # parked: drained, no longer leaving
+        await self.api.merge_patch(f"/api/v1/namespaces/{self.namespace}/pods/{pod}", {"metadata": {"annotations": ann}})
+
+    async def _drain_to_standby(self, pod: str) -> None:
+        """Out of rotation while what it has finishes (no deletion cost: the pod stays)."""
+        await self.api.merge_patch(f"/api/v1/namespaces/{self.namespace}/pods/{pod}",
+                                   {"metadata": {"annotations": {self.draining_annotation: "true"}}})
+
+    async def _fill_standby(self, role: Role) -> list[str]:
+        """Mark pods that are still starting as standby until the role's pool has ``standby[role]``
+        (pods leaving in a scale-in do not count). Ready pods are never taken out of rotation here:
+        that is the planner's ``park``, after a drain."""
+        want = self.standby.get(role, 0)
+        if want <= 0:
+            self.owed.pop(role, None)
+            return []
+        scale = await self.api.get(self._scale_path(role))
+        pods = await self._pods(scale)
+        leaving = set(self.pending[role].marked_at) if role in self.pending else set()
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp") and p["metadata"]["name"] not in leaving]
+        have = sum(1 for p in live if self._is_standby(p))
+        done = []
+        for p in sorted((p for p in live if not self._is_standby(p) and not self._marked(p)
+                         and not _pod_ready(p)), key=lambda p: p["metadata"]["name"]):
+            if have >= want:
+                break
+            await self._set_standby(p["metadata"]["name"], True)
+            done.append(f"marked {p['metadata']['name']} standby")
+            have += 1
+        # still owed only while pods are being created or starting (a pod that turned Ready unmarked
+        # serves: the planner parks one after a drain if the pool stays short)
+        coming = len(pods) < int(scale["spec"].get("replicas", 0)) or any(
+            not _pod_ready(p) and not self._is_standby(p) for p in live)
+        self.owed[role] = max(0, want - have) if coming else 0
+        if self.owed[role]:
+            self._ensure_finisher()
+        return done
+
+    async def _standby_actions(self, decision: PlanDecision) -> list[str]:
+        done = []
+        for a in decision.actions:
+            if a.role not in self.workloads or not a.worker_id:
+                continue
+            if a.kind == "activate":
+                await self._set_standby(a.worker_id, False)
+                done.append(f"activated {a.worker_id}")
+            elif a.kind == "park":
+                await self._set_standby(a.worker_id, True)
+                done.append(f"parked {a.worker_id} (standby)")
+            elif a.kind == "drain" and a.then == "standby":
+                await self._drain_to_standby(a.worker_id)
+                done.append(f"draining {a.worker_id} (then standby)")
+        return done
 
     async def apply(self, decision: PlanDecision) -> list[str]:
         async with self._serialized():
             return await self._apply(decision)
 
     async def _apply(self, decision: PlanDecision) -> list[str]:
-        done = []
+        done = await self._standby_actions(decision)
         for role in (Role.PREFILL, Role.DECODE):
             if role not in self.workloads or role.value not in decision.desired:
                 continue
             want, seen = decision.desired[role.value], decision.current.get(role.value)
+            pool = self.standby.get(role, 0)  # replicas = serving + the standby pool
             direction = replica_change(want, seen)
             if direction == "hold":
-                continue  # a drain in progress goes on
-            done += await self.reconcile(role, want, grow_only=direction == "grow")
+                if pool and seen is not None:  # the pool may still be short: grow only (a drain goes on)
+                    done += await self.reconcile(role, seen + pool, grow_only=True)
+            else:
+                done += await self.reconcile(role, want + pool, grow_only=direction == "grow")
+            if pool:
+                done += await self._fill_standby(role)
         return done
 
     async def close(self) -> None:

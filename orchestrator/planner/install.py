@@ -148,8 +148,10 @@ def kubernetes_actuator(cfg: PlannerConfig, runtime: Any) -> KubernetesActuator:
             return None  # cannot tell: wait (bounded by the drain timeout)
         return load.running == 0 and load.waiting == 0
 
+    standby = {r: n for r, n in ((Role.PREFILL, cfg.standby_prefill), (Role.DECODE, cfg.standby_decode)) if n}
     return KubernetesActuator(api, cfg.kubernetes_namespace, dict(cfg.kubernetes_workloads), is_idle=engine_idle,
-                              draining_annotation=disc.draining_annotation, settle_s=cfg.kubernetes_drain_settle_s,
+                              draining_annotation=disc.draining_annotation, standby=standby,
+                              standby_annotation=disc.standby_annotation, settle_s=cfg.kubernetes_drain_settle_s,
                               drain_timeout_s=cfg.kubernetes_drain_timeout_s, clock=runtime.clock)
 
 

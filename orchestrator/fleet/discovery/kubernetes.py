@@ -13,7 +13,9 @@ contract:
   so deletions missed while disconnected are noticed.
 
 ``pod_to_spec`` is the mapping, pure: only a Ready pod with an IP becomes a routable worker; a pod
-marked draining or being deleted (``deletionTimestamp``) is a worker that takes nothing new; role
+marked draining or being deleted (``deletionTimestamp``) is a worker that takes nothing new; a pod
+annotated ``standby_annotation`` is warm standby (probed, held out of rotation until the planner's
+actuator removes the mark); role
 from ``role_label`` (else the selector's role), URL from the pod IP and a named or numbered port.
 """
 
@@ -90,8 +92,10 @@ def pod_to_spec(pod: Pod, selector_role: Role, cfg: KubernetesDiscoveryConfig) -
         else None
     config = WorkerConfig(id=name, url=f"{cfg.scheme}://{host}:{port}", engine=cfg.engine, role=role,
                           models=list(cfg.models), labels=labels, kv_events=kv_events, bootstrap_port=bootstrap)
-    marked = (meta.get("annotations") or {}).get(cfg.draining_annotation, "").lower() == "true"
-    return WorkerSpec(config, draining=marked or meta.get("deletionTimestamp") is not None)
+    annotations = meta.get("annotations") or {}
+    marked = annotations.get(cfg.draining_annotation, "").lower() == "true"
+    standby = annotations.get(cfg.standby_annotation, "").lower() == "true"
+    return WorkerSpec(config, draining=marked or meta.get("deletionTimestamp") is not None, standby=standby)
 
 
 def desired_from_pods(caches: list[tuple[Role, dict[str, Pod]]], cfg: KubernetesDiscoveryConfig,

@@ -9,6 +9,8 @@ carries it out on a ``FleetRegistry``. The rules:
   changed models/labels are updated in place;
 - a worker the source marks draining (a pod annotated by the planner's actuator, or a pod being
   deleted) is **drained**: no new requests, its in-flight ones finish; unmarked, it is undrained;
+- a worker the source marks standby (a pod annotated by the planner's actuator) is **parked**:
+  probed, never routed to; unmarked, it is **activated** (in rotation at once when its probe passed);
 - a worker that left the source (deleted from the file, a pod gone or no longer Ready) is
   **withdrawn**: drained at once, and **removed** when its in-flight requests are done or
   ``grace_s`` has passed. If it comes back before that, it is restored.
@@ -36,6 +38,7 @@ class WorkerSpec:
 
     config: WorkerConfig  # ``id`` is set
     draining: bool = False
+    standby: bool = False  # warm standby: probed, held out of rotation (draining wins over it)
 
     @property
     def id(self) -> str:
@@ -49,13 +52,14 @@ class Owned:
 
     config: WorkerConfig
     marked: bool = False  # drained because the source marked it draining
+    parked: bool = False  # held in standby because the source marked it so
     withdrawn_at: float | None = None  # left the source at this time; removed when idle
 
 
 @dataclass(frozen=True)
 class Change:
-    kind: Literal["add", "replace", "set_role", "update", "drain", "undrain", "withdraw", "restore", "remove",
-                  "conflict"]
+    kind: Literal["add", "replace", "set_role", "update", "drain", "undrain", "park", "activate", "withdraw",
+                  "restore", "remove", "conflict"]
     worker_id: str
     spec: WorkerSpec | None = None
     reason: str = ""
@@ -81,7 +85,8 @@ def plan_changes(desired: Mapping[str, WorkerSpec], owned: Mapping[str, Owned], 
             elif not spec.draining:
                 out.append(Change("add", wid, spec))
             continue
-        if o.config is spec.config and o.withdrawn_at is None and o.marked == spec.draining:
+        if (o.config is spec.config and o.withdrawn_at is None and o.marked == spec.draining
+                and o.parked == (spec.standby and not spec.draining)):
             continue  # the same report object as last time (sources memoize): nothing to compare
         if _identity(o.config) != _identity(spec.config):
             out.append(Change("replace", wid, spec, f"{o.config.url} -> {spec.config.url}"))
@@ -94,8 +99,12 @@ def plan_changes(desired: Mapping[str, WorkerSpec], owned: Mapping[str, Owned], 
             out.append(Change("restore", wid, spec, "back in the source"))
         elif spec.draining and not o.marked:
             out.append(Change("drain", wid, spec, "marked draining"))
+        elif not spec.draining and spec.standby and not o.parked:
+            out.append(Change("park", wid, spec, "marked standby"))
         elif not spec.draining and o.marked:
             out.append(Change("undrain", wid, spec, "draining mark cleared"))
+        elif not spec.draining and not spec.standby and o.parked:
+            out.append(Change("activate", wid, spec, "standby mark cleared"))
     for wid, o in owned.items():
         if wid in desired:
             continue
@@ -152,6 +161,9 @@ class Reconciler:
             if c.spec.draining:
                 fleet.drain(wid)
                 self.owned[wid].marked = True
+            elif c.spec.standby:
+                fleet.park(wid)
+                self.owned[wid].parked = True
         elif c.kind == "set_role":
             assert c.spec is not None
             fleet.set_role(wid, c.spec.config.role)
@@ -166,10 +178,16 @@ class Reconciler:
             self.owned[wid].config = c.spec.config
         elif c.kind == "drain":
             fleet.drain(wid)
-            self.owned[wid].marked = True
+            self.owned[wid].marked, self.owned[wid].parked = True, False
         elif c.kind == "undrain":
             fleet.undrain(wid)
             self.owned[wid].marked = False
+        elif c.kind == "park":
+            fleet.park(wid)
+            self.owned[wid].marked, self.owned[wid].parked = False, True
+        elif c.kind == "activate":
+            fleet.activate(wid)
+            self.owned[wid].parked = False
         elif c.kind == "withdraw":
             fleet.drain(wid)
             self.owned[wid].withdrawn_at = now
@@ -178,7 +196,10 @@ class Reconciler:
             o = self.owned[wid]
             o.withdrawn_at = None
             o.marked = c.spec.draining
-            if not c.spec.draining:
+            o.parked = c.spec.standby and not c.spec.draining
+            if o.parked:
+                fleet.park(wid)
+            elif not c.spec.draining:
                 fleet.undrain(wid)
         elif c.kind == "remove":
             fleet.remove(wid)
