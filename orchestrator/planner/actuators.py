@@ -300,6 +300,7 @@ class KubernetesActuator:
     name: str = "kubernetes"
     pending: dict[Role, DrainingScaleIn] = field(default_factory=dict)
     owed: dict[Role, int] = field(default_factory=dict)  # standby marks still to put on pods being created
+    to_standby: set[str] = field(default_factory=set)  # pods draining to be parked (their mark is not a scale-in's)
     events: list[str] = field(default_factory=list)  # what the background finisher did (also logged)
     _finisher: asyncio.Task | None = None
     _lock: asyncio.Lock | None = None
@@ -351,7 +352,8 @@ class KubernetesActuator:
                    if target < replicas else set())
         for p in pods:
             name = p["metadata"]["name"]
-            if self._marked(p) and name not in victims and not p["metadata"].get("deletionTimestamp"):
+            if (self._marked(p) and name not in victims and name not in self.to_standby
+                    and not p["metadata"].get("deletionTimestamp")):
                 await self._mark(role, name, False)
                 done.append(f"cancelled the drain of {name}")
         if target >= replicas:
@@ -482,12 +484,15 @@ class KubernetesActuator:
             if a.role not in self.workloads or not a.worker_id:
                 continue
             if a.kind == "activate":
+                self.to_standby.discard(a.worker_id)
                 await self._set_standby(a.worker_id, False)
                 done.append(f"activated {a.worker_id}")
             elif a.kind == "park":
+                self.to_standby.discard(a.worker_id)
                 await self._set_standby(a.worker_id, True)
                 done.append(f"parked {a.worker_id} (standby)")
             elif a.kind == "drain" and a.then == "standby":
+                self.to_standby.add(a.worker_id)
                 await self._drain_to_standby(a.worker_id)
                 done.append(f"draining {a.worker_id} (then standby)")
         return done

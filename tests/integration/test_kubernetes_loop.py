@@ -378,3 +378,91 @@ def test_the_planner_grows_and_shrinks_the_prefill_pool_through_kubernetes(clust
     scales = [(path.rsplit("/", 2)[-2], body["spec"]["replicas"]) for _, path, body in fake.patches
               if path.endswith("/scale")]
     assert all(n >= 1 for _, n in scales) and ("sim-prefill", 2) in scales, scales
+
+
+# ---------------------------------------------------------------------------------------------------
+# Warm standby on Kubernetes: pods held out of rotation with an annotation the gateways' discovery
+# honours; the actuator keeps the pool, activates (annotation removed) and parks (drained, then marked).
+
+
+def test_standby_pod_is_held_out_activated_by_a_patch_and_parked_after_a_drain(cluster):
+    from adapters.base import Role
+    from orchestrator.planner.core import Action
+
+    fake, gateways = cluster
+    gw = GatewayThread(load_config(base_config(fake, GATEWAY_TOKEN), environ={})).start()
+    gateways.append(gw)
+    planner_cfg = base_config(fake, PLANNER_TOKEN, planner={
+        "enabled": True, "interval_s": 3600, "actuator": "kubernetes", "kubernetes_api": fake.url,
+        "kubernetes_token": PLANNER_TOKEN, "kubernetes_token_file": None, "kubernetes_namespace": "dyad",
+        "kubernetes_workloads": {"prefill": "statefulsets/sim-prefill", "decode": "statefulsets/sim-decode"},
+        "kubernetes_drain_settle_s": 1.0, "kubernetes_drain_timeout_s": 60, "standby_decode": 1})
+    planner_gw = GatewayThread(load_config(planner_cfg, environ={})).start()
+    gateways.append(planner_gw)
+    actuator = planner_gw.runtime.planner.actuator
+
+    def plan(prefill: int, decode: int, current_decode: int, *actions: Action) -> PlanDecision:
+        return PlanDecision(at=0.0, observation=None, forecast=None, sizing=None,
+                            desired={"prefill": prefill, "decode": decode},
+                            current={"prefill": 1, "decode": current_decode}, actions=list(actions),
+                            correction={}, predictors={}, reasons=["test"])
+
+    async def scenario() -> tuple[list[Result], dict[str, float]]:
+        t: dict[str, float] = {}
+        await wait_for(lambda: state(gw, "sim-prefill-0") == "healthy" and state(gw, "sim-decode-0") == "healthy",
+                       60, "the first pods to serve")
+        results: list[Result] = []
+        stop = asyncio.Event()
+        load = asyncio.create_task(steady_load(gw.url, stop, results))
+        # the pool: a hold still grows the decode workload by its standby pod, marked while it starts
+        planner_gw.call(actuator.apply(plan(1, 1, 1)))
+        assert fake.replicas("sim-decode") == 2
+        await wait_for(lambda: state(gw, "sim-decode-1") == "standby" and gw.runtime.fleet.get("sim-decode-1").health_ok,
+                       60, "the standby pod to be discovered and pass its probe")
+        marked_at = next(at for at, path, _ in fake.patches if path.endswith("/pods/sim-decode-1"))
+        assert fake.pod("sim-decode-1")["status"]["conditions"][0]["status"] == "True"
+        t["marked"] = marked_at
+        await asyncio.sleep(2.0)
+        assert not [r for r in results if r.worker == "sim-decode-1"]  # probed, never routed to
+        # activate: the mark comes off, every gateway's watch puts the pod in rotation; the pool refills
+        before = time.monotonic()
+        done = planner_gw.call(actuator.apply(plan(1, 2, 1, Action("activate", Role.DECODE, "sim-decode-1"))))
+        assert done[0] == "activated sim-decode-1" and "scaled statefulsets/sim-decode to 3" in done, done
+        t["activate"] = next(at for at, path, _ in fake.patches if at > before and path.endswith("/pods/sim-decode-1"))
+        t["in_rotation"] = await wait_for(lambda: state(gw, "sim-decode-1") == "healthy", 10, "the activation")
+        await wait_for(lambda: any(r.worker == "sim-decode-1" and r.ok for r in results), 30,
+                       "a request served by the activated pod")
+        await wait_for(lambda: state(gw, "sim-decode-2") == "standby", 60, "the refilled standby pod")
+        t["refilled"] = time.monotonic()
+        await asyncio.sleep(1.5)
+        # park: the planner drains sim-decode-1 (then standby), then parks it; the serving count drops to 1
+        # and the workload goes back to 2 replicas (sim-decode-2, the highest ordinal, drained and deleted)
+        planner_gw.call(actuator.apply(plan(1, 1, 2, Action("drain", Role.DECODE, "sim-decode-1", "standby"))))
+        await wait_for(lambda: state(gw, "sim-decode-1") == "draining", 10, "the drain before parking")
+        t["draining"] = time.monotonic()
+        await wait_for(lambda: gw.runtime.fleet.get("sim-decode-1").inflight == 0, 30, "the drained pod to idle")
+        planner_gw.call(actuator.apply(plan(1, 1, 1, Action("park", Role.DECODE, "sim-decode-1"))))
+        await wait_for(lambda: state(gw, "sim-decode-1") == "standby", 10, "the parked pod")
+        t["parked"] = time.monotonic()
+        await wait_for(lambda: fake.replicas("sim-decode") == 2 and "sim-decode-2" not in fake.pod_names(), 60,
+                       "the scale-in of the surplus standby pod")
+        await asyncio.sleep(1.5)
+        stop.set()
+        await load
+        return results, t
+
+    results, t = asyncio.run(scenario())
+    failed = [r for r in results if not r.ok]
+    assert not failed, failed[:5]
+    lag = t["in_rotation"] - t["activate"]
+    print(f"requests {len(results)}; standby pod in rotation {1000 * lag:.0f} ms after the activating patch; "
+          f"actuator {actuator.events}")
+    assert lag < 1.0
+    assert not [r for r in results if r.worker == "sim-decode-2"]  # the refilled standby pod never served
+    # no request started on the pod once the gateway saw it draining towards standby
+    assert not [r for r in results if r.worker == "sim-decode-1" and r.start > t["draining"]]
+    # each service account used exactly what its RBAC Role grants (the standby mark is a pod patch)
+    for user, role in (("system:serviceaccount:dyad:dyad-gateway", "dyad-gateway"),
+                       ("system:serviceaccount:dyad:dyad-planner", "dyad-planner")):
+        used = {(verb, res) for u, verb, res in fake.requests if u == user}
+        assert used <= rbac_grants(role), (role, used - rbac_grants(role))
