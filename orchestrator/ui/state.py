@@ -86,6 +86,7 @@ def plan_summary(entry: Any) -> dict[str, Any]:
         "actions": e.get("actions") or [],
         "reasons": e.get("reasons") or [],
         "applied": e.get("applied"),
+        "standby": e.get("standby") or {},
         "observed": {"request_rate": obs.get("request_rate"), "ttft_p99_s": obs.get("ttft_p99"),
                      "itl_mean_s": obs.get("itl_mean"), "mean_isl": obs.get("mean_isl"),
                      "mean_osl": obs.get("mean_osl")},

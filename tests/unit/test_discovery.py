@@ -269,3 +269,39 @@ def test_check_config_checks_the_workers_file_too(tmp_path, capsys):
     missing.write_text("discovery: {source: kubernetes}\n")
     assert dyad(["check-config", str(missing)]) == 2
     assert "kubernetes.selectors" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ warm standby marks
+
+
+def test_standby_mark_parks_and_its_removal_activates():
+    s = pod_to_spec(pod(annotations={"dyad.dev/standby": "true"}), Role.PREFILL, K8S)
+    assert s.standby and not s.draining
+    cfg = spec("a").config
+    sb = WorkerSpec(cfg, standby=True)
+    assert kinds(plan_changes({"a": sb}, {"a": Owned(cfg)}, {}, set(), 0, 30)) == [("park", "a")]
+    assert kinds(plan_changes({"a": WorkerSpec(cfg)}, {"a": Owned(cfg, parked=True)}, {}, set(), 0, 30)) == [
+        ("activate", "a")]
+    # a drained pod marked standby (the actuator parks it after its drain): park, not undrain
+    assert kinds(plan_changes({"a": sb}, {"a": Owned(cfg, marked=True)}, {}, set(), 0, 30)) == [("park", "a")]
+    # draining wins over standby
+    both = WorkerSpec(cfg, draining=True, standby=True)
+    assert kinds(plan_changes({"a": both}, {"a": Owned(cfg, parked=True)}, {}, set(), 0, 30)) == [("drain", "a")]
+
+
+def test_reconciler_adds_a_standby_pod_out_of_rotation_and_activates_it():
+    fleet = FleetRegistry()
+    rec = Reconciler(fleet, "kubernetes", grace_s=30)
+    cfg = spec("a", models=["m"]).config
+    rec.update({"a": WorkerSpec(cfg, standby=True)}, 0.0)
+    w = fleet.get("a")
+    fleet.record_health(w, True, 1.0)
+    assert w.state is WorkerState.STANDBY and fleet.candidates("m") == []
+    rec.update({"a": WorkerSpec(cfg)}, 2.0)
+    assert w.state is WorkerState.HEALTHY and fleet.candidates("m") == [w]
+
+
+def test_deployment_scale_in_keeps_the_standby_pool():
+    pods = sts_pods("x-a", "x-b", "x-c")
+    pods[2]["metadata"].setdefault("annotations", {})["dyad.dev/standby"] = "true"
+    assert scale_in_victims("deployments", pods, 2, "dyad.dev/draining", "dyad.dev/standby") == ["x-b"]
