@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from adapters.base import Role
+from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.config import PlannerConfig
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.planner.actuators import (
@@ -108,7 +109,8 @@ def actuator_from_config(cfg: PlannerConfig, runtime: Any) -> Actuator:
         return RoleChangeActuator(set_role)
     # local processes, plus role changes when they are configured as faster than a start
     local = LocalProcessActuator(dict(cfg.local_commands), on_started=_registrar(runtime, cfg),
-                                 on_stopped=lambda p: _unregister(runtime, p), clock=runtime.clock)
+                                 on_stopped=lambda p: _unregister(runtime, p),
+                                 clock=getattr(runtime, "clock", None) or SYSTEM_CLOCK)
     draining = _DrainingLocal(local, runtime, min_serve_s=min_serve_s(cfg), start_timeout_s=start_timeout_s(cfg))
     if cfg.role_change_s is not None and cfg.role_change_s < cfg.start_s:
         return RoleChangeActuator(set_role, drain=lambda wid: runtime.fleet.drain(wid), fallback=draining)

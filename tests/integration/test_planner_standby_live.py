@@ -146,9 +146,11 @@ def test_standby_worker_is_held_out_then_activated(tmp_path: Path):
         assert requests_served(sb.url) > 0, ("the activated standby engine never served", states[sb.id])
         problems = problems0 + problems1 + problems2
         assert problems == [], problems[:5]
-        cold = [w for w in fleet.workers() if w.id.startswith("local-") and w.id != sb.id]
-        print(f"standby {sb.id}: activated {lag * 1000:.0f} ms after the decision; sent {sent0 + sent1 + sent2}; "
-              f"other engines started: {[(w.id, w.state.value) for w in cold]}")
+        procs = gw.runtime.planner.actuator.local.processes
+        cold = {w.id: round(w.ready_at - procs[w.id].started_at, 2) for w in fleet.workers()
+                if w.id in procs and w.id != sb.id and w.ready_at is not None}
+        print(f"standby {sb.id}: in rotation {lag * 1000:.0f} ms after the activating decision; "
+              f"sent {sent0 + sent1 + sent2}; cold engines started meanwhile, start → ready (s): {cold}")
     finally:
         stop.set()
         if gw is not None:

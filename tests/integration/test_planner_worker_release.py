@@ -52,6 +52,7 @@ def _decision(actions: list[Action]) -> PlanDecision:
 def _own(actuator, worker_id: str, role: Role) -> None:
     """Record ``worker_id`` as an engine the local actuator started (no process is needed here)."""
     local = actuator.local if hasattr(actuator, "local") else actuator.fallback
+    local = getattr(local, "local", local)  # the fallback is the draining wrapper around the local actuator
     local.processes[worker_id] = LocalProcess(worker_id, role, 9, subprocess.Popen(["true"]))
     local.processes[worker_id].proc.wait()
 
