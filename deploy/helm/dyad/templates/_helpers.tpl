@@ -137,7 +137,7 @@ dyad.dev/pool: {{ index . 1 }}
 {{- $_ := set $cfg "disagg" (dict "enabled" true "connector" "nixl") -}}
 {{- end -}}
 {{- if .Values.planner.enabled -}}
-{{- $planner := dict "enabled" false "interval_s" .Values.planner.intervalS "ttft_target_s" .Values.planner.ttftTargetS "itl_target_s" .Values.planner.itlTargetS "max_workers" (int .Values.planner.maxWorkers) "kubernetes_namespace" $ns "kubernetes_workloads" (dict "prefill" (printf "statefulsets/%s-prefill" $full) "decode" (printf "statefulsets/%s-decode" $full)) "kubernetes_drain_settle_s" .Values.planner.drainSettleS "kubernetes_drain_timeout_s" .Values.planner.drainTimeoutS -}}
+{{- $planner := dict "enabled" false "interval_s" .Values.planner.intervalS "ttft_target_s" .Values.planner.ttftTargetS "itl_target_s" .Values.planner.itlTargetS "max_workers" (int .Values.planner.maxWorkers) "kubernetes_namespace" $ns "kubernetes_workloads" (dict "prefill" (printf "statefulsets/%s-prefill" $full) "decode" (printf "statefulsets/%s-decode" $full)) "kubernetes_drain_settle_s" .Values.planner.drainSettleS "kubernetes_drain_timeout_s" .Values.planner.drainTimeoutS "standby_prefill" (int .Values.planner.standbyPrefill) "standby_decode" (int .Values.planner.standbyDecode) -}}
 {{- if .Values.planner.prometheusUrl -}}{{- $_ := set $planner "prometheus_url" .Values.planner.prometheusUrl -}}{{- end -}}
 {{- $_ := set $cfg "planner" $planner -}}
 {{- end -}}
