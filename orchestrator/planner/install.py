@@ -292,17 +292,31 @@ class _DrainingLocal:
         return done + await self.local.apply(replace(decision, actions=rest))
 
 
+def _draining_of(actuator: Actuator) -> _DrainingLocal | None:
+    inner = actuator if isinstance(actuator, _DrainingLocal) else getattr(actuator, "fallback", None)
+    return inner if isinstance(inner, _DrainingLocal) else None
+
+
 def _local_of(actuator: Actuator) -> LocalProcessActuator | None:
-    inner = actuator.local if isinstance(actuator, _DrainingLocal) else getattr(actuator, "fallback", None)
-    if isinstance(inner, _DrainingLocal):
-        inner = inner.local
+    wrapper = _draining_of(actuator)
+    if wrapper is not None:
+        return wrapper.local
+    inner = getattr(actuator, "fallback", None)
     return inner if isinstance(inner, LocalProcessActuator) else None
 
 
 def stoppable_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
     """Which workers ``actuator`` can stop (None: any). A local actuator stops only the engines it
     started; role changes alone stop nothing. The planner never drains the others to stop them: a
-    drained worker that is then not stopped would stay out of service for good."""
+    drained worker that is then not stopped would stay out of service for good.
+
+    Under the local actuator an engine still starting, or in rotation for less than the minimum
+    serve time, is not stoppable yet (``_DrainingLocal.keep_reason``): the planner then picks an
+    older worker, or none, instead of asking for a stop the actuator would refuse."""
+    wrapper = _draining_of(actuator)
+    if wrapper is not None:
+        local, now = wrapper.local, wrapper.local.clock.now
+        return lambda w: w.id in local.processes and wrapper.keep_reason(w, now()) is None
     local = _local_of(actuator)
     if local is not None:
         return lambda w: w.id in local.processes

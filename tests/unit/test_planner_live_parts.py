@@ -242,3 +242,22 @@ async def test_direct_source_takes_engine_latency_when_no_stream_gave_any():
     state["n"] = 4
     held = InputGate(max_age_s=10).check(await no_engines.observe(2.0), 2.0)
     assert getattr(held, "reason", None) == LATENCY_MISSING and "engines" in held.detail
+
+
+def test_the_planner_sees_a_young_worker_as_not_stoppable():
+    """The planner is told which workers the actuator would refuse to stop, so it picks another."""
+    from orchestrator.planner.install import stoppable_by
+
+    clock = VirtualClock(100.0)
+    fleet = FleetRegistry([Worker("local-prefill-1", "http://x", role=Role.PREFILL, models=["m"]),
+                           Worker("local-prefill-2", "http://y", role=Role.PREFILL, models=["m"])])
+    fleet.record_health(fleet.get("local-prefill-1"), True, now=99.0)  # ready 1 s ago
+    fleet.record_health(fleet.get("local-prefill-2"), True, now=50.0)  # ready 50 s ago
+    local = LocalProcessActuator({Role.PREFILL: "true"}, clock=clock)
+    for wid in ("local-prefill-1", "local-prefill-2"):
+        local.processes[wid] = LocalProcess(wid, Role.PREFILL, 1, proc=None, started_at=40.0)  # type: ignore[arg-type]
+    act = _DrainingLocal(local, SimpleNamespace(fleet=fleet), min_serve_s=4.0, start_timeout_s=30.0)
+    views = {v.id: v.stoppable for v in views_from_workers(fleet.workers(), stoppable_by(act))}
+    assert views == {"local-prefill-1": False, "local-prefill-2": True}
+    clock.advance(4.0)
+    assert all(v.stoppable for v in views_from_workers(fleet.workers(), stoppable_by(act)))
