@@ -25,8 +25,10 @@ import contextlib
 import logging
 import shlex
 import subprocess
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any, Protocol
 
 from adapters.base import Role
@@ -179,6 +181,36 @@ def _pod_ready(pod: Pod) -> bool:
                for c in (pod.get("status") or {}).get("conditions") or [])
 
 
+def _rfc3339(value: Any) -> float | None:
+    """A Kubernetes timestamp (``2026-01-02T03:04:05Z``, optionally with fractions) → epoch seconds."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def pod_keep_reason(pod: Pod, now_epoch: float, min_serve_s: float, start_timeout_s: float) -> str | None:
+    """``keep_reason`` for a pod: started at its ``creationTimestamp``, ready since its Ready
+    condition's ``lastTransitionTime`` (pure; ``now_epoch`` is wall-clock seconds, as the API's
+    timestamps are)."""
+    if min_serve_s <= 0 and start_timeout_s <= 0:
+        return None
+    meta = pod.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return None
+    created = _rfc3339(meta.get("creationTimestamp"))
+    ready_at = None
+    if _pod_ready(pod):
+        cond = next(c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready")
+        ready_at = _rfc3339(cond.get("lastTransitionTime")) or created
+    if ready_at is None and created is None:
+        return None
+    return keep_reason(now_epoch, started_at=created if created is not None else now_epoch, ready_at=ready_at,
+                       alive=True, min_serve_s=min_serve_s, start_timeout_s=start_timeout_s)
+
+
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"  # ReplicaSets remove the lowest cost first
 
 
@@ -295,6 +327,11 @@ class KubernetesActuator:
     standby_annotation: str = "dyad.dev/standby"
     settle_s: float = 5.0
     drain_timeout_s: float = 600.0
+    # churn guard (``pod_keep_reason``): a scale-in waits while a pod it would remove is still starting
+    # or has been Ready for less than ``min_serve_s`` (0: no guard)
+    min_serve_s: float = 0.0
+    start_timeout_s: float = 0.0
+    wall: Callable[[], float] = time.time  # the API's timestamps are wall-clock
     poll_s: float = 1.0
     clock: Clock = SYSTEM_CLOCK
     name: str = "kubernetes"
@@ -362,6 +399,12 @@ class KubernetesActuator:
                 await self._set_replicas(role, target)
                 done.append(f"scaled {self.workloads[role]} to {target}")
             return done
+        fresh = [n for n in sorted(victims) if n not in (self.pending[role].marked_at if role in self.pending else {})]
+        keep = [(n, why) for n in fresh
+                if (why := pod_keep_reason(next(p for p in pods if p["metadata"]["name"] == n), self.wall(),
+                                           self.min_serve_s, self.start_timeout_s))]
+        if keep:  # no churn: the scale-in waits (the next decision asks again)
+            return done + [f"kept {n}: {why}" for n, why in keep]
         now = self.clock.now()
         prev = self.pending.get(role)
         marked_at = {}

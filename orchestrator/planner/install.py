@@ -154,7 +154,8 @@ def kubernetes_actuator(cfg: PlannerConfig, runtime: Any) -> KubernetesActuator:
     return KubernetesActuator(api, cfg.kubernetes_namespace, dict(cfg.kubernetes_workloads), is_idle=engine_idle,
                               draining_annotation=disc.draining_annotation, standby=standby,
                               standby_annotation=disc.standby_annotation, settle_s=cfg.kubernetes_drain_settle_s,
-                              drain_timeout_s=cfg.kubernetes_drain_timeout_s, clock=runtime.clock)
+                              drain_timeout_s=cfg.kubernetes_drain_timeout_s, clock=runtime.clock,
+                              min_serve_s=min_serve_s(cfg), start_timeout_s=start_timeout_s(cfg))
 
 
 def _registrar(runtime: Any, cfg: PlannerConfig) -> Callable[[LocalProcess], None]:

@@ -218,6 +218,7 @@ class FakeKubeApiServer:
         if cond["status"] != want:
             pod = copy.deepcopy(pod)
             pod["status"]["conditions"][0]["status"] = want
+            pod["status"]["conditions"][0]["lastTransitionTime"] = _now_iso()  # as the kubelet sets it
             self._put_pod(key[0], pod, "MODIFIED")
 
     def compact(self, upto: int | None = None) -> None:

@@ -208,6 +208,13 @@ def test_scale_out_pod_gets_traffic_scale_in_pod_drains_first_and_no_request_is_
                        "a request served by the new pod")
         t["served"] = time.monotonic()
         await asyncio.sleep(2.0)
+        # no churn: with the configured guard (scale_in_intervals x interval_s = 2 h here) the pod that
+        # became Ready seconds ago is kept, and nothing is marked
+        assert actuator.min_serve_s == 7200
+        done = planner_gw.call(actuator.apply(decision(1, 1)))
+        assert len(done) == 1 and done[0].startswith("kept sim-decode-1: in rotation for"), done
+        assert fake.replicas("sim-decode") == 2 and state(gw, "sim-decode-1") == "healthy"
+        actuator.min_serve_s = 0  # this test plays the planner by hand: from here it says so explicitly
         # scale-in: the pod that goes is marked draining, drained, and only then are replicas reduced
         done = planner_gw.call(actuator.apply(decision(1, 1)))
         assert done == ["marked sim-decode-1 draining"], done
@@ -400,6 +407,7 @@ def test_standby_pod_is_held_out_activated_by_a_patch_and_parked_after_a_drain(c
     planner_gw = GatewayThread(load_config(planner_cfg, environ={})).start()
     gateways.append(planner_gw)
     actuator = planner_gw.runtime.planner.actuator
+    actuator.min_serve_s = 0  # the test plays the planner (interval 3600 s): no churn guard on its scale-in
 
     def plan(prefill: int, decode: int, current_decode: int, *actions: Action) -> PlanDecision:
         return PlanDecision(at=0.0, observation=None, forecast=None, sizing=None,

@@ -261,3 +261,21 @@ def test_the_planner_sees_a_young_worker_as_not_stoppable():
     assert views == {"local-prefill-1": False, "local-prefill-2": True}
     clock.advance(4.0)
     assert all(v.stoppable for v in views_from_workers(fleet.workers(), stoppable_by(act)))
+
+
+def test_pod_keep_reason_reads_the_pods_own_timestamps():
+    from orchestrator.planner.actuators import pod_keep_reason
+
+    def pod(created: str, ready: str | None) -> dict:
+        cond = {"type": "Ready", "status": "True" if ready else "False"}
+        if ready:
+            cond["lastTransitionTime"] = ready
+        return {"metadata": {"name": "p", "creationTimestamp": created}, "status": {"conditions": [cond]}}
+
+    t0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+    assert "still starting" in pod_keep_reason(pod("2027-01-15T08:00:00Z", None), t0 + 5, 4.0, 30.0)
+    assert pod_keep_reason(pod("2027-01-15T08:00:00Z", None), t0 + 31, 4.0, 30.0) is None
+    assert "in rotation for 2.0 s" in pod_keep_reason(pod("2027-01-15T08:00:00Z", "2027-01-15T08:00:10Z"),
+                                                      t0 + 12, 4.0, 30.0)
+    assert pod_keep_reason(pod("2027-01-15T08:00:00Z", "2027-01-15T08:00:10Z"), t0 + 14, 4.0, 30.0) is None
+    assert pod_keep_reason(pod("2027-01-15T08:00:00Z", None), t0 + 5, 0.0, 0.0) is None  # no guard
