@@ -139,6 +139,10 @@ def test_standby_worker_is_held_out_then_activated(tmp_path: Path):
         history = gw.runtime.planner.history
         act = next(h for h in history for a in h["actions"] if a["kind"] == "activate")
         assert act["actions"][[a["kind"] for a in act["actions"]].index("activate")]["worker_id"] == sb.id
+        # warm before cold: no prefill engine was cold-started for rotation before the activation
+        before = [h for h in history if h["at"] < act["at"]]
+        assert not [a for h in before for a in h["actions"]
+                    if a["kind"] == "start" and a["role"] == "prefill" and a["then"] != "standby"], before
         # in rotation within well under a second of the decision
         healthy_at = next(t for t, s in states[sb.id] if s == "healthy")
         lag = healthy_at - act["at"]
