@@ -99,15 +99,20 @@ def merge_histograms(hs: list[Histogram | None]) -> Histogram | None:
 LATENCY_FIELDS = ("ttft_mean", "ttft_p90", "ttft_p99", "itl_mean", "itl_p90")
 
 
-def latency_from_engines(parts: list[EngineLatency]) -> dict[str, float | None]:
+def latency_from_engines(parts: list[EngineLatency], prefill_step: Histogram | None = None) -> dict[str, float | None]:
     """The Observation's TTFT/ITL fields from the engines' own histograms (pure).
 
     Aggregated workers (role both) see a request from arrival to its first token: their TTFT is
     the request's, less the gateway's own time. In a P/D fleet a split request's first token comes
-    after two engines: the prefill engine's TTFT (queue + prefill) plus the decode engine's (KV
-    transfer + first step), so the pools' means (and p90s) are added — an upper estimate when some
-    requests prefill locally on the decode worker. ITL comes from the workers that decode."""
+    after two steps: the prefill (queue + prefill) and the decode engine's first token (KV transfer
+    + first step), so the two means (and p90s) are added — an upper estimate when some requests
+    prefill locally on the decode worker. The prefill step is the gateway's own measurement
+    (``prefill_step``: ``dyad_pd_prefill_seconds``, timed for every split request, streamed or not,
+    including the HTTP round trip the engine cannot see) when it has one, else the prefill engines'
+    TTFT. ITL comes from the workers that decode."""
     pre = merge_histograms([p.ttft for p in parts if p.role is Role.PREFILL])
+    if prefill_step is not None and prefill_step.count > 0:
+        pre = prefill_step
     first = merge_histograms([p.ttft for p in parts if p.role is not Role.PREFILL])
     itl = merge_histograms([p.itl for p in parts if p.role is not Role.PREFILL])
 
@@ -136,6 +141,11 @@ def with_engine_latency(obs: Observation, engine: dict[str, float | None]) -> Ob
 # Engine series (both dialects), read when the gateway has no stream latency for a window
 ENGINE_TTFT = "(vllm|sglang):time_to_first_token_seconds"
 ENGINE_ITL = "(vllm|sglang):inter_token_latency_seconds"
+
+
+def _first(rows: list[dict[str, Any]]) -> float:
+    """The value of a one-row vector result (0 when empty)."""
+    return (_num(rows[0]["value"][1]) or 0.0) if rows else 0.0
 
 
 def engine_latency_queries(window: str) -> dict[str, str]:
@@ -255,8 +265,15 @@ class PrometheusSource:
         if not roles:
             return {}
         queries = engine_latency_queries(window)
-        answers = await asyncio.gather(*(self._vector(client, e) for e in queries.values()))
-        return latency_from_engines(engine_parts_from_prometheus(dict(zip(queries, answers, strict=True)), roles))
+        step = {"bucket": f"sum by (le) (increase(dyad_pd_prefill_seconds_bucket[{window}]))",
+                "sum": f"sum(increase(dyad_pd_prefill_seconds_sum[{window}]))",
+                "count": f"sum(increase(dyad_pd_prefill_seconds_count[{window}]))"}
+        answers = await asyncio.gather(*(self._vector(client, e) for e in [*queries.values(), *step.values()]))
+        results = dict(zip([*queries, *(f"step_{k}" for k in step)], answers, strict=True))
+        buckets = sorted((float(r["metric"]["le"]), _num(r["value"][1]) or 0.0) for r in results["step_bucket"])
+        prefill_step = Histogram(buckets, _first(results["step_sum"]), _first(results["step_count"]))
+        parts = engine_parts_from_prometheus({k: v for k, v in results.items() if not k.startswith("step_")}, roles)
+        return latency_from_engines(parts, prefill_step)
 
     async def observe(self, now: float) -> Observation:
         client = self._client or httpx.AsyncClient()
@@ -298,7 +315,7 @@ class Scrape:
 
 
 _HISTS = ("dyad_request_ttft_seconds", "dyad_request_itl_seconds", "dyad_request_prompt_tokens",
-          "dyad_request_generation_tokens", "dyad_request_e2e_seconds")
+          "dyad_request_generation_tokens", "dyad_request_e2e_seconds", "dyad_pd_prefill_seconds")
 _COUNTERS = ("dyad_predicted_cached_tokens_total", "dyad_routed_prompt_tokens_total",
              "dyad_request_arrivals_total", "dyad_request_arrival_prompt_tokens_total")
 _GAUGES = ("dyad_worker_waiting_requests", "dyad_worker_running_requests", "dyad_worker_kv_usage_ratio")
@@ -402,18 +419,20 @@ class DirectSource:
     async def observe(self, now: float) -> Observation:
         cur = parse_gateway_metrics(await self._text(), now)
         prev, self._prev = self._prev, cur
-        engine = self._engine_window()
+        parts = self._engine_window()
         if prev is None:
             return Observation(at=now, window_s=0.0, request_rate=None)
         if not cur.has_arrivals:
             # a gateway that does not export arrival counters: demand is not measured (never plan on 0)
             return Observation(at=now, window_s=cur.at - prev.at, request_rate=None)
+        step = "dyad_pd_prefill_seconds"
+        engine = latency_from_engines(parts, cur.histograms[step].minus(prev.histograms[step])) if parts else {}
         return with_engine_latency(observation_from_scrapes(prev, cur), engine)
 
-    def _engine_window(self) -> dict[str, float | None]:
-        """The engines' latency since the last call (an engine seen for the first time only primes)."""
+    def _engine_window(self) -> list[EngineLatency]:
+        """The engines' latency histograms since the last call (an engine seen for the first time only primes)."""
         if self.engines is None:
-            return {}
+            return []
         parts = []
         seen: dict[str, LoadSnapshot] = {}
         for wid, role, load in self.engines():
@@ -429,4 +448,4 @@ class DirectSource:
 
             parts.append(EngineLatency(role, delta(load.ttft, old.ttft), delta(load.itl, old.itl)))
         self._engine_prev = seen
-        return latency_from_engines(parts)
+        return parts

@@ -22,6 +22,7 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
+from orchestrator.planner.metrics_source import EngineLatency, latency_from_engines, parse_gateway_metrics
 from orchestrator.sim.profiles import load_profile
 from orchestrator.sim.server import SimEngineThread
 from orchestrator.sim.virtual_time import sweep_profile
@@ -36,6 +37,31 @@ def prefill_heavy() -> dict:
     n = next(_ids)
     return {"model": MODEL, "prompt": " ".join(f"w{n}x{i}" for i in range(1500)), "max_tokens": 4,
             "ignore_eos": True}
+
+
+async def streamed(url: str, rate: float, seconds: float) -> list[str]:
+    """Streamed completions (same prompts) for ``seconds``: what the gateway can time itself."""
+    failures: list[str] = []
+    tasks: set[asyncio.Task] = set()
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        async def one(body: dict) -> None:
+            try:
+                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    lines = [x async for x in r.aiter_lines()]
+                if r.status_code != 200 or "data: [DONE]" not in lines:
+                    failures.append(f"{r.status_code} {lines[-2:]}")
+            except httpx.HTTPError as e:
+                failures.append(repr(e))
+
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t = asyncio.create_task(one(prefill_heavy()))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+            await asyncio.sleep(1 / rate)
+        if tasks:
+            await asyncio.wait(tasks, timeout=60)
+    return failures
 
 
 async def drive(url: str, rate: float, until, max_s: float) -> tuple[int, list[str]]:
@@ -101,6 +127,30 @@ def test_non_streamed_fleet_plans_and_starts_a_worker(tmp_path: Path):
         assert planned and not any("latency_missing" in r for h in planned for r in h["reasons"])
         assert started(), ("the planner started no prefill worker", planner.held, rows[-3:])
         assert any(a["kind"] == "start" and a["role"] == "prefill" for h in planned for a in h["actions"])
+
+        # How the estimate compares with what the gateway times on streams, over one window of
+        # streamed traffic (printed for docs/benchmarks.md, not asserted)
+        fleet = gw.runtime.fleet
+        time.sleep(1.0)
+        loads0 = {w.id: (w.role, w.load) for w in fleet.workers()}
+        text0 = httpx.get(f"{gw.url}/metrics").text
+        stream_failed = asyncio.run(streamed(gw.url, rate=3, seconds=8))
+        time.sleep(1.5)  # the scrape loop reads every engine again
+        text1 = httpx.get(f"{gw.url}/metrics").text
+        assert stream_failed == []
+        before, after = parse_gateway_metrics(text0, 0).histograms, parse_gateway_metrics(text1, 1).histograms
+        gw_ttft = after["dyad_request_ttft_seconds"].minus(before["dyad_request_ttft_seconds"])
+        step = after["dyad_pd_prefill_seconds"].minus(before["dyad_pd_prefill_seconds"])
+        parts = []
+        for w in fleet.workers():
+            role, old = loads0.get(w.id, (None, None))
+            if old is not None and old.ttft is not None and w.load.ttft is not None:
+                parts.append(EngineLatency(role, w.load.ttft.minus(old.ttft), None))
+        est, engines_only = latency_from_engines(parts, step), latency_from_engines(parts)
+        print(f"streamed window ({gw_ttft.count:.0f} streams): gateway TTFT mean {gw_ttft.mean():.3f} s, "
+              f"p90 {gw_ttft.quantile(0.9):.3f} s; estimate (gateway prefill step + decode engine) mean "
+              f"{est['ttft_mean']:.3f} s, p90 {est['ttft_p90']:.3f} s; engines only mean "
+              f"{engines_only['ttft_mean']:.3f} s, p90 {engines_only['ttft_p90']:.3f} s")
     finally:
         if gw is not None:
             gw.stop()

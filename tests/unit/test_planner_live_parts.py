@@ -279,3 +279,12 @@ def test_pod_keep_reason_reads_the_pods_own_timestamps():
                                                       t0 + 12, 4.0, 30.0)
     assert pod_keep_reason(pod("2027-01-15T08:00:00Z", "2027-01-15T08:00:10Z"), t0 + 14, 4.0, 30.0) is None
     assert pod_keep_reason(pod("2027-01-15T08:00:00Z", None), t0 + 5, 0.0, 0.0) is None  # no guard
+
+
+def test_the_gateways_prefill_step_replaces_the_prefill_engines_ttft():
+    """In P/D the prefill step the gateway timed (HTTP round trip included) is used when it has one."""
+    parts = [EngineLatency(Role.PREFILL, hist([4, 0, 0, 0], 0.2), None),  # engine: 0.05
+             EngineLatency(Role.DECODE, hist([2, 0, 0, 0], 0.06), hist([10, 0, 0, 0], 0.2))]  # 0.03
+    step = hist([0, 4, 0, 0], 1.2)  # the gateway: 0.3 per prefill step
+    assert abs(latency_from_engines(parts, step)["ttft_mean"] - 0.33) < 1e-9
+    assert abs(latency_from_engines(parts, hist([0, 0, 0, 0], 0.0))["ttft_mean"] - 0.08) < 1e-9  # none: engines
