@@ -245,8 +245,20 @@ class _DrainingLocal:
         finally:
             self._parking.pop(worker.id, None)
 
-    async def apply(self, decision: Any) -> list[str]:
+    async def _reap(self) -> list[str]:
+        """Engines whose process exited (crashed at start, killed) leave the registry and the book: a
+        dead standby engine would otherwise hold a place in the pool for good, and a dead serving one
+        would stay an unhealthy worker the planner counts as its own."""
         done = []
+        for wid, p in list(self.local.processes.items()):
+            rc = p.proc.poll() if p.proc is not None else None
+            if rc is not None and wid not in self._stopping:
+                await self.local.stop(wid)
+                done.append(f"reaped {wid}: its process exited with {rc}")
+        return done
+
+    async def apply(self, decision: Any) -> list[str]:
+        done = await self._reap()
         fleet = self.runtime.fleet
         now = self.local.clock.now()
         rest = []

@@ -12,6 +12,8 @@ import asyncio
 import subprocess
 from types import SimpleNamespace
 
+import pytest
+
 from adapters.base import EngineKind, Role
 from orchestrator.clock import VirtualClock
 from orchestrator.config import load_config
@@ -49,12 +51,26 @@ def _decision(actions: list[Action]) -> PlanDecision:
     return PlanDecision(0.0, None, None, None, {}, {}, actions, {}, {}, [])
 
 
+_PROCS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_stand_ins():
+    yield
+    for p in _PROCS:
+        p.kill()
+        p.wait()
+    _PROCS.clear()
+
+
 def _own(actuator, worker_id: str, role: Role) -> None:
-    """Record ``worker_id`` as an engine the local actuator started (no process is needed here)."""
+    """Record ``worker_id`` as an engine the local actuator started: a live stand-in process (an
+    exited one would be reaped by the actuator as a crashed engine)."""
     local = actuator.local if hasattr(actuator, "local") else actuator.fallback
     local = getattr(local, "local", local)  # the fallback is the draining wrapper around the local actuator
-    local.processes[worker_id] = LocalProcess(worker_id, role, 9, subprocess.Popen(["true"]))
-    local.processes[worker_id].proc.wait()
+    proc = subprocess.Popen(["sleep", "60"])
+    _PROCS.append(proc)
+    local.processes[worker_id] = LocalProcess(worker_id, role, 9, proc)
 
 
 async def test_role_move_through_the_local_actuator_leaves_the_worker_serving():

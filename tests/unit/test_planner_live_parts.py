@@ -288,3 +288,26 @@ def test_the_gateways_prefill_step_replaces_the_prefill_engines_ttft():
     step = hist([0, 4, 0, 0], 1.2)  # the gateway: 0.3 per prefill step
     assert abs(latency_from_engines(parts, step)["ttft_mean"] - 0.33) < 1e-9
     assert abs(latency_from_engines(parts, hist([0, 0, 0, 0], 0.0))["ttft_mean"] - 0.08) < 1e-9  # none: engines
+
+
+async def test_an_engine_whose_process_exited_is_reaped():
+    class Exited:  # a process handle whose process is gone (no real process in the unit tier)
+        returncode = 1
+
+        def poll(self) -> int:
+            return 1
+
+        def terminate(self) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 1
+
+    fleet = FleetRegistry([Worker("local-decode-1", "http://x", role=Role.DECODE, models=["m"],
+                                  state=WorkerState.STANDBY)])
+    local = LocalProcessActuator({Role.DECODE: "true"}, on_stopped=lambda p: fleet.remove(p.worker_id))
+    local.processes["local-decode-1"] = LocalProcess("local-decode-1", Role.DECODE, 1, proc=Exited())  # type: ignore[arg-type]
+    act = _DrainingLocal(local, SimpleNamespace(fleet=fleet))
+    done = await act.apply(decision())
+    assert done == ["reaped local-decode-1: its process exited with 1"]
+    assert fleet.get("local-decode-1") is None and local.processes == {}
