@@ -179,14 +179,17 @@ def test_non_streamed_traffic_plans_on_the_engines_latency(prometheus_server, tm
         gw = GatewayThread(config).start()
         prometheus_server.set_targets([f"{gw.url}/metrics"] + [f"{e.url}/metrics" for e in engines])
 
-        def planned_on_engines() -> bool:
+        def planned_on_engines() -> bool:  # and asked for more prefill: stop there (nothing adds capacity)
             status = httpx.get(f"{gw.url}/admin/planner", headers=ADMIN, timeout=5).json()
-            return any(r.get("latency_source") == "engines" and (r.get("rate_observed") or 0) > 0
-                       and r.get("ttft_mean_s") for r in status["timeline"])
+            return any((h["observation"] or {}).get("latency_source") == "engines"
+                       and h["desired"].get("prefill", 0) > h["current"].get("prefill", 0) for h in status["history"])
 
+        # 6 req/s of long prompts need a second prefill engine; recommend-only adds none, so the traffic
+        # stops as soon as the planner asked for it (the engines queue meanwhile; no request may fail)
         sent, failed = asyncio.run(drive(gw.url, prefill_heavy, rate=6, max_s=40, until=planned_on_engines))
         status = httpx.get(f"{gw.url}/admin/planner", headers=ADMIN, timeout=5).json()
-        assert failed == [] and sent > 10
+        assert failed == [], failed[:3]
+        assert sent > 5, sent
         rows = [r for r in status["timeline"] if r.get("latency_source") == "engines"]
         assert rows, ("the planner never took latency from the engines", status["held"], status["timeline"][-3:])
         # the gateway really had no latency of its own: nothing was streamed
