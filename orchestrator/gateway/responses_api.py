@@ -16,7 +16,7 @@
   /v1/responses/{id}/cancel`` and a new request naming ``previous_response_id`` must reach that
   engine. The gateway remembers response id → (worker, client key) in a bounded, expiring map with
   hashed keys (client-chosen text never grows memory or sits in it verbatim), shared between gateway
-  replicas through Redis when the prefix index is there; an id it does not know — or one created by
+  replicas through Redis (one node or Redis Cluster) when the prefix index is there; an id it does not know — or one created by
   another client key — is a 404 naming the id, never a guess at a worker;
 * **the stream's ending rules** are ``stream_protocol.ResponsesEvents`` (a terminal ``response.*``
   event, else ``event: error`` + ``response.failed``).
@@ -57,6 +57,8 @@ OWNERS_TTL_S = 24 * 3600.0  # a response older than this is not routed to (its e
 KEY_BYTES = 16
 REDIS_TIMEOUT_S = 0.5  # a shared-map read or write waits at most this long
 REDIS_RETRY_S = 5.0  # after a Redis failure the map is local-only this long
+# A cluster call may first read the topology (CLUSTER SLOTS) and follow a MOVED: bounded as a whole.
+CLUSTER_CALL_TIMEOUT_S = 2 * REDIS_TIMEOUT_S
 
 
 # --- validation ------------------------------------------------------------------------------------
@@ -227,24 +229,40 @@ class ResponseOwners:
 
 class SharedOwners:
     """The owner map in Redis: ``<key_prefix>:resp:<digest>`` → ``<worker id> <client digest>``, expiring
-    with the local entries. Best effort: while Redis fails, each replica knows what it saw itself."""
+    with the local entries. Best effort: while Redis fails, each replica knows what it saw itself.
 
-    def __init__(self, url: str, key_prefix: str) -> None:
+    With ``cluster`` (``index.backend: redis_cluster``; ``url`` lists seed nodes) the key is
+    ``<key_prefix>:resp:{<digest>}``: the digest is the hash tag, so one id is one key in one slot and
+    ids spread over the nodes; every call is bounded by ``CLUSTER_CALL_TIMEOUT_S`` (redis-py would
+    otherwise retry a dead node's slot with backoff while a request waits)."""
+
+    def __init__(self, url: str, key_prefix: str, *, cluster: bool = False) -> None:
         self.url = url
         self.key_prefix = key_prefix
+        self.cluster = cluster
         self._redis: Any = None
         self._down_until = 0.0
 
     def _client(self) -> Any:
         if self._redis is None:
-            import redis.asyncio as aioredis
+            if self.cluster:
+                from orchestrator.kv.redis_cluster_index import cluster_client
 
-            self._redis = aioredis.from_url(self.url, socket_timeout=REDIS_TIMEOUT_S,
-                                            socket_connect_timeout=REDIS_TIMEOUT_S)
+                self._redis = cluster_client(self.url, REDIS_TIMEOUT_S)
+            else:
+                import redis.asyncio as aioredis
+
+                self._redis = aioredis.from_url(self.url, socket_timeout=REDIS_TIMEOUT_S,
+                                                socket_connect_timeout=REDIS_TIMEOUT_S)
         return self._redis
 
     def _name(self, key: bytes) -> str:
+        if self.cluster:
+            return f"{self.key_prefix}:resp:{{{key.hex()}}}"
         return f"{self.key_prefix}:resp:{key.hex()}"
+
+    async def _bounded(self, call: Any) -> Any:
+        return await asyncio.wait_for(call, CLUSTER_CALL_TIMEOUT_S) if self.cluster else await call
 
     def _failed(self, e: Exception) -> None:
         loop = asyncio.get_running_loop()
@@ -257,8 +275,8 @@ class SharedOwners:
         if asyncio.get_running_loop().time() < self._down_until:
             return
         try:
-            await self._client().set(self._name(key), f"{owner.worker_id} {owner.client.hex()}",
-                                     ex=max(1, int(ttl_s)))
+            await self._bounded(self._client().set(self._name(key), f"{owner.worker_id} {owner.client.hex()}",
+                                                   ex=max(1, int(ttl_s))))
         except Exception as e:  # noqa: BLE001 - best effort (see the class docstring)
             self._failed(e)
 
@@ -266,7 +284,7 @@ class SharedOwners:
         if asyncio.get_running_loop().time() < self._down_until:
             return None
         try:
-            raw = await self._client().get(self._name(key))
+            raw = await self._bounded(self._client().get(self._name(key)))
         except Exception as e:  # noqa: BLE001 - best effort
             self._failed(e)
             return None
@@ -289,9 +307,11 @@ class SharedOwners:
 
 def build_owners(config: Any) -> ResponseOwners:
     """The gateway's response-owner map (the composition root calls this): shared through Redis when the
-    prefix index lives in a single Redis (``index.backend: redis``), else local to this process."""
+    prefix index lives there (``index.backend: redis`` or ``redis_cluster``), else local to this process."""
     index = config.index
-    shared = SharedOwners(index.redis_url, index.key_prefix) if index.backend == "redis" else None
+    shared = None
+    if index.backend in ("redis", "redis_cluster"):
+        shared = SharedOwners(index.redis_url, index.key_prefix, cluster=index.backend == "redis_cluster")
     return ResponseOwners(shared=shared)
 
 

@@ -29,7 +29,9 @@ slot count and the masks read, length-prefixed in one string (tiny to send and t
 Availability: every write is mirrored into a local ``MemoryPrefixIndex``. While Redis is unreachable
 lookups are answered from that mirror (what this replica itself has learnt) and the routing goes on;
 once Redis answers again the mirror is written back (``resync``), so a restarted, empty Redis is
-refilled without waiting for engines to re-send their events.
+refilled without waiting for engines to re-send their events. While down, a background probe PINGs
+every ``retry_interval_s``, so an idle replica comes back too; ``dyad_index_mirror_only`` is 1 from
+the first failure until Redis answers again (``SharedPrefixIndex.available``).
 """
 
 from __future__ import annotations
@@ -270,6 +272,7 @@ class RedisPrefixIndex(SharedPrefixIndex):
         self._down_since: float | None = None
         self._next_try = 0.0
         self._resync_task: asyncio.Task[None] | None = None
+        self._probe_task: asyncio.Task[None] | None = None
 
     @property
     def client(self) -> aioredis.Redis:
@@ -284,6 +287,22 @@ class RedisPrefixIndex(SharedPrefixIndex):
         now = self._clock.now()
         self._down_since = self._down_since or now
         self._next_try = now + self._retry_interval_s
+        if self._probe_task is None or self._probe_task.done():
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe())
+
+    async def _probe(self) -> None:
+        """While down, PING every ``retry_interval_s``: a replica that routes nothing also finds Redis
+        back, resyncs and clears ``dyad_index_mirror_only`` (requests retry on their own as well)."""
+        while not self.available:
+            await asyncio.sleep(max(self._retry_interval_s, 0.05))
+            if self.available:
+                return
+            try:
+                await self._client.ping()
+            except REDIS_DOWN_ERRORS as e:
+                log.debug("redis index probe: still down (%s)", e)
+                continue
+            self._mark_up()
 
     def _may_try(self) -> bool:
         return self.available or self._clock.now() >= self._next_try
@@ -433,6 +452,7 @@ class RedisPrefixIndex(SharedPrefixIndex):
         return int(await self._client.scard(f"{self.key_prefix}:idx:w:{int(slot)}"))
 
     async def close(self) -> None:
-        if self._resync_task is not None and not self._resync_task.done():
-            self._resync_task.cancel()
+        for task in (self._resync_task, self._probe_task):
+            if task is not None and not task.done():
+                task.cancel()
         await self._client.aclose()

@@ -11,7 +11,9 @@ both keep this replica's own local mirror beside it.
   table into per-worker overlaps, exactly as the memory backend does.
 
 The availability policy itself (when a replica tries the store again) differs per backend and lives
-in each.
+in each; both flip ``available``, which keeps ``mirror_since`` and the gauges ``dyad_index_mirror_only``
+/ ``dyad_index_mirror_since_timestamp_seconds`` true (an operator alerts on a replica stuck on its
+mirror: docs/operations.md, "Failover").
 """
 
 from __future__ import annotations
@@ -43,11 +45,34 @@ class SharedPrefixIndex(PrefixIndex):
         self._slot_of: dict[str, int] = {}
         self._id_of: dict[int, str] = {}
         self._walk_inputs = WalkInputs()
-        self.available = True
+        self._available = True
+        self.mirror_since: float | None = None  # clock time this replica went on its mirror (None: not on it)
+        if metrics is not None:
+            metrics.index_mirror_only.labels(self.backend).set(0)
+            metrics.index_mirror_since.labels(self.backend).set(0)
         self._retry_interval_s = retry_interval_s
         self.fallback_lookups = 0
         self.resyncs = 0
         self.slot_reloads = 0
+
+    @property
+    def available(self) -> bool:
+        """The shared store answers (False: lookups come from the mirror until it is back and resynced)."""
+        return self._available
+
+    @available.setter
+    def available(self, up: bool) -> None:
+        if up == self._available:
+            return
+        self._available = up
+        self.mirror_since = None if up else self._clock.now()
+        if self._metrics is not None:
+            self._metrics.index_mirror_only.labels(self.backend).set(0 if up else 1)
+            since = self._metrics.index_mirror_since.labels(self.backend)
+            if up:
+                since.set(0)
+            else:
+                since.set_to_current_time()  # wall time, for `time() - ...` in PromQL
 
     def _set_slot_table(self, epoch: bytes | None, gen: bytes | None, table: Mapping[bytes | str, bytes]) -> None:
         """The slot table just read from the store (``worker id → slot``) at ``(epoch, gen)``."""

@@ -118,6 +118,13 @@ class DyadMetrics:
                                     ["backend"], registry=r)
         self.index_lookup_seconds = Histogram("dyad_index_lookup_seconds", "Prefix index overlap lookup time",
                                               ["backend"], buckets=DECISION_BUCKETS, registry=r)
+        self.index_mirror_only = Gauge("dyad_index_mirror_only",
+                                       "1 while this replica answers prefix lookups from its local mirror because "
+                                       "the shared index (redis / redis_cluster) is unreachable or resyncing",
+                                       ["backend"], registry=r)
+        self.index_mirror_since = Gauge("dyad_index_mirror_since_timestamp_seconds",
+                                        "Unix time this replica switched to its local mirror (0 while on the "
+                                        "shared index)", ["backend"], registry=r)
         # --- prefill/decode
         self.pd_requests = Counter("dyad_pd_requests_total",
                                    "Requests by P/D mode (disaggregated, local prefill, fallback)",
