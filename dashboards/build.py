@@ -290,6 +290,18 @@ def routing_and_cache() -> dict[str, Any]:
             Panel("KV event sequence gaps (1 h)",
                   [q(f"sum by (worker) (increase(dyad_kv_event_gaps_total{{{GW}}}[1h]))", "{{worker}}")],
                   "short", "bargauge", 8, 8, thresholds=[(None, "green"), (1, "red")]),
+            Panel("Replicas on local index mirror",
+                  [q(f"max by (instance, backend) (dyad_index_mirror_only{{{GW}}})", "{{instance}} {{backend}}")],
+                  "short", width=12, max=1, thresholds=[(None, "green"), (1, "red")],
+                  description="1 while a gateway replica routes from its own mirror because the shared index "
+                              "(redis / redis_cluster) does not answer; alert DyadIndexOnLocalMirror after 5 min. "
+                              "docs/operations.md, Failover."),
+            Panel("Time on local index mirror",
+                  [q(f"max by (instance, backend) ((time() - dyad_index_mirror_since_timestamp_seconds{{{GW}}}) "
+                     f"and (dyad_index_mirror_since_timestamp_seconds{{{GW}}} > 0))", "{{instance}} {{backend}}")],
+                  "s", width=12, thresholds=[(None, "green"), (300, "red")],
+                  description="How long each replica has been on its mirror (empty when none is). A failover "
+                              "takes seconds; minutes mean a node with no promoted replica, or Redis gone."),
         ]),
     ])
 

@@ -46,6 +46,8 @@ NO_SAMPLES_IN_TEST_FLEET = {
     "dyad_role_changes_total": "needs a role change (admin API or planner)",
     "dyad_kv_event_gaps_total": "needs lost KV events",
     "dyad_index_evictions_total": "needs the index over its cap",
+    "dyad_index_mirror_only": "needs a shared (redis / redis_cluster) index; the test fleet's is in memory",
+    "dyad_index_mirror_since_timestamp_seconds": "needs a shared (redis / redis_cluster) index",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
 
