@@ -188,17 +188,21 @@ class ResponseOwners:
     def __len__(self) -> int:
         return len(self._map)
 
-    def record(self, response_id: str, worker_id: str, client: str, now: float) -> None:
+    def record(self, response_id: str, worker_id: str, client: str, now: float) -> asyncio.Future[None] | None:
+        """Remember the id locally; with ``shared``, also write it there in the background and return
+        that write (``RecordOwner`` lets the answer end only once it is through, bounded)."""
         key = _key(response_id)
         self._map.pop(key, None)
         owner = self._map[key] = Owner(worker_id, _key(client), now + self.ttl_s)
         while len(self._map) > self.max_entries:
             self._map.popitem(last=False)
         self._expire(now)
-        if self.shared is not None:  # written in the background: the answer is not held up by Redis
-            task = asyncio.ensure_future(self.shared.put(key, owner, self.ttl_s))
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
+        if self.shared is None:
+            return None
+        task = asyncio.ensure_future(self.shared.put(key, owner, self.ttl_s))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return task
 
     async def find(self, response_id: str, client: str, now: float) -> str | None:
         """``lookup``, then the shared map for an id this replica did not see created."""
@@ -371,7 +375,10 @@ def response_id_in(body: bytes, stream: bool) -> str | None:
 
 class RecordOwner:
     """Wraps a ``ProxyResponse`` for ``POST /v1/responses``: the response id in its answer is recorded
-    with the worker that produced it (``ResponseOwners``). Reads only: the bytes pass unchanged."""
+    with the worker that produced it (``ResponseOwners``). Reads only: the bytes pass unchanged. The
+    shared write starts as soon as the id is seen; the answer's last message waits for it (one Redis
+    round trip, bounded by the shared map's timeouts; no wait while Redis is known down), so a client
+    that sends ``GET /v1/responses/{id}`` to another replica right after the answer finds the id."""
 
     SCAN_LIMIT = 1 << 16  # a stream's id is in its first event; stop looking after this many bytes
 
@@ -386,6 +393,7 @@ class RecordOwner:
         proxy = self.proxy
         seen = bytearray()
         state = {"status": 0, "found": False}
+        pending: list[asyncio.Future[None]] = []
 
         async def watching_send(message: Any) -> None:
             if message["type"] == "http.response.start":
@@ -398,7 +406,12 @@ class RecordOwner:
                     state["found"] = True
                     attempt = proxy.attempt
                     if rid is not None and attempt is not None:
-                        owners_of(proxy.rt).record(rid, attempt.worker_id, self.client, proxy.rt.clock.now())
+                        write = owners_of(proxy.rt).record(rid, attempt.worker_id, self.client, proxy.rt.clock.now())
+                        if write is not None:
+                            pending.append(write)
+            if pending and message["type"] == "http.response.body" and not message.get("more_body", False):
+                await asyncio.wait(pending)  # never raises; put() is best effort and bounded
+                pending.clear()
             await send(message)
 
         await proxy(scope, receive, watching_send)

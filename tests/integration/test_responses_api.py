@@ -389,6 +389,57 @@ def test_gateway_replicas_share_response_ids_through_redis(engines, tmp_path, re
         assert httpx.get(f"{b.url}/v1/responses/resp_other", timeout=10).status_code == 404
 
 
+@pytest.mark.redis
+def test_gateway_replicas_share_response_ids_through_redis_cluster(engines, tmp_path):
+    """Two gateway replicas on a real 3-node Redis Cluster (``index.backend: redis_cluster``,
+    tests/fixtures/redis_cluster.py): a response created through one is found through the other; each
+    id is one hash-tagged key (``<prefix>:resp:{<digest>}``) with the 24 h TTL, digests only. With the
+    node holding that key's slot killed, the creating replica still routes the id (best effort, bounded),
+    the other answers 404 naming it, never a 5xx."""
+    import redis
+    from redis.cluster import key_slot
+
+    from orchestrator.gateway.responses_api import OWNERS_TTL_S, _key
+    from tests.fixtures.redis_cluster import RedisCluster
+
+    with RedisCluster(primaries=3, replicas=0) as cl:
+        prefix = unique_prefix("cresp")
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        shared = {"index": {"backend": "redis_cluster", "redis_url": cl.url, "key_prefix": prefix}}
+        with gateway(engines, tmp_path / "a", **shared) as a, gateway(engines, tmp_path / "b", **shared) as b:
+            r = create(a)
+            assert r.status_code == 200
+            rid = r.json()["id"]
+            for _ in range(3):
+                got = httpx.get(f"{b.url}/v1/responses/{rid}", timeout=10)
+                assert got.status_code == 200 and got.json()["id"] == rid
+            nxt = create(b, previous_response_id=rid)
+            assert nxt.status_code == 200 and nxt.headers["x-dyad-worker"] == r.headers["x-dyad-worker"]
+            nid = nxt.json()["id"]
+            keys: dict[bytes, int] = {}  # key → the port of the primary that holds it
+            for port in cl.ports:
+                node = redis.Redis(port=port)
+                keys.update({k: port for k in node.keys(f"{prefix}:resp:*")})
+                node.close()
+            assert len(keys) == 2 and all(rid.encode() not in k and nid.encode() not in k for k in keys)
+            for k, port in keys.items():
+                tag = k.decode().split(":resp:", 1)[1]
+                assert tag.startswith("{") and tag.endswith("}") and len(tag) == 2 + 32  # {16-byte digest}
+                node = redis.Redis(port=port)
+                assert key_slot(k) == key_slot(tag[1:-1].encode())  # the digest alone picks the slot
+                assert 0 < node.ttl(k) <= OWNERS_TTL_S
+                node.close()
+            assert httpx.get(f"{b.url}/v1/responses/resp_other", timeout=10).status_code == 404
+            # The node holding the first id's key dies (no replica): best effort from here on.
+            cl.kill(keys[b.runtime.response_owners.shared._name(_key(rid)).encode()])
+            for _ in range(2):  # a created rid: it routes it from its own map
+                assert httpx.get(f"{a.url}/v1/responses/{rid}", timeout=10).status_code == 200
+            gone = httpx.get(f"{b.url}/v1/responses/{rid}", timeout=10)  # b never saw rid created
+            assert gone.status_code == 404 and rid in gone.json()["error"]["message"], gone.text
+            assert httpx.get(f"{b.url}/v1/responses/{nid}", timeout=10).status_code == 200  # b's own id
+
+
 def test_with_redis_unreachable_a_replica_still_routes_the_ids_it_saw(engines, tmp_path):
     import socket
 
