@@ -8,6 +8,9 @@ shapes
     ``daily``    one smooth day: trough at the start and end, peak in the middle (raised cosine)
     ``twopeak``  a working day: a morning peak, a dip at noon, a higher afternoon peak
     ``ramp``     trough → peak → trough in straight lines (a launch/spike day)
+    ``spiky``    a low day (a quarter-height daily swell) with eight short spikes to the peak at seeded
+                 random times, each about 1.5% of the day wide (batch jobs, retries, a viral link)
+    ``decline``  peak at the start, a slow convex decline to the trough at the end (an evening)
 
 keys (defaults in ``DailySpec``)
     duration  seconds the compressed day lasts         peak, trough   request rate, req/s
@@ -29,7 +32,7 @@ from dataclasses import dataclass, fields
 from orchestrator.bench.traces import TraceRequest
 
 PREFIX = "synthetic:"
-SHAPES = ("daily", "twopeak", "ramp")
+SHAPES = ("daily", "twopeak", "ramp", "spiky", "decline")
 
 
 @dataclass
@@ -56,7 +59,16 @@ class DailySpec:
             return min(1.0, a + b)
         if self.shape == "ramp":
             return max(0.0, 1.0 - abs(2.0 * x - 1.0))
+        if self.shape == "spiky":
+            spikes = sum(math.exp(-((x - c) / 0.0075) ** 2) for c in self._spike_centres())
+            return min(1.0, 0.25 * 0.5 * (1.0 - math.cos(2.0 * math.pi * x)) + spikes)
+        if self.shape == "decline":
+            return (1.0 - x) ** 1.5
         raise ValueError(f"synthetic shape {self.shape!r}: choose from {', '.join(SHAPES)}")
+
+    def _spike_centres(self) -> list[float]:
+        rng = random.Random(self.seed * 7919 + 1)  # its own stream: the arrivals' draws stay as they were
+        return [rng.uniform(0.05, 0.95) for _ in range(8)]
 
     def rate_at(self, t: float) -> float:
         return self.trough + (self.peak - self.trough) * self.shape_at(t / self.duration)

@@ -94,7 +94,9 @@ class PlannerSettings:
     decode_correction_max: float = 2.0  # cap of the decode (ITL) correction
     headroom: float = 0.0  # plan for (1 + headroom) x the forecast rate: room for surges during start-up
     decode_headroom: float = 0.25  # decode sized for (1 + this) x the interval's peak streams in flight
-    burst_window_s: float = 0.0  # burst floor: prefill sized for seconds-scale peaks, kept this long (0 = off)
+    burst_window_s: float | None = 0.0  # burst floor: prefill sized for seconds-scale peaks, kept this long
+    # (0 = off; None = the re-start horizon ``start_s + interval_s``: a worker given back now cannot serve
+    # again before that, so a peak older than it is not worth holding capacity for)
     decode_floor: bool = False  # the burst floor keeps decode's peak sizing too (default: prefill's only;
     # decode bursts are met by the interval's peak streams + decode_headroom and by warm standby)
     fast_interval_s: float = 0.0  # load-reactive mode: look at queues every this many seconds (0 = off)
@@ -103,6 +105,11 @@ class PlannerSettings:
     fast_queue_share: float = 0.5  # fast mode: a prefill queue beyond what clears in this share of the TTFT target
     standby_prefill: int = 0  # warm standby workers kept per role (started, out of rotation)
     standby_decode: int = 0
+    standby_auto: bool = False  # size the standby pools from observed bursts (``standby_*`` are then floors): the
+    # upper ``jump_quantile`` of how far a peak rose above the burst floor, over the last ``jump_memory``
+    # intervals; 0 in calm periods
+    jump_quantile: float = 0.9
+    jump_memory: int = 20  # intervals of burst history (chosen a priori, not tuned)
     standby_wake_s: float = 5.0  # seconds a standby worker takes to serve once activated
     fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
 
@@ -185,6 +192,10 @@ class Planner:
         self._samples = 0
         self._over: dict[Role, int] = dict.fromkeys(ROLES, 0)
         self._forecast: LoadForecast | None = None
+        self._grown: dict[Role, tuple[float, float]] = {}  # role → (when it last grew, the need that grew it)
+        # per interval: (5-s peak arrival rate, peak decode streams) — the burst history of ``standby_auto``
+        self._bursts: deque[tuple[float, float]] = deque(maxlen=max(2, self.settings.jump_memory + self.horizon_steps()))
+        self._standby_sized: dict[Role, int] = dict.fromkeys(ROLES, 0)
         self.last: PlanDecision | None = None
 
     # ------------------------------------------------------------ inputs
@@ -265,7 +276,59 @@ class Planner:
         return streams
 
     def _standby_want(self) -> dict[Role, int]:
-        return {Role.PREFILL: self.settings.standby_prefill, Role.DECODE: self.settings.standby_decode}
+        s = self.settings
+        fixed = {Role.PREFILL: s.standby_prefill, Role.DECODE: s.standby_decode}
+        if s.standby_auto:
+            return {r: max(fixed[r], self._standby_sized[r]) for r in ROLES}
+        return fixed
+
+    def burst_jumps(self) -> tuple[float, float]:
+        """How far the load rose above what the burst floor held, in the recent past, as a factor:
+        the upper ``jump_quantile``, over the last ``jump_memory`` intervals, of (an interval's 5-s peak
+        arrival rate, its peak decode streams) divided by the largest of the ``horizon_steps``
+        intervals before it (1 = never rose). Load varies multiplicatively, so a factor carries over
+        from a quiet hour to a busy one. Cold capacity cannot meet such a rise (it comes within the
+        start-up time); warm standby can."""
+        s = self.settings
+        hist = list(self._bursts)
+        m = self.horizon_steps()
+        out = []
+        for i in (0, 1):
+            jumps = []
+            for k in range(1, len(hist)):
+                before = max(h[i] for h in hist[max(0, k - m):k])
+                if before > 0:
+                    jumps.append(max(1.0, hist[k][i] / before))
+            jumps = jumps[-s.jump_memory:]
+            out.append(_quantile(jumps, s.jump_quantile) if jumps else 1.0)
+        return out[0], out[1]
+
+    def _size_standby(self, planned: LoadForecast, reasons: list[str]) -> None:
+        """``standby_auto``: warm workers per role for the recent bursts (see ``burst_jumps``): what the
+        burst floor's load times the jump factor needs beyond what the floor itself needs."""
+        if not self.settings.standby_auto:
+            return
+        hist = list(self._bursts)[-self.horizon_steps():]
+        jump_rate, jump_streams = self.burst_jumps()
+        base_rate = max([planned.request_rate] + [h[0] for h in hist])
+        base_streams = max([0.0] + [h[1] for h in hist])
+
+        def prefill_need(rate: float) -> int:
+            z = solve(LoadForecast(rate, planned.isl, planned.osl), self.perf, self.settings.targets,
+                      replace(self.settings.limits, budget=10**6, max_prefill=None), self.hit_ratio,
+                      self.correction, decode_perf=self.decode_perf)
+            return math.ceil(z.prefill_exact - 1e-9)
+
+        per = self._decode_per_worker(planned)
+        h = 1 + self.settings.decode_headroom
+        sized = {Role.PREFILL: max(0, prefill_need(base_rate * jump_rate) - prefill_need(base_rate))
+                 if jump_rate > 1 and base_rate > 0 else 0,
+                 Role.DECODE: max(0, math.ceil(base_streams * jump_streams * h / per - 1e-9)
+                                  - math.ceil(base_streams * h / per - 1e-9)) if jump_streams > 1 else 0}
+        if sized != self._standby_sized:
+            reasons.append(f"standby: {sized[Role.PREFILL]}P/{sized[Role.DECODE]}D for recent bursts of "
+                           f"x{jump_rate:.2f} req/s, x{jump_streams:.2f} decode streams within {self.horizon_s():g}s")
+        self._standby_sized = sized
 
     # ------------------------------------------------------------ the step
     def complete_drains(self, fleet: Sequence[WorkerView]) -> list[Action]:
@@ -292,6 +355,22 @@ class Planner:
     def draining(self) -> dict[str, str]:
         """Worker id → what happens when it is idle ("stop", "standby" or the new role)."""
         return dict(self._pending)
+
+    def horizon_s(self) -> float:
+        """The re-start horizon: a worker stopped now cannot serve again before ``start_s`` has passed and
+        the next interval has looked. Capacity is worth keeping only for load expected within it (a
+        ski-rental bound), and a worker started for a forecast is kept at least this long."""
+        s = self.settings
+        return s.start_s + s.interval_s
+
+    def horizon_steps(self) -> int:
+        s = self.settings
+        return max(1, math.ceil(self.horizon_s() / s.interval_s - 1e-9)) if s.interval_s > 0 else 1
+
+    def burst_window(self) -> float:
+        """Seconds the burst floor keeps a peak's sizing: as set, or (None) the re-start horizon."""
+        w = self.settings.burst_window_s
+        return self.horizon_s() if w is None else w
 
     def lead_steps(self) -> int:
         """Intervals a scale-out must look ahead: until a worker started now serves, plus one."""
@@ -330,11 +409,14 @@ class Planner:
         self._forecast = planned
         sizing = solve(planned, self.perf, s.targets, s.limits, self.hit_ratio, self.correction,
                        decode_perf=self.decode_perf)
-        if s.burst_window_s > 0:
+        if self.burst_window() > 0:
             sizing = self._burst_sizing(sizing, planned, obs, reasons)
         sizing = self._decode_streams(sizing, planned, max(peak_streams[Role.DECODE], streams_now[Role.DECODE]),
                                       reasons)
         peak_d = max(peak_streams[Role.DECODE], streams_now[Role.DECODE])
+        if obs is not None and obs.window_s > 0:
+            self._bursts.append((obs.peak_rate if obs.peak_rate is not None else obs.request_rate, peak_d))
+        self._size_standby(planned, reasons)
         decode_saturated = counts[Role.DECODE] > 0 and peak_d >= 0.9 * counts[Role.DECODE] * self._decode_per_worker(planned)
         if sizing.infeasible:
             reasons.append("targets unreachable at any count: " + ", ".join(sizing.infeasible))
@@ -349,11 +431,14 @@ class Planner:
             budget = total  # split the workers we have in proportion to need
             p, d = fit_budget(sizing.prefill_exact, sizing.decode_exact, replace(s.limits, budget=total))
             want = {Role.PREFILL: p, Role.DECODE: d}
-        elif s.burst_window_s > 0:
+        elif self.burst_window() > 0:
             want, exact = self._capacity_floor(want, exact, counts, now, reasons)
         want = self._latency_guard(want, counts, obs, reasons, decode_saturated)
         target = self._hysteresis(want, exact, counts, now, reasons, budget)
         target = self._decode_floor(target, counts, streams_now[Role.DECODE], planned, reasons)
+        for r in ROLES:
+            if target[r] > counts[r]:
+                self._grown[r] = (now, exact[r])
         changes = self._explain(target, counts, want, reasons)
         actions += self._actions(target, counts, fleet, now, standby)
         desired = {r.value: target[r] for r in ROLES}
@@ -463,6 +548,13 @@ class Planner:
         per_decode = self._decode_per_worker(f)
         need = {Role.PREFILL: math.ceil(streams[Role.PREFILL] / per_prefill - 1e-9),
                 Role.DECODE: math.ceil(streams[Role.DECODE] * (1 + s.decode_headroom) / per_decode - 1e-9)}
+        # a cold worker serves only after start_s: start one only for work that the pool cannot clear by
+        # then — the queue drained within start_s while the forecast arrivals keep coming (a backlog that
+        # clears sooner is not worth a start; warm standby is, it serves in seconds)
+        cold_need = dict(need)
+        if s.start_s > 0:
+            cold_need[Role.PREFILL] = min(need[Role.PREFILL], math.ceil(
+                (streams[Role.PREFILL] / s.start_s + f.request_rate) * service - 1e-9))
         target = dict(counts)
         reasons: list[str] = []
         for r in ROLES:
@@ -490,7 +582,7 @@ class Planner:
             # cold starts only for pressure that lasts, and within the budget (standby included)
             if self._over[r] < s.fast_confirm_cold:
                 continue
-            while target[r] > used[r]:
+            while min(target[r], cold_need[r]) > used[r]:
                 grown = {**used, r: used[r] + 1}
                 pool_n = sum(len(pool[x]) for x in ROLES)
                 if not lim.fits(grown[Role.PREFILL] + (pool_n if r is Role.PREFILL else 0),
@@ -502,6 +594,7 @@ class Planner:
             return None
         for r in ROLES:
             if used[r] > counts[r]:
+                self._grown[r] = (now, float(used[r]))
                 self._last_change[r] = now
                 self._below[r] = 0
                 self._over[r] = 0 if used[r] >= target[r] else self._over[r]
@@ -549,9 +642,10 @@ class Planner:
         if self._first_plan is None:
             self._first_plan = now
         self._sized.append((now, dict(exact)))
-        while self._sized and self._sized[0][0] < now - s.burst_window_s:
+        window = self.burst_window()
+        while self._sized and self._sized[0][0] < now - window:
             self._sized.popleft()
-        warming = now - self._first_plan < s.burst_window_s
+        warming = now - self._first_plan < window
         lim = s.limits
         caps = {Role.PREFILL: lim.max_prefill, Role.DECODE: lim.max_decode}
         floor_exact: dict[Role, float] = {}
@@ -568,7 +662,7 @@ class Planner:
             floored = {Role.PREFILL: p, Role.DECODE: d}
         if floored != want:
             reasons.append("burst floor: " + ("warming up, holding" if warming else
-                                              f"keeping the {s.burst_window_s:g}s peak sizing") +
+                                              f"keeping the {window:g}s peak sizing") +
                            f" ({floored[Role.PREFILL]}P/{floored[Role.DECODE]}D)")
         return floored, floor_exact
 
@@ -590,7 +684,12 @@ class Planner:
                 target[r] = have
                 continue
             self._below[r] += 1
-            if self._below[r] >= s.scale_in_intervals and now - self._last_change[r] >= s.cooldown_s:
+            if self._started_for_forecast(r, exact[r], now):
+                target[r] = have
+                t0, need = self._grown[r]
+                reasons.append(f"{r.value}: holding {have} (grown at t={t0:g}s for a need of {need:.2f}; kept until "
+                               f"t={t0 + self.horizon_s():g}s unless the need falls clearly)")
+            elif self._below[r] >= s.scale_in_intervals and now - self._last_change[r] >= s.cooldown_s:
                 target[r] = max(keep, want[r], have - max(1, s.scale_in_step))
             else:
                 target[r] = have
@@ -608,6 +707,19 @@ class Planner:
                        and target[r] > max(want[r], mins[r])):
                     target[r] -= 1
         return target
+
+    def _started_for_forecast(self, role: Role, need: float, now: float) -> bool:
+        """The churn rule: a role grown for a forecast keeps its workers until the re-start horizon
+        (``horizon_s``) after the growth has passed — stopping one earlier means paying its start-up
+        again if the forecast was right — unless the need fell clearly: below the need that grew it by
+        more than ``scale_in_margin`` and more than the load's own recent jumps (``burst_jumps``: a fall
+        no larger than a rise seen within the horizon is noise, not a trend)."""
+        grown = self._grown.get(role)
+        if grown is None:
+            return False
+        t0, need0 = grown
+        jump = self.burst_jumps()[0 if role is Role.PREFILL else 1]
+        return now < t0 + self.horizon_s() and need * (1 + self.settings.scale_in_margin) * jump >= need0
 
     def _actions(self, target: dict[Role, int], counts: dict[Role, int], fleet: Sequence[WorkerView],
                  now: float, standby: dict[Role, list[WorkerView]] | None = None) -> list[Action]:
@@ -677,4 +789,22 @@ class Planner:
                     used_p, used_d = np_, nd
                     pool[r].append(WorkerView("(new)", r, "starting", standby=True))
                     actions.append(Action("start", r, then="standby"))
+        if not s.fixed_fleet:  # a pool larger than wanted (the bursts calmed): stop its idle extras
+            for r in ROLES:
+                extra = [w for w in pool[r] if w.state == "standby" and w.id != "(new)"]
+                while len(pool[r]) > want_pool[r] and extra and extra[-1].stoppable:
+                    w = extra.pop()
+                    pool[r].remove(w)
+                    actions.append(Action("stop", r, w.id))
         return actions
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (linear between order statistics)."""
+    v = sorted(xs)
+    if not v:
+        return 0.0
+    pos = min(1.0, max(0.0, q)) * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(len(v) - 1, lo + 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)

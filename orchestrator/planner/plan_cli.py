@@ -68,14 +68,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="planner plans for (1 + headroom) x the forecast rate (surges during engine start)")
     parser.add_argument("--decode-headroom", type=float, default=0.25,
                         help="decode sized for (1 + this) x the peak streams in flight within an interval")
-    parser.add_argument("--burst-window", type=float, default=600.0,
-                        help="burst floor: prefill sized for seconds-scale peaks and kept this many seconds (0 = off)")
+    parser.add_argument("--burst-window", type=_auto_float, default=None,
+                        help="burst floor: prefill sized for seconds-scale peaks and kept this many seconds (0 = off; "
+                             "default auto = --start-s + --interval, the time a worker given back takes to return)")
     parser.add_argument("--decode-floor", action="store_true",
                         help="the burst floor keeps decode's peak sizing too (default: prefill's only)")
+    parser.add_argument("--scale-in-step", type=int, default=None,
+                        help="most workers of a role given back per interval (default: all above the need plus "
+                             "margin, after the hysteresis intervals and the re-start horizon of the last growth)")
     parser.add_argument("--fast-interval", type=float, default=2.0,
                         help="load-reactive mode: look at queues every this many seconds between intervals (0 = off)")
-    parser.add_argument("--standby-prefill", type=int, default=1, help="warm standby prefill workers (0 = none)")
-    parser.add_argument("--standby-decode", type=int, default=1, help="warm standby decode workers (0 = none)")
+    parser.add_argument("--standby-prefill", type=int, default=1,
+                        help="warm standby prefill workers kept at least (0 = none)")
+    parser.add_argument("--standby-decode", type=int, default=0, help="warm standby decode workers kept at least")
+    parser.add_argument("--standby-fixed", action="store_true",
+                        help="keep exactly --standby-prefill/--standby-decode warm workers (default: more when the "
+                             "recent bursts need them)")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--keda-prefill-target", type=float, default=1.0,
@@ -86,6 +94,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-static-search", action="store_true", help="skip the static search (faster)")
     parser.add_argument("--plot", default=None,
                         help=f"write a PNG here: load, workers, TTFT/ITL vs the SLO per strategy (needs {PLOT_EXTRA})")
+
+
+def _auto_float(v: str) -> float | None:
+    if v == "auto":
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds or auto (got {v!r})") from None
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -135,10 +152,12 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         targets=Targets(args.ttft, args.itl), limits=limits_for(args, budget), interval_s=args.interval,
         predictor=g(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
         cooldown_s=2 * args.interval, headroom=g(args, "headroom", 0.0),
-        decode_headroom=g(args, "decode_headroom", 0.25), burst_window_s=g(args, "burst_window", 600.0),
-        decode_floor=g(args, "decode_floor", False),
-        fast_interval_s=g(args, "fast_interval", 2.0), standby_prefill=g(args, "standby_prefill", 1),
-        standby_decode=g(args, "standby_decode", 1), standby_wake_s=g(args, "standby_wake_s", 5.0))
+        decode_headroom=g(args, "decode_headroom", 0.25), burst_window_s=g(args, "burst_window", None),
+        scale_in_step=g(args, "scale_in_step", None) or budget,
+        decode_floor=g(args, "decode_floor", False), fast_interval_s=g(args, "fast_interval", 2.0),
+        standby_auto=not g(args, "standby_fixed", False), standby_prefill=g(args, "standby_prefill", 1),
+        standby_decode=g(args, "standby_decode", 0),
+        standby_wake_s=g(args, "standby_wake_s", 5.0))
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
     return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
 

@@ -371,8 +371,10 @@ def _queued(p: int, d: int, per_prefill: int, standby: int = 0) -> list[WorkerVi
 
 
 def test_load_mode_wakes_standby_at_once_and_starts_cold_only_for_lasting_pressure():
+    # engines start in 2 s here: the backlog below cannot clear before a cold worker serves
     pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
-                                         correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3))
+                                         correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3,
+                                         start_s=2))
     pl.step(_obs(60, 1, 4096, 50), _fleet(2, 2), 60)
     assert pl.react(_fleet(2, 2), 62) is None  # quiet
     # 20 prompts of ~0.43 s queued on 2 workers, far over a 1 s TTFT; one warm standby worker
@@ -473,3 +475,120 @@ def test_a_ttft_broken_by_a_saturated_decode_pool_grows_decode_not_prefill():
     pl2 = Planner(PerfModel.from_dict(prof), pl.settings)
     d2 = pl2.step(obs, _fleet(2, 2), 60)
     assert d2.desired["prefill"] == 3
+
+
+# ---------------------------------------------------------------- derived horizons, burst standby, churn
+
+def test_burst_window_defaults_to_the_restart_horizon():
+    pl = Planner(perf(), PlannerSettings(interval_s=30, start_s=60, burst_window_s=None))
+    assert pl.horizon_s() == 90 and pl.burst_window() == 90 and pl.horizon_steps() == 3
+    assert Planner(perf(), PlannerSettings(burst_window_s=0)).burst_window() == 0  # off stays off
+    assert Planner(perf(), PlannerSettings(burst_window_s=500)).burst_window() == 500  # as set
+
+
+def test_auto_burst_floor_lets_go_of_a_peak_once_the_restart_horizon_passed():
+    settings = PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=40), predictor="constant",
+                               interval_s=60, start_s=60, scale_in_intervals=1, scale_in_margin=0.0,
+                               burst_window_s=None, correct_from_latency=False)
+    pl = Planner(perf(), settings)
+    pl.step(_obs(60, 0.5, 4096, 200), _fleet(1, 1), 60)
+    pl.step(_obs(120, 0.5, 4096, 200), _fleet(1, 1), 120)  # warm-up (one horizon) over
+    burst = pl.step(_obs(180, 8, 4096, 200), _fleet(1, 1), 180)
+    fleet = _fleet(burst.desired["prefill"], burst.desired["decode"])
+    held = pl.step(_obs(240, 0.5, 4096, 200), fleet, 240)  # within 120 s of the peak: held
+    assert held.desired["prefill"] == burst.desired["prefill"] > 1
+    later = pl.step(_obs(320, 0.5, 4096, 200), fleet, 320)  # 140 s later: past the horizon, shrinks
+    assert later.desired["prefill"] < burst.desired["prefill"]
+
+
+def _burst_obs(t: float, rate: float, peak: float) -> Observation:
+    o = _obs(t, rate, 1024, 100)
+    o.peak_rate = peak
+    return o
+
+
+def test_auto_standby_is_sized_from_recent_jumps_and_is_zero_when_calm():
+    settings = PlannerSettings(targets=Targets(0.5, 0.05), limits=Limits(budget=40), predictor="constant",
+                               interval_s=30, start_s=60, burst_window_s=None, correct_from_latency=False,
+                               standby_auto=True)
+    calm = Planner(perf(), settings)
+    fleet = _fleet(2, 2)
+    for k in range(1, 12):
+        d = calm.step(_burst_obs(30 * k, 10, 12), fleet, 30 * k)
+    assert calm.burst_jumps()[0] == 1.0
+    assert d.standby == {"prefill": 0, "decode": 0} and not [a for a in d.actions if a.then == "standby"]
+    # the same mean load, but every third interval's 5-s peak doubles the one before: warm workers
+    # for that factor on top of the floor's load
+    jumpy = Planner(perf(), settings)
+    for k in range(1, 12):
+        d = jumpy.step(_burst_obs(30 * k, 10, 24 if k % 4 == 0 else 12), fleet, 30 * k)
+    assert jumpy.burst_jumps()[0] == pytest.approx(2.0)
+    sized = jumpy._standby_want()[Role.PREFILL]
+    assert sized >= 1
+    assert any("standby:" in r for r in d.reasons) or sized == jumpy._standby_sized[Role.PREFILL]
+
+
+def test_auto_standby_never_goes_below_its_floor_and_trims_idle_extras():
+    settings = PlannerSettings(targets=Targets(0.5, 0.05), limits=Limits(budget=40), predictor="constant",
+                               interval_s=30, start_s=60, burst_window_s=None, correct_from_latency=False,
+                               standby_auto=True, standby_prefill=1)
+    pl = Planner(perf(), settings)
+    fleet = _fleet(2, 2) + [WorkerView("sb0", Role.PREFILL, "standby"), WorkerView("sb1", Role.PREFILL, "standby"),
+                            WorkerView("sb2", Role.DECODE, "standby")]
+    d = pl.step(_burst_obs(30, 10, 12), fleet, 30)
+    stops = sorted(a.worker_id for a in d.actions if a.kind == "stop")
+    assert stops == ["sb1", "sb2"]  # the floor keeps one warm prefill worker; nothing else is wanted
+
+
+def test_churn_rule_keeps_a_worker_started_for_a_forecast_until_the_horizon_unless_the_need_fell_clearly():
+    settings = PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=40), predictor="constant",
+                               interval_s=30, start_s=60, scale_in_intervals=1, scale_in_margin=0.15,
+                               burst_window_s=0, correct_from_latency=False)
+
+    def jumpy_planner() -> Planner:
+        pl = Planner(perf(), settings)
+        for k in range(1, 9):  # the 5-s peaks have doubled from one interval to the next in the past
+            pl._bursts.append((8.0 if k % 4 == 0 else 4.0, 10.0))
+        assert pl.burst_jumps()[0] == pytest.approx(2.0)
+        return pl
+
+    pl = jumpy_planner()
+    grow = pl.step(_obs(300, 6, 4096, 200), _fleet(1, 1), 300)
+    p = grow.desired["prefill"]
+    assert p > 2
+    fleet = _fleet(p, grow.desired["decode"])
+    # the need falls by a third: hysteresis alone would give workers back, but a fall smaller than the
+    # load's own recent jumps is not clear: held until t = 300 + 90
+    held = pl.step(_obs(330, 4, 4096, 200), fleet, 330)
+    assert held.desired["prefill"] == p and any("kept until t=390" in r for r in held.reasons)
+    # past the horizon the ordinary scale-in applies
+    after = pl.step(_obs(400, 4, 4096, 200), fleet, 400)
+    assert after.desired["prefill"] < p
+    # a clear fall (beyond margin and jumps) releases at once, within the horizon
+    pl2 = jumpy_planner()
+    g2 = pl2.step(_obs(300, 6, 4096, 200), _fleet(1, 1), 300)
+    fell = pl2.step(_obs(330, 0.5, 4096, 200), _fleet(g2.desired["prefill"], g2.desired["decode"]), 330)
+    assert fell.desired["prefill"] < g2.desired["prefill"]
+    # without the rule's history (calm load: jump factor 1) the same one-third fall is clear enough
+    calm = Planner(perf(), settings)
+    g3 = calm.step(_obs(300, 6, 4096, 200), _fleet(1, 1), 300)
+    d3 = calm.step(_obs(330, 4, 4096, 200), _fleet(g3.desired["prefill"], g3.desired["decode"]), 330)
+    assert d3.desired["prefill"] < g3.desired["prefill"]
+
+
+def test_load_mode_starts_no_cold_worker_for_a_backlog_that_clears_before_it_would_serve():
+    pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
+                                         correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3,
+                                         start_s=60))
+    pl.step(_obs(60, 1, 4096, 50), _fleet(3, 2), 60)
+    # 30 prompts of ~0.43 s on 3 workers: over the TTFT target now, cleared in ~5 s, long before a
+    # worker started now (60 s) would serve; nothing warm to wake
+    for t in (62, 64, 66, 68):
+        assert pl.react(_queued(3, 2, 10), t) is None
+    # a backlog that outlasts the start-up (400 prompts: ~57 s on 3 workers at 1 req/s more arriving)
+    # does start cold workers, as many as clear it within the start-up
+    for t in (70, 72):
+        pl.react(_queued(3, 2, 134), t)
+    d = pl.react(_queued(3, 2, 134), 74)
+    assert d is not None and [a.kind for a in d.actions] == ["start"] * (d.desired["prefill"] - 3)
+    assert d.desired["prefill"] == math.ceil((402 / 60 + 1) * perf().prefill_time(4096))

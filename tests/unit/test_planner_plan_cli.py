@@ -83,7 +83,7 @@ async def test_service_timeline_holds_interval_and_load_mode_rows():
     clock = VirtualClock()
     planner = Planner(PerfModel.from_dict(PROFILE), PlannerSettings(
         targets=Targets(1.0, 0.05), limits=Limits(budget=10), predictor="constant", fast_interval_s=5,
-        fast_confirm_cold=1))
+        fast_confirm_cold=1, start_s=2))  # engines start in 2 s: the queue below is worth a cold start
     service = PlannerService(planner, Source(), RecommendOnly(), lambda: fleet, clock)
     clock.set(60.0)
     await service.run_once()
