@@ -110,6 +110,8 @@ class PlannerSettings:
     # intervals; 0 in calm periods
     jump_quantile: float = 0.9
     jump_memory: int = 20  # intervals of burst history (chosen a priori, not tuned)
+    rise_quantile: float = 0.0  # size prefill for the lead forecast times this quantile of how far the
+    # arrivals outran it recently (``rise_factor``; 0 = off)
     standby_wake_s: float = 5.0  # seconds a standby worker takes to serve once activated
     fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
 
@@ -196,6 +198,8 @@ class Planner:
         # per interval: (5-s peak arrival rate, peak decode streams) — the burst history of ``standby_auto``
         self._bursts: deque[tuple[float, float]] = deque(maxlen=max(2, self.settings.jump_memory + self.horizon_steps()))
         self._standby_sized: dict[Role, int] = dict.fromkeys(ROLES, 0)
+        # per interval: [observed rate, the lead rate forecast after it] (``rise_factor``)
+        self._leads: deque[list[float | None]] = deque(maxlen=max(2, self.settings.jump_memory + self.lead_steps() + 1))
         self.last: PlanDecision | None = None
 
     # ------------------------------------------------------------ inputs
@@ -303,6 +307,25 @@ class Planner:
             out.append(_quantile(jumps, s.jump_quantile) if jumps else 1.0)
         return out[0], out[1]
 
+    def rise_factor(self) -> float:
+        """How far the arrivals outran the planner's own lead forecast, recently — a conformal upper
+        bound: over the last ``jump_memory`` intervals whose lead has fully passed, (the highest rate
+        seen in the ``lead_steps`` intervals after a step) / (the lead rate forecast at that step); its
+        upper ``rise_quantile``, at least 1. A worker given back now cannot return within the re-start
+        horizon, so prefill is sized for the lead forecast times this factor: where the predictors have
+        been right it is near 1 (interval noise only); where the load has climbed faster than they
+        follow, the next climb gets the capacity the last ones lacked."""
+        s = self.settings
+        hist = list(self._leads)
+        h = self.lead_steps()
+        ratios = []
+        for j in range(len(hist) - h):
+            lead = hist[j][1]
+            if lead is not None and lead > 0:
+                ratios.append(max(x[0] for x in hist[j + 1:j + 1 + h]) / lead)
+        ratios = ratios[-s.jump_memory:]
+        return max(1.0, _quantile(ratios, s.rise_quantile)) if ratios else 1.0
+
     def _size_standby(self, planned: LoadForecast, reasons: list[str]) -> None:
         """``standby_auto``: warm workers per role for the recent bursts (see ``burst_jumps``): what the
         burst floor's load times the jump factor needs beyond what the floor itself needs."""
@@ -393,6 +416,8 @@ class Planner:
         self._samples = 0
         if obs is not None:
             self._learn(obs, serving, mean_streams, reasons)
+            if obs.window_s > 0:
+                self._leads.append([obs.request_rate, None])
         forecast = self.load.forecast()
         standby = self._standby_pool(fleet)
         standby_n = {r.value: len(standby[r]) for r in ROLES}
@@ -405,10 +430,27 @@ class Planner:
         lead = max(lead, forecast.request_rate)
         if lead > forecast.request_rate * 1.0001:
             reasons.append(f"lead: sized for {lead:.2f} req/s forecast within the {s.start_s:g}s start-up")
+        if obs is not None and obs.window_s > 0 and self._leads:
+            self._leads[-1][1] = lead
         planned = LoadForecast(lead * (1 + s.headroom), forecast.isl, forecast.osl)
         self._forecast = planned
         sizing = solve(planned, self.perf, s.targets, s.limits, self.hit_ratio, self.correction,
                        decode_perf=self.decode_perf)
+        rise = self.rise_factor() if s.rise_quantile > 0 else 1.0
+        if rise > 1.0001:
+            # prefill only: arrivals queue for prefill at once; decode is sized from the streams in
+            # flight (which integrate arrivals over a stream's life) and its own burst standby
+            risen = solve(replace(planned, request_rate=planned.request_rate * rise), self.perf, s.targets,
+                          s.limits, self.hit_ratio, self.correction, decode_perf=self.decode_perf)
+            if risen.prefill_exact > sizing.prefill_exact:
+                reasons.append(f"rise: prefill sized for x{rise:.2f} the lead forecast, how far arrivals "
+                               "recently outran it")
+                p, d = risen.prefill, sizing.decode
+                over = not s.limits.fits(p, d)
+                if over:
+                    p, d = fit_budget(risen.prefill_exact, sizing.decode_exact, s.limits)
+                sizing = replace(sizing, prefill=p, decode=d, prefill_exact=risen.prefill_exact,
+                                 over_budget=sizing.over_budget or over)
         if self.burst_window() > 0:
             sizing = self._burst_sizing(sizing, planned, obs, reasons)
         sizing = self._decode_streams(sizing, planned, max(peak_streams[Role.DECODE], streams_now[Role.DECODE]),

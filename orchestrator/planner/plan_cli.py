@@ -73,6 +73,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "default auto = --start-s + --interval, the time a worker given back takes to return)")
     parser.add_argument("--decode-floor", action="store_true",
                         help="the burst floor keeps decode's peak sizing too (default: prefill's only)")
+    parser.add_argument("--rise-quantile", type=float, default=0.9,
+                        help="size for the lead forecast times this quantile of how far the load outran it "
+                             "recently (a conformal upper bound; 0 = off)")
     parser.add_argument("--scale-in-step", type=int, default=None,
                         help="most workers of a role given back per interval (default: all above the need plus "
                              "margin, after the hysteresis intervals and the re-start horizon of the last growth)")
@@ -153,7 +156,7 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         predictor=g(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
         cooldown_s=2 * args.interval, headroom=g(args, "headroom", 0.0),
         decode_headroom=g(args, "decode_headroom", 0.25), burst_window_s=g(args, "burst_window", None),
-        scale_in_step=g(args, "scale_in_step", None) or budget,
+        scale_in_step=g(args, "scale_in_step", None) or budget, rise_quantile=g(args, "rise_quantile", 0.9),
         decode_floor=g(args, "decode_floor", False), fast_interval_s=g(args, "fast_interval", 2.0),
         standby_auto=not g(args, "standby_fixed", False), standby_prefill=g(args, "standby_prefill", 1),
         standby_decode=g(args, "standby_decode", 0),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -592,3 +593,27 @@ def test_load_mode_starts_no_cold_worker_for_a_backlog_that_clears_before_it_wou
     d = pl.react(_queued(3, 2, 134), 74)
     assert d is not None and [a.kind for a in d.actions] == ["start"] * (d.desired["prefill"] - 3)
     assert d.desired["prefill"] == math.ceil((402 / 60 + 1) * perf().prefill_time(4096))
+
+
+def test_rise_factor_is_how_far_the_load_outran_the_lead_forecast():
+    settings = PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=60), predictor="constant",
+                               interval_s=30, start_s=60, correct_from_latency=False, rise_quantile=0.9)
+    calm = Planner(perf(), settings)
+    for k in range(1, 20):
+        calm.step(_obs(30 * k, 4, 1024, 100), _fleet(2, 2), 30 * k)
+    assert calm.rise_factor() == 1.0  # the forecast was right: nothing to add
+    # a load that steps up 1.5x for four intervals out of eight: a constant forecast made just before
+    # a step is outrun by 1.5x over its lead (3 intervals)
+    jumpy = Planner(perf(), settings)
+    for k in range(1, 30):
+        d = jumpy.step(_obs(30 * k, 6 if k % 8 >= 4 else 4, 1024, 100), _fleet(2, 2), 30 * k)
+    f = jumpy.rise_factor()
+    assert f == pytest.approx(1.5)  # forecasts made within a lead before a step were outrun by 1.5x
+    assert any(r.startswith("rise: prefill sized for x1.50") for r in d.reasons)
+    # and prefill is sized for it: the lead rate times the factor (decode keeps its own sizing)
+    assert d.sizing is not None and d.lead_rate is not None
+    plain = Planner(perf(), replace(settings, rise_quantile=0.0))
+    for k in range(1, 30):
+        p = plain.step(_obs(30 * k, 6 if k % 8 >= 4 else 4, 1024, 100), _fleet(2, 2), 30 * k)
+    assert d.sizing.prefill_exact == pytest.approx(p.sizing.prefill_exact * f, rel=0.05)
+    assert d.sizing.decode_exact == pytest.approx(p.sizing.decode_exact)
