@@ -326,6 +326,18 @@ class Planner:
         ratios = ratios[-s.jump_memory:]
         return max(1.0, _quantile(ratios, s.rise_quantile)) if ratios else 1.0
 
+    def stream_rise_factor(self) -> float:
+        """The same bound for decode, on its own demand: (the highest peak of streams in flight over the
+        ``lead_steps`` intervals after an interval) / (that interval's peak). Long outputs keep streams in
+        flight for minutes, so their count moves slowly and the factor stays near 1; short outputs make
+        it follow the arrivals."""
+        s = self.settings
+        hist = [b[1] for b in self._bursts]
+        h = self.lead_steps()
+        ratios = [max(hist[j + 1:j + 1 + h]) / hist[j] for j in range(len(hist) - h) if hist[j] > 0]
+        ratios = ratios[-s.jump_memory:]
+        return max(1.0, _quantile(ratios, s.rise_quantile)) if ratios else 1.0
+
     def _size_standby(self, planned: LoadForecast, reasons: list[str]) -> None:
         """``standby_auto``: warm workers per role for the recent bursts (see ``burst_jumps``): what the
         burst floor's load times the jump factor needs beyond what the floor itself needs."""
@@ -546,10 +558,13 @@ class Planner:
         if peak <= 0:
             return sizing
         per = self._decode_per_worker(planned)
-        need = peak * (1 + s.decode_headroom) / per
+        rise = self.stream_rise_factor() if s.rise_quantile > 0 else 1.0
+        need = peak * rise * (1 + s.decode_headroom) / per
         if need <= sizing.decode_exact:
             return sizing
-        reasons.append(f"decode: {peak:.0f} streams in flight at peak, {per} per worker within the ITL target")
+        reasons.append(f"decode: {peak:.0f} streams in flight at peak" + (f" x{rise:.2f} (recent rises)" if rise > 1.0001
+                                                                          else "")
+                       + f", {per} per worker within the ITL target")
         lim = s.limits
         d = max(lim.min_decode, math.ceil(need - 1e-9))
         d = d if lim.max_decode is None else min(lim.max_decode, d)

@@ -617,3 +617,17 @@ def test_rise_factor_is_how_far_the_load_outran_the_lead_forecast():
         p = plain.step(_obs(30 * k, 6 if k % 8 >= 4 else 4, 1024, 100), _fleet(2, 2), 30 * k)
     assert d.sizing.prefill_exact == pytest.approx(p.sizing.prefill_exact * f, rel=0.05)
     assert d.sizing.decode_exact == pytest.approx(p.sizing.decode_exact)
+
+
+def test_decode_is_sized_for_the_rises_of_its_own_streams_not_the_arrival_rate():
+    settings = PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=60), predictor="constant",
+                               interval_s=30, start_s=60, correct_from_latency=False, rise_quantile=0.9)
+    pl = Planner(perf(), settings)
+    # slow-moving streams (long outputs): the count did not rise within a lead → factor 1
+    for peak in (100, 100, 100, 100, 100, 100):
+        pl._bursts.append((5.0, float(peak)))
+    assert pl.stream_rise_factor() == 1.0
+    # streams that double within a lead now and then (short outputs following bursty arrivals)
+    for k in range(12):
+        pl._bursts.append((5.0, 200.0 if k % 4 == 3 else 100.0))
+    assert pl.stream_rise_factor() == pytest.approx(2.0)
