@@ -68,25 +68,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="planner plans for (1 + headroom) x the forecast rate (surges during engine start)")
     parser.add_argument("--decode-headroom", type=float, default=0.25,
                         help="decode sized for (1 + this) x the peak streams in flight within an interval")
-    parser.add_argument("--burst-window", type=_auto_float, default=None,
+    parser.add_argument("--burst-window", type=_auto_float, default=600.0,
                         help="burst floor: prefill sized for seconds-scale peaks and kept this many seconds (0 = off; "
-                             "default auto = --start-s + --interval, the time a worker given back takes to return)")
+                             "auto = --start-s + --interval, the time a worker given back takes to return)")
     parser.add_argument("--decode-floor", action="store_true",
                         help="the burst floor keeps decode's peak sizing too (default: prefill's only)")
-    parser.add_argument("--rise-quantile", type=float, default=0.9,
+    parser.add_argument("--rise-quantile", type=float, default=0.0,
                         help="size for the lead forecast times this quantile of how far the load outran it "
                              "recently (a conformal upper bound; 0 = off)")
-    parser.add_argument("--scale-in-step", type=int, default=None,
-                        help="most workers of a role given back per interval (default: all above the need plus "
-                             "margin, after the hysteresis intervals and the re-start horizon of the last growth)")
+    parser.add_argument("--scale-in-step", type=int, default=1,
+                        help="most workers of a role given back per interval (0 = all above the need plus margin, "
+                             "after the hysteresis intervals and the churn rule)")
     parser.add_argument("--fast-interval", type=float, default=2.0,
                         help="load-reactive mode: look at queues every this many seconds between intervals (0 = off)")
     parser.add_argument("--standby-prefill", type=int, default=1,
                         help="warm standby prefill workers kept at least (0 = none)")
-    parser.add_argument("--standby-decode", type=int, default=0, help="warm standby decode workers kept at least")
-    parser.add_argument("--standby-fixed", action="store_true",
-                        help="keep exactly --standby-prefill/--standby-decode warm workers (default: more when the "
-                             "recent bursts need them)")
+    parser.add_argument("--standby-decode", type=int, default=1, help="warm standby decode workers kept at least")
+    parser.add_argument("--standby-auto", action="store_true",
+                        help="keep more than --standby-prefill/--standby-decode warm workers when the recent bursts "
+                             "need them (sized from observed burst factors)")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--keda-prefill-target", type=float, default=1.0,
@@ -155,11 +155,11 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         targets=Targets(args.ttft, args.itl), limits=limits_for(args, budget), interval_s=args.interval,
         predictor=g(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
         cooldown_s=2 * args.interval, headroom=g(args, "headroom", 0.0),
-        decode_headroom=g(args, "decode_headroom", 0.25), burst_window_s=g(args, "burst_window", None),
-        scale_in_step=g(args, "scale_in_step", None) or budget, rise_quantile=g(args, "rise_quantile", 0.9),
+        decode_headroom=g(args, "decode_headroom", 0.25), burst_window_s=g(args, "burst_window", 600.0),
+        scale_in_step=g(args, "scale_in_step", 1) or budget, rise_quantile=g(args, "rise_quantile", 0.0),
         decode_floor=g(args, "decode_floor", False), fast_interval_s=g(args, "fast_interval", 2.0),
-        standby_auto=not g(args, "standby_fixed", False), standby_prefill=g(args, "standby_prefill", 1),
-        standby_decode=g(args, "standby_decode", 0),
+        standby_auto=g(args, "standby_auto", False), standby_prefill=g(args, "standby_prefill", 1),
+        standby_decode=g(args, "standby_decode", 1),
         standby_wake_s=g(args, "standby_wake_s", 5.0))
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
     return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
