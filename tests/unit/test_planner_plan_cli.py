@@ -105,3 +105,18 @@ def test_plot_draws_load_workers_and_latency_against_the_slo(tmp_path):
     plan_cli.plot(str(out), {"static P=3 D=2 (best in hindsight)": [dict(r, prefill=3) for r in rows],
                              "dynamic SLO planner": rows}, args)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_spiky_and_decline_shapes_are_seeded_and_follow_their_curves():
+    from orchestrator.bench.workloads import generate, parse_spec
+
+    spiky = parse_spec("synthetic:spiky,peak=10,trough=1,duration=1800,seed=11")
+    rates = [spiky.rate_at(t) for t in range(0, 1800, 5)]
+    assert max(rates) > 9.5 and min(rates) < 1.2  # spikes reach the peak; the base stays low
+    assert sum(r > 5 for r in rates) < 0.15 * len(rates)  # spikes are short
+    other = parse_spec("synthetic:spiky,peak=10,trough=1,duration=1800,seed=12")
+    assert [other.rate_at(t) for t in range(0, 1800, 5)] != rates  # the seed moves the spikes
+    decline = parse_spec("synthetic:decline,peak=10,trough=1,duration=1800,seed=1")
+    d = [decline.rate_at(t) for t in range(0, 1800, 60)]
+    assert d[0] == 10 and all(a >= b for a, b in zip(d, d[1:], strict=False)) and d[-1] < 1.2
+    assert [r.arrival_s for r in generate(decline)][:50] == [r.arrival_s for r in generate(decline)][:50]
