@@ -45,6 +45,7 @@ from orchestrator.gateway.stream_protocol import OpenAIChunks, StreamProtocol, p
 from orchestrator.gateway.transport import raw_chunks
 
 if TYPE_CHECKING:
+    from orchestrator.fleet.worker import Worker
     from orchestrator.gateway.proxy import ProxyResponse
 
 log = logging.getLogger(__name__)
@@ -367,8 +368,10 @@ class StreamRelay:
             failure = await self._pump(send, response, rewriter)
             if failure is None:
                 break
-            ending, next_response, rewriter = await self._recover(*failure)
+            worker = self._end_attempt(*failure)
+            # (closed before a continuation opens: from its attempt on, every await is in _pump)
             await response.aclose()
+            ending, next_response, rewriter = await self._recover(worker, failure[1])
             if next_response is None:
                 if ending:
                     await self._emit(send, ending)
@@ -383,6 +386,14 @@ class StreamRelay:
     async def _emit(self, send: Any, out: bytes) -> None:
         self.recorder.record(out)
         await send({"type": "http.response.body", "body": out, "more_body": True})
+
+    async def cut(self, send: Any, message: str, code: str) -> None:
+        """The gateway ends the stream now (its total timeout, its worker pulled outside ``_pump``, its
+        shutdown): the protocol's error ending unless the answer was already complete, then the end.
+        ``send`` is the client's own (not the token-timing one: the ending is not a token)."""
+        ending = b"" if self.recorder.done else self.protocol.error_ending(message, code, self.recorder.sent)
+        self.recorder.record(ending)
+        await send({"type": "http.response.body", "body": ending, "more_body": False})
 
     def _take_usage(self, out: bytes) -> bytes:
         """Read the usage object(s) in ``out``; drop usage-only events the client did not ask for."""
@@ -482,16 +493,19 @@ class StreamRelay:
             attempt.worker_failed("stream" if kind != "garbage" else "garbage", f"stream broke: {failure}",
                                   down=kind == "reset")
 
-    async def _recover(self, kind: str, failure: str) -> tuple[bytes, httpx.Response | None,
-                                                             ContinuationRewriter | None]:
+    def _end_attempt(self, kind: str, failure: str) -> Worker:
+        """The broken upstream's attempt ends (classified); returns its worker."""
+        attempt = self.proxy.attempt
+        assert attempt is not None
+        self._blame(kind, failure)
+        self.proxy.attempt = None
+        return attempt.decision.worker
+
+    async def _recover(self, worker: Worker, failure: str) -> tuple[bytes, httpx.Response | None,
+                                                                    ContinuationRewriter | None]:
         """After a broken upstream: the bytes that end the stream, or a continuation response to relay."""
         p = self.proxy
         rt = self.rt
-        attempt = p.attempt
-        assert attempt is not None
-        worker = attempt.decision.worker
-        self._blame(kind, failure)
-        p.attempt = None
         if self.recorder.done:
             return b"", None, None
         if not self.protocol.continuable:  # e.g. Responses events: their items live on the engine that began them

@@ -84,6 +84,7 @@ class ProxyResponse:
         self._tried: set[str] = set(pinned_away)
         self._judge = classify.FiveXxJudge()
         self.upstream: httpx.Response | None = None  # the engine response being relayed
+        self._relay: StreamRelay | None = None  # the stream relay, from before the stream's headers are sent
         self._watcher: asyncio.Future[None] | None = None
 
     # --- ASGI entry ------------------------------------------------------------------------------
@@ -105,26 +106,30 @@ class ProxyResponse:
                 self.record.trace_id = span.trace_id_hex()
                 await self._run(send)
         except asyncio.CancelledError:
-            if self._timed_out and not self._disconnected:
+            if self._disconnected:  # the client left: the only end that writes nothing more
+                task.uncancel()
+                self.status = 499  # nginx's "client closed request"
+                self.error_class = "client_gone"
+                self.rt.metrics.client_disconnects.labels(self.call.model).inc()
+                return
+            if self._timed_out:
                 task.uncancel()
                 if task.cancelling() == 0:  # nothing but our deadline cancelled the task
                     await self._answer_timeout(send, timeout)
                     return
-            if not self._disconnected:
-                if not aborted_by_gateway(self.attempt):
-                    raise
+            elif aborted_by_gateway(self.attempt):
                 # pulled between the checks that handle it (worker marked down): end honestly
                 self.error_class = "worker_down"
-                if self.status == 0:
-                    self.status = 502
-                    self.done = True
-                    await send_error(send, UpstreamError(502, "The worker serving the request was marked down.",
-                                                         code="worker_down"), self._headers())
+                await self._answer_cut(send, UpstreamError(
+                    502, "The worker serving the request was marked down.", code="worker_down"))
                 return
+            # Any other cancellation from inside the gateway (its shutdown cancelling what still runs
+            # after the drain's grace and uvicorn's window): the answer ends honestly, then the task ends.
             task.uncancel()
-            self.status = 499  # nginx's "client closed request"
-            self.error_class = "client_gone"
-            self.rt.metrics.client_disconnects.labels(self.call.model).inc()
+            self.error_class = self.error_class or "gateway_cancelled"
+            await self._answer_cut(send, ApiError(
+                "The gateway stopped serving this request (it is shutting down); retry.", status=503,
+                type="service_unavailable", code="gateway_cancelled"))
         except TimeoutError:  # (a timeout inside that nothing below handled: the same answer)
             await self._answer_timeout(send, timeout)
         finally:
@@ -146,13 +151,25 @@ class ProxyResponse:
     async def _answer_timeout(self, send: Any, timeout: float | None) -> None:
         self.rt.metrics.upstream_errors.labels(self._worker_label(), "timeout").inc()
         self.error_class = "timeout"
+        which = "resilience.stream_timeout_s" if self.call.stream else "gateway.request_timeout_s"
+        await self._answer_cut(send, GatewayTimeout(
+            f"The request did not complete within {timeout:g} s ({which}).", code="timeout"))
+
+    async def _answer_cut(self, send: Any, err: ApiError) -> None:
+        """End an answer the gateway itself cut short (total timeout, worker marked down, shutdown), honestly:
+        before anything was sent, ``err`` as the status and body; a stream whose headers are out gets its
+        protocol's error ending (``StreamRelay.cut``: an SSE error event, then ``[DONE]``; for /v1/responses
+        ``event: error`` + ``response.failed``); an answer already complete is left as it is."""
+        if self.done:
+            return
+        self.done = True
         if self.status == 0:
-            self.status = 504
-            self.done = True
-            which = "resilience.stream_timeout_s" if self.call.stream else "gateway.request_timeout_s"
-            await send_error(send, GatewayTimeout(
-                f"The request did not complete within {timeout:g} s ({which}).", code="timeout"),
-                self._headers())
+            self.status = err.status
+            await send_error(send, err, self._headers())
+            return
+        self.status = err.status  # (the client saw 200; the record and metrics say how it ended)
+        if self._relay is not None:
+            await self._relay.cut(send, err.message, err.code if isinstance(err.code, str) else "upstream_error")
 
     def _start_watcher(self, receive: Any, task: asyncio.Task[Any]) -> None:
         if not self.done:  # (a client that left meanwhile is seen at once: receive() says so)
@@ -413,12 +430,13 @@ class ProxyResponse:
         return headers + self._headers()
 
     async def _stream(self, send: Any, response: httpx.Response) -> None:
+        relay = self._relay = StreamRelay(self)
         self.status = response.status_code
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": self._response_headers(response, None)})
         # Too late to change the status from here on: a broken upstream is continued on another
-        # worker, or the stream ends with an SSE error event (failover.py).
-        relay = StreamRelay(self)
+        # worker, or the stream ends with an SSE error event (failover.py; cut short by the gateway
+        # itself: ``_answer_cut``).
         timer = TokenTimer(child(self.rt.metrics.itl, self.call.model), relay.protocol.token_event,
                            relay.protocol.no_token_event)
         await relay.run(timer.wrap(send), response)  # ITL

@@ -84,6 +84,11 @@ class SimServerConfig:
     die_after_tokens: int | None = None  # crash once this many tokens were generated
     responses_fault: str | None = None  # /v1/responses only: eof | reset | garbage | hang | ... (sim/responses.py)
     responses_fault_after: int = 0  # ... after this many text deltas
+    # /v1/completions and /v1/chat/completions streams only: eof | reset | garbage | hang (STREAM_FAULTS),
+    # after this many content chunks (the role chunk of chat not counted)
+    stream_fault: str | None = None
+    stream_fault_after: int = 0
+    healthy: bool = True  # False: GET /health answers 503 (the gateway's health loop marks the worker down)
 
 
 class _HttpError(Exception):
@@ -121,6 +126,7 @@ class _GenParams:
     n: int = 1  # choices per request (vLLM fans out n sub-requests)
     logprobs: int | None = None  # top logprobs per token (0 = only the sampled token); None = none
     output_seed: int | None = None  # sub-request i > 0 of n: a text of its own
+    gone: asyncio.Event | None = None  # set when the client left (the ``hang`` stream fault waits for it)
 
 
 # ----------------------------------------------------------------------------- validation helpers
@@ -376,6 +382,9 @@ class SimServer:
         await _send_raw(send, 200, b"", b"text/plain")
 
     async def _h_health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.config.healthy:
+            await _send_json(send, 503, {"error": "simulated unhealthy engine (POST /sim/faults healthy=false)"})
+            return
         await _send_raw(send, 200, b"", b"text/plain")
 
     async def _h_version(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -468,8 +477,19 @@ class SimServer:
         if "die_after_tokens" in body:
             v = _int_field(body, "die_after_tokens", 0)
             c.die_after_tokens = None if v is None else self.driver.tokens_out + v
+        if "stream_fault" in body:
+            mode = body["stream_fault"]
+            if mode is not None and mode not in STREAM_FAULTS:
+                raise _HttpError(400, f"'stream_fault' must be null or one of {sorted(STREAM_FAULTS)}", "stream_fault")
+            c.stream_fault = mode
+        if "stream_fault_after" in body:
+            c.stream_fault_after = _int_field(body, "stream_fault_after", 0) or 0
+        if "healthy" in body:
+            c.healthy = _bool_field(body, "healthy", True)
         await _send_json(send, 200, {"fail_next": c.fail_next, "prefill_delay_s": c.prefill_delay_s,
-                                     "die_after_tokens": c.die_after_tokens, **_responses_faults(self, body)})
+                                     "die_after_tokens": c.die_after_tokens, "stream_fault": c.stream_fault,
+                                     "stream_fault_after": c.stream_fault_after, "healthy": c.healthy,
+                                     **_responses_faults(self, body)})
 
     # ---------------------------------------------------------------- tokenize
     async def _h_tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -662,7 +682,7 @@ class SimServer:
             raise _HttpError(500, "simulated engine failure (fail_next)")
         do_remote_decode = remote_prefill = False
         kvp = g.kv_transfer_params or {}
-        gone = asyncio.Event()
+        gone = g.gone = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(receive, gone))
         self._inflight += 1
         rid = g.request_id
@@ -932,8 +952,16 @@ class SimServer:
         started = False
         n_outs = [0] * g.n
         offsets = [0] * g.n  # completions: text already sent per choice (logprobs text_offset)
+        fault = self.config.stream_fault
+        content_chunks = 0
         try:
             async for i, o in outputs:
+                if fault is not None and content_chunks >= self.config.stream_fault_after:
+                    if not started:
+                        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                    await _stream_fault(fault, g, send)
+                    return
+                content_chunks += 1
                 if not started:
                     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                     started = True
@@ -1090,6 +1118,25 @@ async def _send_raw(send: Send, status: int, body: bytes, ctype: bytes) -> None:
 
 async def _send_json(send: Send, status: int, obj: Any) -> None:
     await _send_raw(send, status, orjson.dumps(obj), b"application/json")
+
+
+STREAM_FAULTS = frozenset({"eof", "reset", "garbage", "hang"})
+
+
+async def _stream_fault(fault: str, g: _GenParams, send: Send) -> None:
+    """A completions/chat stream going wrong as engines do (``POST /sim/faults {"stream_fault": ...}``):
+    ``eof`` ends it cleanly without ``[DONE]``, ``reset`` cuts the connection, ``garbage`` sends bytes
+    that are not server-sent events, ``hang`` sends nothing more until the client leaves."""
+    if fault == "eof":
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    elif fault == "reset":
+        raise _EngineDied()
+    elif fault == "garbage":
+        await send({"type": "http.response.body", "body": b"<html>simulated garbage</html>\n\n", "more_body": False})
+    elif fault == "hang":
+        if g.gone is not None:
+            await g.gone.wait()
+        raise _ClientGone()
 
 
 async def _send_sse(send: Send, obj: Any) -> None:

@@ -1,0 +1,303 @@
+"""Every relayed stream ends honestly: one test per way a stream can end after its headers were sent.
+
+After the gateway has sent a stream's 200 and headers it can no longer change the status, so each way
+the stream can end must end with the stream protocol's own ending (``stream_protocol.py``):
+
+* ``/v1/chat/completions`` and ``/v1/completions``: ``data: [DONE]`` after a complete answer, else an
+  OpenAI-style ``data: {"error": {...}}`` then ``data: [DONE]`` — or the rest of the answer from another
+  worker when the tokens sent so far can be replayed (``failover.py``);
+* ``/v1/responses``: a terminal event, else ``event: error`` then ``event: response.failed``.
+
+Only a client that leaves gets no ending (nobody is there to read it). The ways covered here, one
+test each: the engine ends the stream without its end (EOF), resets the connection, sends bytes that
+are not SSE, goes silent (idle timeout); the total stream timeout (``resilience.stream_timeout_s``)
+runs out; the worker is marked down by the health loop while its stream is being relayed; the
+worker is pulled while the gateway waits on a slow client (outside the relay's read loop); the
+gateway's own shutdown cuts a stream that outlived the drain's grace and uvicorn's window.
+
+The engines are Dyad's simulated engine (``dyad sim-engine``): its fault injection (``POST /sim/faults``:
+``stream_fault`` eof | reset | garbage | hang after N chunks, ``responses_fault`` the same for
+/v1/responses, ``healthy: false`` for a failing ``/health``) makes an engine misbehave at an exact
+token, which a real vLLM cannot do on cue; the gateway is real (uvicorn, real sockets), and for the
+shutdown test a real ``dyad serve`` process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from orchestrator.ports import free_port, wait_ready
+from orchestrator.sim.profiles import load_profile
+from orchestrator.sim.server import SimEngineThread
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+# 20 tokens/s on one sequence: a stream lasts max_tokens / 20 s
+PACED = {"base": "zero", "name": "paced", "step_fixed_s": 0.05}
+
+
+def body_for(endpoint: str, tokens: int) -> dict[str, Any]:
+    if endpoint == RESPONSES:
+        return {"model": "m", "input": "tell me", "max_output_tokens": tokens, "stream": True}
+    prompt = {"messages": [{"role": "user", "content": "tell me"}]} if endpoint == CHAT else {"prompt": "tell me"}
+    return {"model": "m", **prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
+
+
+def read_stream(url: str, endpoint: str, body: dict[str, Any]) -> tuple[int, list[tuple[str | None, str]]]:
+    """The status and every SSE event as (event name, data)."""
+    with httpx.stream("POST", url + endpoint, json=body, timeout=60) as r:
+        raw = r.read().decode()
+    events = []
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        name, data = None, []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+        events.append((name, "\n".join(data)))
+    return r.status_code, events
+
+
+def complete(endpoint: str, events: list[tuple[str | None, str]], tokens: int) -> None:
+    """A whole answer: the protocol's complete end, no error, ``tokens`` tokens of text."""
+    if endpoint == RESPONSES:
+        assert events[-1][0] == "response.completed", events[-3:]
+        assert not any(name in ("error", "response.failed") for name, _ in events)
+        assert sum(1 for name, _ in events if name == "response.output_text.delta") == tokens
+        return
+    datas = [d for _, d in events]
+    assert datas[-1] == "[DONE]" and datas.count("[DONE]") == 1, datas[-3:]
+    chunks = [json.loads(d) for d in datas[:-1]]
+    assert not any("error" in c for c in chunks), chunks[-2:]
+    pieces = [(ch.get("delta") or {}).get("content") if endpoint == CHAT else ch.get("text")
+              for c in chunks for ch in c["choices"]]
+    assert sum(len(p.split()) for p in pieces if p) >= tokens  # (one word per token; failover.py's budget)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def error_ending(endpoint: str, events: list[tuple[str | None, str]], *words: str) -> dict[str, Any]:
+    """The protocol's error ending, last; returns the error (its message contains every one of ``words``)."""
+    if endpoint == RESPONSES:
+        (n1, d1), (n2, d2) = events[-2:]
+        assert (n1, n2) == ("error", "response.failed"), events[-3:]
+        err, failed = json.loads(d1), json.loads(d2)
+        assert failed["response"]["status"] == "failed" and failed["sequence_number"] == err["sequence_number"] + 1
+        assert not any(name == "response.completed" for name, _ in events)
+    else:
+        datas = [d for _, d in events]
+        assert datas[-1] == "[DONE]" and datas.count("[DONE]") == 1, datas[-3:]
+        err = json.loads(datas[-2])["error"]
+        assert err["type"] and "message" in err
+    for w in words:
+        assert w in err["message"], err
+    return err
+
+
+def set_faults(engine: SimEngineThread, **faults: Any) -> None:
+    r = httpx.post(f"{engine.url}/sim/faults", json=faults, timeout=5)
+    assert r.status_code == 200, r.text
+
+
+def fault_for(endpoint: str, mode: str, after: int) -> dict[str, Any]:
+    if endpoint == RESPONSES:
+        return {"responses_fault": mode, "responses_fault_after": after}
+    return {"stream_fault": mode, "stream_fault_after": after}
+
+
+def gateway_config(engines: list[SimEngineThread], **sections: Any) -> Any:
+    return load_config({
+        "models": [{"name": "m"}],
+        "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "models": ["m"]} for i, e in enumerate(engines)],
+        "router": {"policy": "round_robin", "debug_headers": True},
+        **{"health": {"interval_s": 30}, **sections},
+    }, environ={})
+
+
+@pytest.fixture
+def engines() -> Iterator[list[SimEngineThread]]:
+    started: list[SimEngineThread] = []
+
+    def start(n: int, profile: Any = "cpu-tiny") -> list[SimEngineThread]:
+        for _ in range(n):
+            started.append(SimEngineThread(model="m", profile=load_profile(profile) if isinstance(profile, dict)
+                                           else profile, kv_events=False).start())
+        return started
+
+    yield start  # type: ignore[misc]
+    for e in started:
+        e.stop()
+
+
+# --- the engine breaks the stream: EOF, reset, garbage, silence ---------------------------------------
+
+ENGINE_FAULTS = ["eof", "reset", "garbage", "hang"]
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS, RESPONSES])
+@pytest.mark.parametrize("mode", ENGINE_FAULTS)
+def test_an_engine_fault_with_nowhere_to_go_ends_with_the_protocols_error(engines, endpoint, mode):
+    (engine,) = engines(1)
+    set_faults(engine, **fault_for(endpoint, mode, 3))
+    with GatewayThread(gateway_config([engine], resilience={"stream_idle_timeout_s": 0.5})) as gw:
+        status, events = read_stream(gw.url, endpoint, body_for(endpoint, 10))
+    assert status == 200
+    expected = {"eof": "without", "reset": "broke", "garbage": "not server-sent events", "hang": "no data"}[mode]
+    error_ending(endpoint, events, expected)
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("mode", ENGINE_FAULTS)
+def test_an_engine_fault_is_continued_on_another_worker(engines, endpoint, mode):
+    bad, good = engines(2)
+    set_faults(bad, **fault_for(endpoint, mode, 3))
+    with GatewayThread(gateway_config([bad, good], resilience={"stream_idle_timeout_s": 0.5})) as gw:
+        status, events = read_stream(gw.url, endpoint, body_for(endpoint, 10))
+        text = gw.runtime.metrics.render().decode()
+    assert status == 200
+    complete(endpoint, events, 10)
+    assert 'dyad_stream_failovers_total{outcome="continued"} 1.0' in text
+
+
+@pytest.mark.parametrize("mode", ENGINE_FAULTS)
+def test_a_responses_stream_broken_before_its_first_token_starts_again_elsewhere(engines, mode):
+    bad, good = engines(2)
+    set_faults(bad, **fault_for(RESPONSES, mode, 0))
+    with GatewayThread(gateway_config([bad, good], resilience={"stream_idle_timeout_s": 0.5})) as gw:
+        status, events = read_stream(gw.url, RESPONSES, body_for(RESPONSES, 6))
+    assert status == 200
+    complete(RESPONSES, events, 6)
+
+
+# --- the gateway ends it: total timeout, worker marked down, slow client, shutdown ---------------------
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS, RESPONSES])
+def test_the_total_stream_timeout_ends_with_the_protocols_error(engines, endpoint):
+    (engine,) = engines(1, PACED)
+    with GatewayThread(gateway_config([engine], resilience={"stream_timeout_s": 0.6})) as gw:
+        status, events = read_stream(gw.url, endpoint, body_for(endpoint, 100))  # ≈ 5 s of tokens
+        text = gw.runtime.metrics.render().decode()
+    assert status == 200
+    err = error_ending(endpoint, events, "resilience.stream_timeout_s")
+    assert err["code"] == "timeout"
+    assert 0 < len(events) < 100  # tokens came, then the timeout, not the whole answer
+    assert 'status="504"' in text  # the record says how it ended (the client saw 200, then the error)
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, RESPONSES])
+def test_a_worker_marked_down_mid_stream_with_nowhere_to_go_ends_with_the_protocols_error(engines, endpoint):
+    (engine,) = engines(1)
+    set_faults(engine, **fault_for(endpoint, "hang", 3))  # silent, but well inside the idle timeout
+    config = gateway_config([engine], health={"interval_s": 0.2, "timeout_s": 1, "failure_threshold": 1},
+                            resilience={"stream_idle_timeout_s": 60})
+    with GatewayThread(config) as gw:
+        threading.Timer(1.0, set_faults, args=(engine,), kwargs={"healthy": False}).start()
+        t0 = time.monotonic()
+        status, events = read_stream(gw.url, endpoint, body_for(endpoint, 10))
+        took = time.monotonic() - t0
+    assert status == 200
+    error_ending(endpoint, events, "marked down")
+    assert took < 30  # the health loop pulled it, not the 60 s idle timeout
+
+
+def test_a_worker_marked_down_mid_stream_is_continued_on_another(engines):
+    bad, good = engines(2)
+    set_faults(bad, stream_fault="hang", stream_fault_after=3)
+    config = gateway_config([bad, good], health={"interval_s": 0.2, "timeout_s": 1, "failure_threshold": 1},
+                            resilience={"stream_idle_timeout_s": 60})
+    with GatewayThread(config) as gw:
+        threading.Timer(1.0, set_faults, args=(bad,), kwargs={"healthy": False}).start()
+        status, events = read_stream(gw.url, CHAT, body_for(CHAT, 10))
+        text = gw.runtime.metrics.render().decode()
+    assert status == 200
+    complete(CHAT, events, 10)
+    assert 'dyad_stream_failovers_total{outcome="continued"} 1.0' in text
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, RESPONSES])
+def test_a_worker_pulled_while_the_gateway_waits_on_the_client_ends_with_the_protocols_error(engines, endpoint):
+    """The worker is marked down while the gateway is blocked writing to the client (here: the headers,
+    as with a client that reads slowly): the cancellation lands outside the relay's read loop, in the
+    proxy, which still ends the stream with the protocol's error ending."""
+    (engine,) = engines(1)
+    gw = GatewayThread(gateway_config([engine]))
+    inner = gw.app
+
+    async def slow_client_app(scope: Any, receive: Any, send: Any) -> None:
+        async def send_then_wait(message: Any) -> None:
+            await send(message)
+            if message["type"] == "http.response.start" and scope.get("path") == endpoint:
+                rt = gw.runtime
+                worker = rt.fleet.get("w0")
+                rt.fleet.mark_failed(worker, rt.clock.now(), "test: marked down during a slow write")
+                await asyncio.sleep(0.05)  # a write that waits for the client (as under pause_writing)
+
+        await inner(scope, receive, send_then_wait)
+
+    gw._server.config.app = slow_client_app  # the same gateway behind a slow client (uvicorn loads it at start)
+    with gw:
+        status, events = read_stream(gw.url, endpoint, body_for(endpoint, 5))
+    assert status == 200
+    error_ending(endpoint, events, "marked down")
+
+
+def test_the_gateways_shutdown_ends_a_stream_it_cuts_with_an_error_event(engines, tmp_path):
+    """SIGTERM with a stream longer than the drain's grace (1 s) plus uvicorn's own window (5 s): the
+    gateway's shutdown cancels it, and the client still gets an error event and [DONE], not a cut."""
+    (engine,) = engines(1, PACED)
+    port = free_port()
+    cfg = tmp_path / "dyad.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "models": [{"name": "m"}],
+        "workers": [{"id": "sim", "url": engine.url, "engine": "sim", "models": ["m"]}],
+        "resilience": {"shutdown_grace_s": 1},
+    }))
+    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - the child keeps its own descriptor
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(cfg), "--port",
+                             str(port)], cwd=ROOT, stdout=log, stderr=log)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_ready(f"{url}/ready", proc), (tmp_path / "gateway.log").read_text()
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["status"], out["events"] = read_stream(url, COMPLETIONS, body_for(COMPLETIONS, 400))  # ≈ 20 s
+            except httpx.HTTPError as e:
+                out["error"] = repr(e)
+
+        client = threading.Thread(target=run)
+        client.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        client.join(60)
+        assert "error" not in out, (out, (tmp_path / "gateway.log").read_text())
+        assert out["status"] == 200
+        err = error_ending(COMPLETIONS, out["events"], "shutting down")
+        assert err["code"] == "gateway_cancelled"
+        assert 20 < len(out["events"]) < 400
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
