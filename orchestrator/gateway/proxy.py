@@ -19,6 +19,7 @@ members (``attempt``, ``open_attempt``, ``mark_first_token``, ``done``, ``call``
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ from orchestrator.telemetry.access_log import AccessRecord
 if TYPE_CHECKING:
     from orchestrator.gateway.runtime import GatewayRuntime
 
+log = logging.getLogger(__name__)
 _PASS_HEADERS = (b"content-type", b"content-encoding")
 _JITTER = random.Random()
 WATCH_AFTER_S = 0.02  # the client watcher starts this late: a disconnect is seen within 20 ms more
@@ -132,6 +134,14 @@ class ProxyResponse:
                 type="service_unavailable", code="gateway_cancelled"))
         except TimeoutError:  # (a timeout inside that nothing below handled: the same answer)
             await self._answer_timeout(send, timeout)
+        except Exception:
+            if self.status == 0 or self.done:
+                raise  # (nothing sent yet: the server answers 500; all sent: nothing left to end)
+            # a failure of the gateway's own code mid-stream: logged, and the stream still ends honestly
+            log.exception("request %s: the stream relay failed", self.call.request_id)
+            self.error_class = "gateway_error"
+            await self._answer_cut(send, ApiError("The gateway failed while relaying the stream.",
+                                                  code="gateway_error"))
         finally:
             if deadline is not None:
                 deadline.cancel()

@@ -456,6 +456,11 @@ async def relay_stream(send: Any, upstream: httpx.Response, extra_headers: list[
             failure = f"the engine ended the stream without {protocol.end_marker}"
     except httpx.HTTPError as e:
         failure = f"{type(e).__name__}: {e}"
+    except asyncio.CancelledError:  # the gateway's shutdown (a client that leaves is not a cancellation)
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        failure = "the gateway stopped serving this request (it is shutting down)"
     ending = b""
     if failure is not None:
         ending = protocol.error_ending(f"the engine stream broke ({failure})", "upstream_stream_failed", sent)

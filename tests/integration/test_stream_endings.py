@@ -260,6 +260,31 @@ def test_a_worker_pulled_while_the_gateway_waits_on_the_client_ends_with_the_pro
     error_ending(endpoint, events, "marked down")
 
 
+@pytest.mark.parametrize("endpoint", [CHAT, RESPONSES])
+def test_a_failure_of_the_gateways_own_code_mid_stream_ends_with_the_protocols_error(engines, endpoint, monkeypatch):
+    """A bug in the relay (injected: reading the usage event raises) after tokens reached the client: the
+    proxy logs it and still ends the stream with the protocol's error ending, not a cut connection."""
+    from orchestrator.gateway.failover import StreamRelay
+    from orchestrator.gateway.stream_protocol import ResponsesEvents
+
+    def broken(*args: Any) -> bytes:
+        raise RuntimeError("injected relay failure")
+
+    monkeypatch.setattr(StreamRelay, "_take_usage", broken)
+    monkeypatch.setattr(ResponsesEvents, "take_usage", broken)
+    (engine,) = engines(1)
+    body = body_for(endpoint, 5)
+    if endpoint != RESPONSES:
+        body["stream_options"] = {"include_usage": True}
+    with GatewayThread(gateway_config([engine])) as gw:
+        status, events = read_stream(gw.url, endpoint, body)
+        text = gw.runtime.metrics.render().decode()
+    assert status == 200
+    err = error_ending(endpoint, events, "failed while relaying")
+    assert err["code"] == "gateway_error"
+    assert 'status="500"' in text
+
+
 def test_the_gateways_shutdown_ends_a_stream_it_cuts_with_an_error_event(engines, tmp_path):
     """SIGTERM with a stream longer than the drain's grace (1 s) plus uvicorn's own window (5 s): the
     gateway's shutdown cancels it, and the client still gets an error event and [DONE], not a cut."""
