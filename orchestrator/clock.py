@@ -18,10 +18,10 @@ class Clock(Protocol):
 
 
 class MonotonicClock:
-    """The live clock: ``time.monotonic()``."""
+    """The live clock: ``time.monotonic()`` (called directly: ``now`` is the builtin, no Python frame;
+    the request path reads the clock about ten times per request)."""
 
-    def now(self) -> float:
-        return time.monotonic()
+    now = staticmethod(time.monotonic)
 
 
 class VirtualClock:

@@ -125,7 +125,8 @@ class InflightLedger:
                now: float | None = None) -> None:
         """Dispatched at ``now``: ``tokens`` uncached prompt tokens and the prompt's blocks are now
         in flight on ``worker``."""
-        self.release(key)
+        if key in self._charges:
+            self.release(key)
         tokens = max(0, tokens)
         c = _Charge(worker, tokens, tuple(block_hashes), now)
         self._charges[key] = c

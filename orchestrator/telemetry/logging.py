@@ -17,8 +17,7 @@ from __future__ import annotations
 import json as _json
 import logging
 import sys
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -44,16 +43,28 @@ def get_request_id() -> str | None:
     return _request_id.get()
 
 
-@contextmanager
-def request_context(request_id: str | None, **fields: Any) -> Iterator[None]:
-    """Bind a request id (and optional fields such as ``model``) to every log line inside the block."""
-    rid_token = _request_id.set(request_id)
-    fields_token = _fields.set({**_fields.get(), **fields})
-    try:
-        yield
-    finally:
-        _fields.reset(fields_token)
-        _request_id.reset(rid_token)
+class request_context:  # noqa: N801 - used as a function: ``with request_context(rid, model=...)``
+    """Bind a request id (and optional fields such as ``model``) to every log line inside the block.
+    (A class, not a generator context manager: it is entered once per request on the hot path.)"""
+
+    __slots__ = ("_rid", "_fields", "_tokens")
+
+    def __init__(self, request_id: str | None, **fields: Any) -> None:
+        self._rid = request_id
+        self._fields = fields
+        self._tokens: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> None:
+        fields = self._fields
+        self._tokens = (_request_id.set(self._rid), _fields.set({**_fields.get(), **fields}) if fields else None)
+
+    def __exit__(self, *exc: object) -> None:
+        tokens = self._tokens
+        if tokens is not None:
+            rid_token, fields_token = tokens
+            if fields_token is not None:
+                _fields.reset(fields_token)
+            _request_id.reset(rid_token)
 
 
 def bind_request_id(request_id: str | None) -> None:

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""A deterministic profile of the gateway's own code per request (cProfile, thread CPU time).
+
+Starts one zero-cost simulated engine (``dyad sim-engine --profile zero``) as a process and a real
+gateway in this process (``GatewayThread``: uvicorn and the gateway's connection protocol, on a free
+loopback port), then profiles only the gateway's event-loop thread while a client *process* sends
+``--requests`` requests one at a time over one keep-alive connection. The profiler's clock is the
+thread's own CPU time, so the client and other processes on a shared machine do not count.
+
+Prints, per function, calls per request and CPU µs per request (own time, then with callees), sorted
+both ways, for Dyad's own code (``orchestrator/``, ``adapters/``) and for everything.
+cProfile adds its own cost per call: compare functions with each other, not with the A/B benchmark.
+
+    nice -n 10 .venv/bin/python scripts/profile_gateway.py --requests 3000 [--stream] [--top 40] [--out gw.prof]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.config import load_config  # noqa: E402
+from orchestrator.gateway.serve import GatewayThread  # noqa: E402
+from orchestrator.ports import free_port, wait_ready  # noqa: E402
+
+CLIENT = """
+import asyncio, json, sys
+from orchestrator.bench.loadgen import RawConnection, encode_request
+url, n, body = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+async def main():
+    host, port, raw = encode_request(url, body)
+    conn = RawConnection(host, port)
+    for _ in range(n):
+        t = await conn.send(raw)
+        if t.status != 200:
+            raise SystemExit(f"HTTP {t.status}: {t.body[:200]!r}")
+    await conn.close()
+asyncio.run(main())
+"""
+
+
+def run_client(url: str, n: int, body: dict) -> None:
+    subprocess.run([sys.executable, "-c", CLIENT, url, str(n), json.dumps(body)], cwd=ROOT, check=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def ours(filename: str) -> bool:
+    return f"{os.sep}orchestrator{os.sep}" in filename or f"{os.sep}adapters{os.sep}" in filename
+
+
+def table(stats: pstats.Stats, n: int, key: int, top: int, only_ours: bool) -> list[str]:
+    rows = []
+    for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if only_ours and not ours(filename):
+            continue
+        short = filename.split(str(ROOT) + os.sep, 1)[-1] if str(ROOT) in filename else filename.rsplit(os.sep, 2)[-1]
+        rows.append((tottime, cumtime, ncalls, f"{short}:{line}({func})"))
+    rows.sort(key=lambda r: r[key], reverse=True)
+    out = [f"{'own µs/req':>10} {'cum µs/req':>10} {'calls/req':>9}  function"]
+    for tottime, cumtime, ncalls, name in rows[:top]:
+        out.append(f"{tottime / n * 1e6:10.2f} {cumtime / n * 1e6:10.2f} {ncalls / n:9.2f}  {name}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--stream", action="store_true", help="streamed requests (8 tokens)")
+    ap.add_argument("--policy", default="round_robin")
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--out", help="also write the raw profile here (pstats format)")
+    args = ap.parse_args()
+
+    eport = free_port()
+    engine = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "sim-engine", "--port", str(eport), "--model",
+                               "bench", "--profile", "zero"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert wait_ready(f"http://127.0.0.1:{eport}/health", engine), "the simulated engine did not start"
+        config = load_config({
+            "models": [{"name": "bench"}],
+            "workers": [{"id": "e0", "url": f"http://127.0.0.1:{eport}", "engine": "sim", "models": ["bench"]}],
+            "router": {"policy": args.policy}, "gateway": {"host": "127.0.0.1"}}, environ={})
+        body = {"model": "bench", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 8,
+                "temperature": 0.0, "stream": args.stream}
+        with GatewayThread(config) as gw:
+            url = f"{gw.url}/v1/completions"
+            run_client(url, args.warmup, body)
+            prof = cProfile.Profile(time.thread_time)  # this thread's CPU only (a syscall per reading: inflated)
+
+            async def enable() -> None:
+                prof.enable()
+
+            async def disable() -> None:
+                prof.disable()
+
+            gw.call(enable())
+            t0 = time.perf_counter()
+            run_client(url, args.requests, body)
+            gw.call(disable())
+            wall = time.perf_counter() - t0
+        stats = pstats.Stats(prof)
+        if args.out:
+            stats.dump_stats(args.out)
+        total = sum(tt for (_, _, tt, _, _) in stats.stats.values())  # type: ignore[attr-defined]
+        n = args.requests
+        print(f"{n} {'streamed' if args.stream else 'non-streamed'} requests, {wall:.1f} s; profiled gateway-thread "
+              f"CPU {total / n * 1e6:.0f} µs/request (with cProfile's own overhead)\n")
+        for title, key, only in (("Dyad's code by own time", 0, True), ("Dyad's code by time with callees", 1, True),
+                                 ("everything by own time", 0, False)):
+            print(f"## {title}")
+            print("\n".join(table(stats, n, key, args.top, only)))
+            print()
+    finally:
+        engine.terminate()
+        engine.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
