@@ -234,6 +234,34 @@ def test_a_worker_marked_down_mid_stream_is_continued_on_another(engines):
 
 
 @pytest.mark.parametrize("endpoint", [CHAT, RESPONSES])
+def test_a_stalled_worker_pulled_by_the_watchdog_after_the_headers_ends_with_the_protocols_error(engines, endpoint):
+    """The engine answers the stream's headers and then nothing, while doing no work at all: the stall
+    watchdog (``resilience.stall_timeout_s``) pulls the try after the client got its 200 and headers."""
+    (engine,) = engines(1)
+    set_faults(engine, **fault_for(endpoint, "hang", 0))
+    config = gateway_config([engine], resilience={"stall_timeout_s": 0.5, "stream_idle_timeout_s": 60})
+    with GatewayThread(config) as gw:
+        t0 = time.monotonic()
+        status, events = read_stream(gw.url, endpoint, body_for(endpoint, 5))
+        took = time.monotonic() - t0
+    assert status == 200
+    error_ending(endpoint, events, "stalled")
+    assert took < 30  # the watchdog, not the 60 s idle timeout
+
+
+def test_a_stalled_worker_pulled_after_the_headers_is_continued_on_another(engines):
+    bad, good = engines(2)
+    set_faults(bad, stream_fault="hang", stream_fault_after=0)
+    config = gateway_config([bad, good], resilience={"stall_timeout_s": 0.5, "stream_idle_timeout_s": 60})
+    with GatewayThread(config) as gw:
+        status, events = read_stream(gw.url, CHAT, body_for(CHAT, 6))
+        text = gw.runtime.metrics.render().decode()
+    assert status == 200
+    complete(CHAT, events, 6)
+    assert 'dyad_stream_failovers_total{outcome="continued"} 1.0' in text  # (it began on the stalled worker)
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, RESPONSES])
 def test_a_worker_pulled_while_the_gateway_waits_on_the_client_ends_with_the_protocols_error(engines, endpoint):
     """The worker is marked down while the gateway is blocked writing to the client (here: the headers,
     as with a client that reads slowly): the cancellation lands outside the relay's read loop, in the
