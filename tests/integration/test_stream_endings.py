@@ -11,9 +11,11 @@ the stream can end must end with the stream protocol's own ending (``stream_prot
 Only a client that leaves gets no ending (nobody is there to read it). The ways covered here, one
 test each: the engine ends the stream without its end (EOF), resets the connection, sends bytes that
 are not SSE, goes silent (idle timeout); the total stream timeout (``resilience.stream_timeout_s``)
-runs out; the worker is marked down by the health loop while its stream is being relayed; the
-worker is pulled while the gateway waits on a slow client (outside the relay's read loop); the
-gateway's own shutdown cuts a stream that outlived the drain's grace and uvicorn's window.
+runs out; the worker is marked down by the health loop while its stream is being relayed; the stall
+watchdog pulls a try after the headers; the worker is pulled while the gateway waits on a slow client
+(outside the relay's read loop); the gateway's own code fails mid-stream; the gateway's own shutdown
+cuts a stream that outlived the drain's grace and uvicorn's window; and the one exception, a client
+that leaves (the engine's request is aborted, nothing more is written).
 
 The engines are Dyad's simulated engine (``dyad sim-engine``): its fault injection (``POST /sim/faults``:
 ``stream_fault`` eof | reset | garbage | hang after N chunks, ``responses_fault`` the same for
@@ -311,6 +313,31 @@ def test_a_failure_of_the_gateways_own_code_mid_stream_ends_with_the_protocols_e
     err = error_ending(endpoint, events, "failed while relaying")
     assert err["code"] == "gateway_error"
     assert 'status="500"' in text
+
+
+def test_a_client_that_leaves_gets_no_ending_and_the_engine_request_is_aborted(engines):
+    (engine,) = engines(1, PACED)
+    with GatewayThread(gateway_config([engine])) as gw:
+        with httpx.stream("POST", gw.url + CHAT, json=body_for(CHAT, 200), timeout=30) as r:  # ≈ 10 s
+            got: list[str] = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got.append(line)
+                    if len(got) == 3:
+                        break  # the client leaves mid-stream
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            text = gw.runtime.metrics.render().decode()
+            if 'status="499"' in text:
+                break
+            time.sleep(0.05)
+        assert 'status="499"' in text and "dyad_client_disconnects_total" in text
+        assert len(gw.runtime.attempts) == 0  # the try ended (cancelled), nothing left in flight
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{engine.url}/load", timeout=5).json()["server_load"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{engine.url}/load", timeout=5).json()["server_load"] == 0  # the engine aborted it
+    assert len(got) == 3 and all("error" not in line for line in got)
 
 
 def test_the_gateways_shutdown_ends_a_stream_it_cuts_with_an_error_event(engines, tmp_path):
