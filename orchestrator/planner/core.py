@@ -76,6 +76,27 @@ class Action:
         return {"kind": self.kind, "role": self.role.value, "worker_id": self.worker_id, "then": self.then}
 
 
+def cold_prefill_need(mode: str, queue: float, forecast_rate: float, observed_rate: float | None,
+                      service: float, start_s: float) -> int:
+    """Prefill workers worth a cold start in the load mode: a cold worker serves only after ``start_s``,
+    so it is worth starting for the work the pool cannot clear by then — the queue drained within
+    ``start_s`` while arrivals keep coming: ``ceil((queue / start_s + rate) x service)``. A backlog that
+    clears sooner is not worth a start (warm standby is: it serves in seconds).
+
+    ``rate`` is what is arriving now: in mode "observed" the larger of the forecast and the rate seen
+    in the load-mode window (the forecast lags a burst, and a burst is when this decides); in mode
+    "forecast" the forecast alone. Mode "off" (or ``start_s`` <= 0) never holds a cold start back
+    (returns a need no shortfall reaches)."""
+    if mode == "off" or start_s <= 0:
+        return 1 << 30
+    if mode not in ("observed", "forecast"):
+        raise ValueError(f"cold_backlog must be observed, forecast or off, not {mode!r}")
+    rate = forecast_rate
+    if mode == "observed" and observed_rate is not None:
+        rate = max(rate, observed_rate)
+    return math.ceil((queue / start_s + rate) * service - 1e-9)
+
+
 @dataclass
 class PlannerSettings:
     targets: Targets = field(default_factory=Targets)
@@ -113,6 +134,10 @@ class PlannerSettings:
     rise_quantile: float = 0.0  # size prefill for the lead forecast times this quantile of how far the
     # arrivals outran it recently (``rise_factor``; 0 = off)
     standby_wake_s: float = 5.0  # seconds a standby worker takes to serve once activated
+    cold_backlog: str = "observed"  # load mode: start cold prefill workers only for a backlog that outlasts
+    # the start-up, judged against the arrivals seen now ("observed": the larger of the forecast and the rate
+    # measured from the queue's growth between fast looks), the forecast only ("forecast", lags a burst), or
+    # not at all ("off": every confirmed shortfall starts cold workers)
     fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
 
 
@@ -193,6 +218,7 @@ class Planner:
         self._stream_sum: dict[Role, float] = dict.fromkeys(ROLES, 0.0)
         self._samples = 0
         self._over: dict[Role, int] = dict.fromkeys(ROLES, 0)
+        self._last_look: tuple[float, float] | None = None  # fast mode: (when, prefill requests in flight)
         self._forecast: LoadForecast | None = None
         self._grown: dict[Role, tuple[float, float]] = {}  # role → (when it last grew, the need that grew it)
         # per interval: (5-s peak arrival rate, peak decode streams) — the burst history of ``standby_auto``
@@ -608,10 +634,10 @@ class Planner:
         # a cold worker serves only after start_s: start one only for work that the pool cannot clear by
         # then — the queue drained within start_s while the forecast arrivals keep coming (a backlog that
         # clears sooner is not worth a start; warm standby is, it serves in seconds)
+        arriving = self._arrival_now(now, streams[Role.PREFILL], serving[Role.PREFILL], service)
         cold_need = dict(need)
-        if s.start_s > 0:
-            cold_need[Role.PREFILL] = min(need[Role.PREFILL], math.ceil(
-                (streams[Role.PREFILL] / s.start_s + f.request_rate) * service - 1e-9))
+        cold_need[Role.PREFILL] = min(need[Role.PREFILL], cold_prefill_need(
+            s.cold_backlog, streams[Role.PREFILL], f.request_rate, arriving, service, s.start_s))
         target = dict(counts)
         reasons: list[str] = []
         for r in ROLES:
@@ -661,6 +687,17 @@ class Planner:
                             standby={r.value: len(standby[r]) for r in ROLES},
                             changes={r.value: f"grow {counts[r]}->{used[r]} (load-reactive)" for r in ROLES
                                      if used[r] > counts[r]})
+
+    def _arrival_now(self, now: float, queue: float, serving: int, service: float) -> float | None:
+        """The prefill arrival rate seen between the last fast look and this one, from the fleet alone:
+        the queue's growth plus what the serving workers cleared meanwhile (each clears one request per
+        ``service`` while it has work). None at the first look or after no time passed."""
+        last, self._last_look = self._last_look, (now, queue)
+        if last is None or now <= last[0]:
+            return None
+        dt = now - last[0]
+        busy = min(float(serving), max(queue, last[1]))
+        return max(0.0, (queue - last[1]) / dt + busy / service)
 
     def _burst_sizing(self, sizing: Sizing, forecast: LoadForecast, obs: Observation | None,
                       reasons: list[str]) -> Sizing:

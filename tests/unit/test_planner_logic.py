@@ -582,17 +582,19 @@ def test_load_mode_starts_no_cold_worker_for_a_backlog_that_clears_before_it_wou
                                          correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3,
                                          start_s=60))
     pl.step(_obs(60, 1, 4096, 50), _fleet(3, 2), 60)
-    # 30 prompts of ~0.43 s on 3 workers: over the TTFT target now, cleared in ~5 s, long before a
-    # worker started now (60 s) would serve; nothing warm to wake
-    for t in (62, 64, 66, 68):
-        assert pl.react(_queued(3, 2, 10), t) is None
-    # a backlog that outlasts the start-up (400 prompts: ~57 s on 3 workers at 1 req/s more arriving)
-    # does start cold workers, as many as clear it within the start-up
+    # 60 prompts of ~0.43 s on 3 workers: over the TTFT target now, draining at what 3 workers clear
+    # less the 1 req/s arriving (~6 req/s), gone in ~10 s, long before a worker started now (60 s)
+    # would serve; nothing warm to wake
+    for t, q in ((62, 20), (64, 16), (66, 12), (68, 8)):
+        assert pl.react(_queued(3, 2, q), t) is None
+    # a backlog that outlasts the start-up (400 prompts that do not drain: as much arrives as 3 workers
+    # clear) does start cold workers, as many as clear it within the start-up at the observed arrivals
     for t in (70, 72):
         pl.react(_queued(3, 2, 134), t)
     d = pl.react(_queued(3, 2, 134), 74)
     assert d is not None and [a.kind for a in d.actions] == ["start"] * (d.desired["prefill"] - 3)
-    assert d.desired["prefill"] == math.ceil((402 / 60 + 1) * perf().prefill_time(4096))
+    svc = perf().prefill_time(4096)
+    assert d.desired["prefill"] == math.ceil((402 / 60 + 3 / svc) * svc)
 
 
 def test_rise_factor_is_how_far_the_load_outran_the_lead_forecast():
@@ -631,3 +633,38 @@ def test_decode_is_sized_for_the_rises_of_its_own_streams_not_the_arrival_rate()
     for k in range(12):
         pl._bursts.append((5.0, 200.0 if k % 4 == 3 else 100.0))
     assert pl.stream_rise_factor() == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- cold starts for a lasting backlog (load mode)
+
+def test_cold_need_judges_the_backlog_on_the_larger_of_forecast_and_observed_arrivals():
+    from orchestrator.planner.core import cold_prefill_need
+    # 60 queued, 0.5 s per prompt, 60-s start-up: the queue alone is worth ceil(1 x 0.5) = 1 worker
+    assert cold_prefill_need("forecast", 60, 2.0, 30.0, 0.5, 60) == 2  # (1 + 2) x 0.5 -> 2, observed ignored
+    assert cold_prefill_need("observed", 60, 2.0, 30.0, 0.5, 60) == 16  # (1 + 30) x 0.5 -> 16
+    assert cold_prefill_need("observed", 60, 2.0, 0.5, 0.5, 60) == 2  # observed below the forecast: forecast
+    assert cold_prefill_need("observed", 60, 2.0, None, 0.5, 60) == 2  # first look: nothing observed yet
+    assert cold_prefill_need("off", 60, 2.0, 30.0, 0.5, 60) > 10 ** 6  # never holds a start back
+    assert cold_prefill_need("observed", 60, 2.0, 30.0, 0.5, 0) > 10 ** 6  # instant starts: nothing to wait out
+    with pytest.raises(ValueError, match="cold_backlog"):
+        cold_prefill_need("maybe", 60, 2.0, 30.0, 0.5, 60)
+
+
+@pytest.mark.parametrize("mode", ["observed", "forecast", "off"])
+def test_a_burst_the_forecast_has_not_seen_starts_cold_workers_sized_on_what_arrives(mode):
+    # forecast 1 req/s; then the prefill queue grows by 20 requests a second on 2 workers
+    pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
+                                         correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3,
+                                         start_s=60, cold_backlog=mode))
+    pl.step(_obs(60, 1, 4096, 50), _fleet(2, 2), 60)
+    for t, q in ((62, 10), (64, 30)):
+        d = pl.react(_queued(2, 2, q), t)
+        assert d is None or not [a for a in d.actions if a.kind == "start"]  # not confirmed yet
+    d = pl.react(_queued(2, 2, 50), 66)  # 3rd look: 100 queued, arriving at ~20 + what 2 workers clear
+    starts = [a for a in d.actions if a.kind == "start"] if d is not None else []
+    if mode == "forecast":
+        # the lagging forecast: 100 queued / 60 s + 1 req/s is under what 2 workers clear — no start
+        assert starts == []
+    else:
+        # the arrivals seen now need > 10 workers; the budget leaves 16 prefill beyond the 2 + 2 running
+        assert len(starts) >= 8 and all(a.role is Role.PREFILL for a in starts)
