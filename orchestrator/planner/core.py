@@ -134,10 +134,11 @@ class PlannerSettings:
     rise_quantile: float = 0.0  # size prefill for the lead forecast times this quantile of how far the
     # arrivals outran it recently (``rise_factor``; 0 = off)
     standby_wake_s: float = 5.0  # seconds a standby worker takes to serve once activated
-    cold_backlog: str = "observed"  # load mode: start cold prefill workers only for a backlog that outlasts
-    # the start-up, judged against the arrivals seen now ("observed": the larger of the forecast and the rate
-    # measured from the queue's growth between fast looks), the forecast only ("forecast", lags a burst), or
-    # not at all ("off": every confirmed shortfall starts cold workers)
+    cold_backlog: str = "off"  # load mode: "off" = every confirmed shortfall starts cold workers; otherwise
+    # start cold prefill workers only for a backlog that outlasts the start-up, judged against the arrivals
+    # seen now ("observed": the larger of the forecast and the rate measured from the queue's growth between
+    # fast looks) or the forecast only ("forecast", lags a burst). Off by default: on Azure code x2 the starts
+    # it saves are the ones the burst floor then holds for the next burst (docs/benchmarks.md, Issue 14)
     fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
 
 

@@ -89,10 +89,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "need them (sized from observed burst factors)")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
-    parser.add_argument("--cold-backlog", choices=["observed", "forecast", "off"], default="observed",
+    parser.add_argument("--cold-backlog", choices=["off", "observed", "forecast"], default="off",
                         help="load mode: start cold prefill workers only for a backlog that outlasts the start-up, "
-                             "judged on the arrivals seen now (observed), the forecast (forecast), or never held "
-                             "back (off)")
+                             "judged on the arrivals seen now (observed) or the forecast (forecast); off = every "
+                             "confirmed shortfall starts cold workers")
     parser.add_argument("--keda-prefill-target", type=float, default=1.0,
                         help="queue-length baseline: requests per prefill worker")
     parser.add_argument("--keda-decode-target", type=float, default=32.0,
@@ -164,7 +164,7 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         decode_floor=g(args, "decode_floor", False), fast_interval_s=g(args, "fast_interval", 2.0),
         standby_auto=g(args, "standby_auto", False), standby_prefill=g(args, "standby_prefill", 1),
         standby_decode=g(args, "standby_decode", 1),
-        standby_wake_s=g(args, "standby_wake_s", 5.0), cold_backlog=g(args, "cold_backlog", "observed"))
+        standby_wake_s=g(args, "standby_wake_s", 5.0), cold_backlog=g(args, "cold_backlog", "off"))
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
     return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
 

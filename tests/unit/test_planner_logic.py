@@ -580,7 +580,7 @@ def test_churn_rule_keeps_a_worker_started_for_a_forecast_until_the_horizon_unle
 def test_load_mode_starts_no_cold_worker_for_a_backlog_that_clears_before_it_would_serve():
     pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
                                          correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3,
-                                         start_s=60))
+                                         start_s=60, cold_backlog="observed"))
     pl.step(_obs(60, 1, 4096, 50), _fleet(3, 2), 60)
     # 60 prompts of ~0.43 s on 3 workers: over the TTFT target now, draining at what 3 workers clear
     # less the 1 req/s arriving (~6 req/s), gone in ~10 s, long before a worker started now (60 s)
@@ -668,3 +668,16 @@ def test_a_burst_the_forecast_has_not_seen_starts_cold_workers_sized_on_what_arr
     else:
         # the arrivals seen now need > 10 workers; the budget leaves 16 prefill beyond the 2 + 2 running
         assert len(starts) >= 8 and all(a.role is Role.PREFILL for a in starts)
+
+
+def test_cold_backlog_rule_is_off_by_default_every_lasting_shortfall_starts_cold():
+    # the same draining backlog as above, default settings: three looks over capacity start cold workers
+    pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
+                                         correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3,
+                                         start_s=60))
+    assert pl.settings.cold_backlog == "off"
+    pl.step(_obs(60, 1, 4096, 50), _fleet(3, 2), 60)
+    pl.react(_queued(3, 2, 20), 62)
+    pl.react(_queued(3, 2, 16), 64)
+    d = pl.react(_queued(3, 2, 12), 66)
+    assert d is not None and d.actions and all(a.kind == "start" for a in d.actions)
