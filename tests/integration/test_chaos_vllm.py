@@ -20,31 +20,20 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
-from tests.fixtures.vllm import VllmEngine, VllmPool
+from tests.fixtures.vllm import MODEL_NAME, VllmEngine, VllmPool
+from tests.fixtures.vllm_gateway import engines_or_fail, vllm_gateway
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-MODEL = "tiny"
+MODEL = MODEL_NAME
 ADMIN = "chaos-admin"
 
 
 @pytest.fixture(scope="module")
 def chaos(vllm_pool: VllmPool) -> Iterator[tuple[GatewayThread, list[VllmEngine]]]:
-    try:
-        engines = vllm_pool.get(2)
-    except (RuntimeError, TimeoutError) as e:
-        pytest.fail(str(e), pytrace=False)
-    config = load_config({
-        "models": [{"name": MODEL}],
-        "workers": [{"id": f"w{i}", "url": e.url, "engine": "vllm", "models": [MODEL]} for i, e in enumerate(engines)],
-        "router": {"policy": "least_load", "debug_headers": True},
-        "gateway": {"admin_token": ADMIN, "max_attempts": 3},
-        "health": {"interval_s": 0.5, "timeout_s": 1.0, "failure_threshold": 1},
-        "scrape": {"interval_s": 0.5},
-    }, environ={})
-    with GatewayThread(config) as gw:
+    engines = engines_or_fail(vllm_pool.get, 2)
+    with vllm_gateway(engines, policy="least_load", gateway={"admin_token": ADMIN, "max_attempts": 3}) as gw:
         yield gw, engines
 
 

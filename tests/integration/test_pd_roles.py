@@ -13,9 +13,8 @@ import re
 import httpx
 import pytest
 
-from orchestrator.config import load_config
-from orchestrator.gateway.serve import GatewayThread
 from tests.fixtures.vllm import MODEL_NAME
+from tests.fixtures.vllm_gateway import engines_or_fail, vllm_gateway
 from tests.fixtures.vllm_pd import PdEngines
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_config("both"), pytest.mark.slow, pytest.mark.timeout(900)]
@@ -38,23 +37,10 @@ def external(url: str) -> float:
 
 @pytest.fixture(scope="module")
 def both(vllm_pd_engines: PdEngines):
-    try:
-        a, b = vllm_pd_engines.get("both")
-    except (RuntimeError, TimeoutError) as e:
-        pytest.fail(str(e), pytrace=False)
-    config = load_config({
-        "models": [{"name": MODEL_NAME, "block_size": 32}],
-        "workers": [
-            {"id": "a", "url": a.url, "role": "decode", "models": [MODEL_NAME]},
-            {"id": "b", "url": b.url, "role": "decode", "models": [MODEL_NAME]},
-        ],
-        "router": {"policy": "least_load", "debug_headers": True},
-        "gateway": {"admin_token": ADMIN},
-        "health": {"interval_s": 0.5},
-        "scrape": {"interval_s": 0.5},
-        "disagg": {"min_prefill_tokens": 64, "prefill_timeout_s": 20},
-    })
-    with GatewayThread(config) as gw:
+    a, b = engines_or_fail(vllm_pd_engines.get, "both")
+    with vllm_gateway([a, b], policy="least_load", worker_ids=["a", "b"], roles=["decode", "decode"],
+                      model={"block_size": 32}, gateway={"admin_token": ADMIN}, health={"interval_s": 0.5},
+                      disagg={"min_prefill_tokens": 64, "prefill_timeout_s": 20}) as gw:
         yield gw, a, b
 
 

@@ -18,9 +18,8 @@ import time
 import httpx
 import pytest
 
-from orchestrator.config import load_config
-from orchestrator.gateway.serve import GatewayThread
 from tests.fixtures.vllm import MODEL_NAME
+from tests.fixtures.vllm_gateway import engines_or_fail, vllm_gateway
 from tests.fixtures.vllm_pd import PdEngines
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_config("pd"), pytest.mark.slow, pytest.mark.timeout(900)]
@@ -96,27 +95,16 @@ def gateway_disconnects(gateway_url: str) -> float:
 
 @pytest.fixture(scope="module")
 def pd(vllm_pd_engines: PdEngines):
-    try:
-        prefill, decode = vllm_pd_engines.get("pd")
-    except (RuntimeError, TimeoutError) as e:
-        pytest.fail(str(e), pytrace=False)
-    config = load_config({
-        "models": [{"name": MODEL_NAME, "block_size": 32}],
-        "workers": [
-            {"id": "prefill", "url": prefill.url, "role": "prefill", "models": [MODEL_NAME]},
-            {"id": "decode", "url": decode.url, "role": "decode", "models": [MODEL_NAME]},
-        ],
-        "router": {"policy": "least_load", "debug_headers": True},
-        "gateway": {"admin_token": ADMIN},
-        "health": {"interval_s": 0.5, "timeout_s": 2.0},
-        # The prefill step (one token of a ~1k-token prompt) takes ~0.3 s on a quiet core but 5.5 s
-        # was measured with the machine's load average at 14, and a step slower than this bound is
-        # abandoned for a local prefill on the decode engine (mode "fallback"): that is how the
-        # hand-off test failed under load with 20 s here. The hand-off tests assert the gateway
-        # did not fall back; the bound is a liveness limit, as long as the client's timeout.
-        "disagg": {"min_prefill_tokens": 64, "prefill_timeout_s": 120},
-    })
-    with GatewayThread(config) as gw:
+    prefill, decode = engines_or_fail(vllm_pd_engines.get, "pd")
+    # The prefill step (one token of a ~1k-token prompt) takes ~0.3 s on a quiet core but 5.5 s
+    # was measured with the machine's load average at 14, and a step slower than this bound is
+    # abandoned for a local prefill on the decode engine (mode "fallback"): that is how the
+    # hand-off test failed under load with 20 s here. The hand-off tests assert the gateway
+    # did not fall back; the bound is a liveness limit, as long as the client's timeout.
+    with vllm_gateway([prefill, decode], policy="least_load", worker_ids=["prefill", "decode"],
+                      roles=["prefill", "decode"], model={"block_size": 32},
+                      gateway={"admin_token": ADMIN}, health={"interval_s": 0.5, "timeout_s": 2.0}, scrape=None,
+                      disagg={"min_prefill_tokens": 64, "prefill_timeout_s": 120}) as gw:
         yield gw, prefill, decode
 
 

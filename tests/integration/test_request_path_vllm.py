@@ -15,29 +15,18 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
-from tests.fixtures.vllm import VllmPool
+from tests.fixtures.vllm import MODEL_NAME, VllmPool
+from tests.fixtures.vllm_gateway import engines_or_fail, vllm_gateway
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-MODEL = "tiny"
+MODEL = MODEL_NAME
 
 
 @pytest.fixture(scope="module")
 def gateway(vllm_pool: VllmPool) -> Iterator[GatewayThread]:
-    try:
-        engines = vllm_pool.get(2)
-    except (RuntimeError, TimeoutError) as e:
-        pytest.fail(str(e), pytrace=False)
-    config = load_config({
-        "models": [{"name": MODEL}],
-        "workers": [{"id": f"w{i}", "url": e.url, "engine": "vllm", "models": [MODEL]} for i, e in enumerate(engines)],
-        "router": {"policy": "round_robin", "debug_headers": True},
-        "resilience": {"breaker_failure_threshold": 2},
-        "health": {"interval_s": 0.5, "timeout_s": 1.0, "failure_threshold": 1},
-    }, environ={})
-    with GatewayThread(config) as gw:
+    with vllm_gateway(engines_or_fail(vllm_pool.get, 2), resilience={"breaker_failure_threshold": 2}) as gw:
         yield gw
 
 
