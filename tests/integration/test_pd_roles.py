@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import httpx
 import pytest
@@ -51,6 +52,7 @@ class SteadyLoad:
         self.url = url
         self.concurrency = concurrency
         self.results: list[tuple[int, str | None, str]] = []  # (status, prefill worker, decode worker)
+        self.failures: list[tuple[int, float, str]] = []  # (index in results, time, body or exception)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -62,9 +64,12 @@ class SteadyLoad:
                 body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0}
                 try:
                     r = await http.post(f"{self.url}/v1/completions", json=body)
+                    if r.status_code != 200:  # what answered, for the failure message
+                        self.failures.append((len(self.results), time.monotonic(), r.text[:500]))
                     self.results.append((r.status_code, r.headers.get("x-dyad-prefill-worker"),
                                          r.headers.get("x-dyad-worker", "")))
                 except httpx.HTTPError as e:
+                    self.failures.append((len(self.results), time.monotonic(), repr(e)))
                     self.results.append((-1, None, repr(e)))
                 i += 1
 
@@ -123,7 +128,7 @@ async def test_move_a_worker_decode_to_prefill_and_back_under_load_without_failu
     finally:
         await load.stop()
     failed = [x for x in load.results if x[0] != 200]
-    assert failed == [], failed
+    assert failed == [], (failed, load.failures)
     assert gateway_sample(gw.url, "dyad_role_changes_total", 'from_role="decode",to_role="prefill"') == 1
     assert gateway_sample(gw.url, "dyad_role_changes_total", 'from_role="prefill",to_role="decode"') == 1
     assert gateway_sample(gw.url, "dyad_worker_role", 'role="decode",worker="b"') == 1
