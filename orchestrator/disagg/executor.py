@@ -27,8 +27,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -46,6 +46,7 @@ from orchestrator.telemetry import tracing
 from orchestrator.telemetry.metrics import DyadMetrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Modes counted in dyad_pd_requests_total{mode}.
 MODE_DISAGGREGATED = "disaggregated"
@@ -104,17 +105,36 @@ class PdExecutor:
         if prefill is None:  # not ours, but harmless: run it aggregated on the decode worker
             return await self._send_local(call, decision.worker)
         if decision.worker.engine == EngineKind.SGLANG:
-            return await self._sglang(call, decision.worker, prefill)
-        return await self._vllm(call, decision.worker, prefill)
+            return await self._sglang(call, decision.worker, prefill, decision)
+        return await self._vllm(call, decision.worker, prefill, decision)
+
+    @contextlib.contextmanager
+    def _prefill_leg(self, decision: RouteDecision | None) -> Iterator[None]:
+        """Mark a prefill leg running on ``decision`` (the stall watchdog waits on it, not on the
+        decode worker, while it runs: the leg has its own bound, ``disagg.prefill_timeout_s``)."""
+        if decision is None:
+            yield
+            return
+        decision.prefill_legs += 1
+        try:
+            yield
+        finally:
+            decision.prefill_legs -= 1
+            decision.prefill_ended_at = self.clock.now()
+
+    async def _as_prefill_leg(self, decision: RouteDecision | None, step: Awaitable[T]) -> T:
+        with self._prefill_leg(decision):
+            return await step
 
     # --- vLLM ----------------------------------------------------------------------------------
 
-    async def _vllm(self, call: UpstreamCall, decode: Worker, prefill: Worker) -> httpx.Response:
+    async def _vllm(self, call: UpstreamCall, decode: Worker, prefill: Worker,
+                    decision: RouteDecision | None = None) -> httpx.Response:
         connector = self.config.connector
         body = vllm_flow.prefill_body(call.endpoint, call.body, connector)
         started = time.perf_counter()
         try:
-            with tracing.span("dyad.pd.prefill", worker=prefill.id):
+            with tracing.span("dyad.pd.prefill", worker=prefill.id), self._prefill_leg(decision):
                 answer = await self._prefill_step(call, prefill, body)
         except _PrefillFailed as e:
             log.warning("prefill on %s failed (%s); %s prefills locally", prefill.id, e.reason, decode.id)
@@ -180,7 +200,8 @@ class PdExecutor:
 
     # --- SGLang --------------------------------------------------------------------------------
 
-    async def _sglang(self, call: UpstreamCall, decode: Worker, prefill: Worker) -> httpx.Response:
+    async def _sglang(self, call: UpstreamCall, decode: Worker, prefill: Worker,
+                      decision: RouteDecision | None = None) -> httpx.Response:
         failed: set[str] = set()
         last_reason = ""
         current: Worker | None = prefill
@@ -188,7 +209,7 @@ class PdExecutor:
             if current is None:
                 break
             try:
-                response = await self._sglang_pair(call, decode, current)
+                response = await self._sglang_pair(call, decode, current, decision)
             except _PrefillFailed as e:
                 log.warning("SGLang prefill on %s failed (%s)", current.id, e.reason)
                 self.metrics.upstream_errors.labels(current.id, "prefill").inc()
@@ -202,11 +223,12 @@ class PdExecutor:
             return response
         raise NoHealthyWorker(call.model, reason=f"no SGLang prefill worker could serve the request ({last_reason})")
 
-    async def _sglang_pair(self, call: UpstreamCall, decode: Worker, prefill: Worker) -> httpx.Response:
+    async def _sglang_pair(self, call: UpstreamCall, decode: Worker, prefill: Worker,
+                           decision: RouteDecision | None = None) -> httpx.Response:
         room = sglang_flow.new_room()
         pbody, dbody = sglang_flow.dual_bodies(call.body, prefill.url, prefill.bootstrap_port, room)
         started = time.perf_counter()
-        prefill_task = asyncio.ensure_future(self._sglang_prefill(call, prefill, pbody))
+        prefill_task = asyncio.ensure_future(self._as_prefill_leg(decision, self._sglang_prefill(call, prefill, pbody)))
         decode_task = asyncio.ensure_future(self._open_first_chunk(call, decode, dbody))
         try:
             done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)

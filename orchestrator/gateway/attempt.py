@@ -117,8 +117,16 @@ class Attempt:
 
     def worker_progressed(self) -> bool:
         """Has the worker done any work since this attempt started (for another request, or by its
-        engine's generated-token counter)? Tells a stalled worker from a slow request."""
-        w = self.decision.worker
+        engine's generated-token counter)? Tells a stalled worker from a slow request.
+
+        Under P/D the request first waits on its prefill leg (disagg/executor.py), which has its own
+        bound (``disagg.prefill_timeout_s``, then the decode worker prefills locally): while it runs
+        the decode worker has nothing to do for this request, so its idleness is no stall; once the
+        leg has ended the decode worker gets a window of its own."""
+        d = self.decision
+        if d.prefill_legs > 0 or (d.prefill_ended_at is not None and d.prefill_ended_at > self.started):
+            return True
+        w = d.worker
         if w.last_progress_at is not None and w.last_progress_at > self.started:
             return True
         gen = w.load.generation_tokens

@@ -90,6 +90,10 @@ class RouteDecision:
     predicted_cached_tokens: int = 0
     prefill_worker: Worker | None = None  # set when prefill runs elsewhere (P/D)
     scores: dict[str, float] = field(default_factory=dict)  # worker id → cost/score, for debugging
+    # P/D progress for the stall watchdog (gateway/attempt.py), kept by the P/D executor
+    # (disagg/executor.py): prefill legs running now, and when the last one ended (clock time)
+    prefill_legs: int = 0
+    prefill_ended_at: float | None = None
 
 
 class RoutingPolicy(Protocol):
