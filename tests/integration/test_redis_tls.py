@@ -24,8 +24,9 @@ from orchestrator.kv.redis_index import RedisPrefixIndex
 from orchestrator.ports import free_port, wait_ready
 from orchestrator.sim.server import SimEngineThread
 from orchestrator.telemetry.metrics import DyadMetrics
+from tests.fixtures.pki import make_pki
 from tests.fixtures.redis import unique_prefix
-from tests.fixtures.redis_tls import TlsRedisServer, make_pki
+from tests.fixtures.redis_tls import TlsRedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

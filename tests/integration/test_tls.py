@@ -22,27 +22,14 @@ import uvicorn
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
 from orchestrator.sim.server import SimEngineThread
+from tests.fixtures.pki import make_pki
 
 MODEL = "tls-model"
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
-             "-subj", "/CN=dyad-test-ca", "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-                      ("client", "extendedKeyUsage=clientAuth")):
-        _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj",
-                 f"/CN=dyad-{name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
-        (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 class TlsSimEngine(SimEngineThread):
