@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,16 +19,13 @@ import httpx
 import pytest
 import yaml
 
-from orchestrator.ports import free_port, wait_ready
 from orchestrator.sim.profiles import load_profile
 from orchestrator.sim.server import SimEngineThread
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.dyad_process import dyad_serve
 
 
 def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(tmp_path):
     engine = SimEngineThread(model="m", profile="gpu-like", kv_events=False).start()
-    port = free_port()
     cfg = tmp_path / "dyad.yaml"
     cfg.write_text(yaml.safe_dump({
         "models": [{"name": "m"}],
@@ -37,12 +33,9 @@ def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(tmp_pa
         "gateway": {"retry_after_s": 3},
         "resilience": {"shutdown_grace_s": 60},
     }))
-    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(cfg), "--port",
-                             str(port), "--log-level", "info"], cwd=ROOT, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
+    gw = dyad_serve("--config", str(cfg), "--log-level", "info", log_path=tmp_path / "gateway.log")
     try:
-        assert wait_ready(f"{url}/ready", proc), (tmp_path / "gateway.log").read_text()
+        proc, url = gw.start().proc, gw.url
 
         results: list[tuple[int, list[str]]] = []
         first_chunk = threading.Barrier(5)
@@ -86,10 +79,9 @@ def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(tmp_pa
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=2)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        if gw.proc is not None and gw.proc.poll() is None:
+            gw.proc.kill()
+            gw.proc.wait()
         engine.stop()
 
 
@@ -101,7 +93,6 @@ PACED = {"base": "zero", "name": "paced", "step_fixed_s": 0.05}
 
 
 def _serve(tmp_path: Path, engine_url: str, grace_s: float) -> tuple[subprocess.Popen, str]:
-    port = free_port()
     cfg = tmp_path / "dyad.yaml"
     cfg.write_text(yaml.safe_dump({
         "models": [{"name": "m"}],
@@ -110,13 +101,8 @@ def _serve(tmp_path: Path, engine_url: str, grace_s: float) -> tuple[subprocess.
         "limits": {"max_inflight_per_worker": 1, "queue_size": 4, "queue_timeout_s": 60},
         "resilience": {"shutdown_grace_s": grace_s},
     }))
-    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - the child keeps its own descriptor
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(cfg), "--port",
-                             str(port), "--log-level", "info"], cwd=ROOT, stdout=log, stderr=log)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    assert wait_ready(f"{url}/ready", proc), (tmp_path / "gateway.log").read_text()
-    return proc, url
+    gw = dyad_serve("--config", str(cfg), "--log-level", "info", log_path=tmp_path / "gateway.log").start()
+    return gw.proc, gw.url
 
 
 def _queue_depth(url: str) -> float:

@@ -6,10 +6,6 @@ The engine behind the gateway is the project's simulator (routing and Redis are 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,9 +17,9 @@ from orchestrator.clock import VirtualClock
 from orchestrator.gateway.auth import ClientIdentity, hash_key
 from orchestrator.gateway.limits import RateLimited, RateLimiter
 from orchestrator.kv.redis_index import RedisPrefixIndex
-from orchestrator.ports import free_port, wait_ready
 from orchestrator.sim.server import SimEngineThread
 from orchestrator.telemetry.metrics import DyadMetrics
+from tests.fixtures.dyad_process import dyad_serve
 from tests.fixtures.pki import make_pki
 from tests.fixtures.redis import unique_prefix
 from tests.fixtures.redis_tls import TlsRedisServer
@@ -112,20 +108,16 @@ def test_dyad_serve_with_a_rediss_url(tls_redis):
     buckets end up in the TLS-only Redis."""
     prefix = unique_prefix("tls-gw")
     engine = SimEngineThread(model="m", profile="cpu-tiny", kv_events=False).start()
-    port = free_port()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DYAD_")}, "PYTHONUNBUFFERED": "1",
-           "DYAD_INDEX__KEY_PREFIX": prefix, "DYAD_LIMITS__BACKEND": "redis", "DYAD_LIMITS__KEY_PREFIX": prefix,
+    env = {"DYAD_INDEX__KEY_PREFIX": prefix, "DYAD_LIMITS__BACKEND": "redis", "DYAD_LIMITS__KEY_PREFIX": prefix,
            "DYAD_HEALTH__INTERVAL_S": "0.2",
            # two client keys: one warms the gateway's TLS connection to Redis (the first one pays the
            # handshake), the other is the one counted
            "DYAD_AUTH__KEYS": f"[{{name: warm, sha256: {hash_key('warm-key')}, rpm: 1000}}, "
                               f"{{name: counted, sha256: {hash_key('counted-key')}, rpm: 3}}]"}
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--worker", engine.url,
-                             "--policy", "kv_aware", "--redis", tls_redis.url, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+    gw = dyad_serve("--worker", engine.url, "--policy", "kv_aware", "--redis", tls_redis.url, env=env, clean_env=True)
     try:
-        assert wait_ready(f"{url}/ready", proc, timeout_s=30), proc.stderr.read().decode()[-2000:]
+        gw.start()
+        url = gw.url
         body = {"model": "m", "max_tokens": 2, "prompt": "shared system prompt " * 40}
         warm = httpx.post(f"{url}/v1/completions", json=body, timeout=30, headers={"authorization": "Bearer warm-key"})
         assert warm.status_code == 200, warm.text
@@ -144,10 +136,5 @@ def test_dyad_serve_with_a_rediss_url(tls_redis):
         finally:
             client.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        gw.stop()
         engine.stop()

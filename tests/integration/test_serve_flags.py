@@ -7,55 +7,27 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import httpx
 
-from orchestrator.ports import free_port, wait_ready
+from tests.fixtures.dyad_process import dyad_serve, dyad_sim_engine
 
 MODEL = "flags-model"
 
 
-def _dyad(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @contextlib.contextmanager
 def sim_engine(*extra: str) -> Iterator[str]:
-    port = free_port()
-    proc = _dyad("sim-engine", "--port", str(port), "--model", MODEL, "--no-kv-events", *extra)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_ready(f"{url}/health", proc, timeout_s=30), proc.stderr.read().decode()[-2000:]
-        yield url
-    finally:
-        _stop(proc)
+    with dyad_sim_engine("--model", MODEL, "--no-kv-events", *extra) as engine:
+        yield engine.url
 
 
 @contextlib.contextmanager
 def serve(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    port = free_port()
-    proc = _dyad("serve", "--port", str(port), *flags, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_ready(f"{url}/ready", proc, timeout_s=30), proc.stderr.read().decode()[-2000:]
-        yield url
-    finally:
-        _stop(proc)
+    with dyad_serve(*flags, env=env) as gw:
+        yield gw.url
 
 
 def _chat(url: str) -> httpx.Response:
