@@ -87,7 +87,9 @@ async def test_wrong_tls_settings_fall_back_to_local_state(tls_redis, pki, caplo
     index answers from its local mirror and the limits from local buckets; the gateway keeps serving."""
     for url, why in ((tls_redis.plain_url, "plain"), (tls_redis.url_with(), "unknown CA")):
         prefix = unique_prefix("tls-bad")
-        idx = RedisPrefixIndex(url, prefix, clock=VirtualClock())
+        # a liveness bound, not the production 0.5 s: on a loaded machine the handshake can outlast
+        # 0.5 s, and the index then logs a timeout instead of the certificate error this test checks
+        idx = RedisPrefixIndex(url, prefix, clock=VirtualClock(), socket_timeout_s=5.0)
         metrics = DyadMetrics()
         lim = RateLimiter(VirtualClock(), metrics, redis_url=url, key_prefix=prefix)
         try:
