@@ -86,15 +86,18 @@ async def test_engine_events_map_to_the_routers_hashes(vllm_engine: VllmEngine):
         try:
             req = RouteRequest(request_id="r1", model=vllm_engine.model, prompt_tokens=0)
 
+            annotated: list[RouteRequest] = []  # annotate returns a new (frozen) value each time
+
             async def overlap():
                 got = await tracker.annotate(req, {"prompt": PROMPT}, "/v1/completions", [worker])
+                annotated.append(got)
                 ov = got.overlaps.get("v0")
                 return ov.blocks if ov else 0
 
             full_blocks = prompt_tokens // 32
             assert full_blocks >= 5
             assert await until(lambda: overlap()) == full_blocks
-            assert len(req.block_hashes) == full_blocks
+            assert len(annotated[-1].block_hashes) == full_blocks
             sub = tracker.subscribers["v0"]
             assert sub.replayed >= 1  # learnt through the engine's replay endpoint
             assert metrics.registry.get_sample_value("dyad_kv_events_total",
@@ -117,7 +120,7 @@ async def test_engine_events_map_to_the_routers_hashes(vllm_engine: VllmEngine):
             # The clear event is published at the next engine step: give it one.
             await c.post(f"{vllm_engine.url}/v1/completions",
                          json={"model": vllm_engine.model, "prompt": "x", "max_tokens": 1})
-            assert await until(lambda: _blocks_zero(tracker, req))
+            assert await until(lambda: _blocks_zero(tracker, annotated[-1]))
             # And a worker that turns unhealthy is forgotten.
             await c.post(f"{vllm_engine.url}/v1/completions",
                          json={"model": vllm_engine.model, "prompt": PROMPT, "max_tokens": 1})
@@ -125,7 +128,7 @@ async def test_engine_events_map_to_the_routers_hashes(vllm_engine: VllmEngine):
             for _ in range(cfg.health.failure_threshold):
                 fleet.record_health(worker, False, 1.0, "test")
             assert worker.state is WorkerState.UNHEALTHY
-            assert await until(lambda: _blocks_zero(tracker, req))
+            assert await until(lambda: _blocks_zero(tracker, annotated[-1]))
         finally:
             await tracker.stop()
 

@@ -184,7 +184,7 @@ def test_an_engine_fault_is_continued_on_another_worker(engines, endpoint, mode)
 def test_a_responses_stream_broken_before_its_first_token_starts_again_elsewhere(engines, mode):
     bad, good = engines(2)
     set_faults(bad, **fault_for(RESPONSES, mode, 0))
-    with GatewayThread(gateway_config([bad, good], resilience={"stream_idle_timeout_s": 0.5})) as gw:
+    with GatewayThread(gateway_config([bad, good], resilience={"stream_idle_timeout_s": 0.5, "stall_timeout_s": 1})) as gw:
         status, events = read_stream(gw.url, RESPONSES, body_for(RESPONSES, 6))
     assert status == 200
     complete(RESPONSES, events, 6)
