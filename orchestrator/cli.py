@@ -5,7 +5,9 @@ not pay for the planner or the benchmark client."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
+import signal
 import sys
 
 # subcommand → (module, one-line help)
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         top.print_help()
         return 0
     name = argv[0]
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack to stderr (a hung process)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if name not in COMMANDS:
         top.print_usage(sys.stderr)
         print(f"dyad: unknown command '{name}' (choose from {', '.join(COMMANDS)})", file=sys.stderr)

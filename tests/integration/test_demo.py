@@ -105,7 +105,15 @@ def test_demo_serves_chat_streamed_and_not_then_stops_on_ctrl_c(demo_server, tmp
         assert "engine prefix cache" in b.stdout
 
     proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=30)
+    try:
+        rest, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # a hung stop: fail with every thread's stack (dyad's SIGUSR1 handler)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=10)
+        pytest.fail("dyad demo did not stop within 30 s of Ctrl-C; its output and thread stacks:\n"
+                    + "".join(lines) + rest)
     assert proc.returncode == 0, "".join(lines) + rest
     assert "stopping" in rest
     with pytest.raises(httpx.HTTPError):
