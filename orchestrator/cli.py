@@ -5,6 +5,7 @@ not pay for the planner or the benchmark client."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import importlib
 import signal
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = argv[0]
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack to stderr (a hung process)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        with contextlib.suppress(OSError, ValueError):  # (no file descriptor behind stderr: called in-process)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     if name not in COMMANDS:
         top.print_usage(sys.stderr)
         print(f"dyad: unknown command '{name}' (choose from {', '.join(COMMANDS)})", file=sys.stderr)
