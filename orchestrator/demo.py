@@ -180,10 +180,19 @@ def run(args: argparse.Namespace) -> int:
     policy = args.policy or default_policy()
     fleet = DemoFleet(workers=args.workers, port=args.port, host=args.host, policy=policy, profile=args.profile,
                       model=args.model, seed=args.seed)
+    # Serving until Ctrl-C: SIGINT/SIGTERM are blocked before the engine and gateway threads start (they
+    # inherit the mask), and the main thread takes them with sigtimedwait. Relying on KeyboardInterrupt
+    # instead lost the signal in two fresh-clone CI runs: the main thread was still waiting 30 s later
+    # (thread stacks in the test's failure), with the engines' and gateway's event loops in threads.
+    stops = {signal.SIGINT, signal.SIGTERM}
+    wait_signals = args.requests is None and hasattr(signal, "sigtimedwait")
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops) if wait_signals else None
     try:
         fleet.start()
     except (RuntimeError, ValueError, OSError) as e:
         print(f"dyad demo: could not start: {e}", file=sys.stderr)
+        if previous_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         return 1
     try:
         print(f"Dyad demo: gateway {fleet.url} over {args.workers} simulated engines "
@@ -200,16 +209,22 @@ def run(args: argparse.Namespace) -> int:
             print(summary_table(result.summary, ids), flush=True)
             return 0 if result.summary["errors"] == 0 else 1
         print("Serving; press Ctrl-C to stop.", flush=True)
-        stop = threading.Event()
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            while not stop.wait(0.5):
+        if wait_signals:
+            while signal.sigtimedwait(stops, 0.5) is None:
                 pass
-        except KeyboardInterrupt:
-            pass
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        else:  # (no sigtimedwait on this platform)
+            stop = threading.Event()
+            previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            try:
+                while not stop.wait(0.5):
+                    pass
+            except KeyboardInterrupt:
+                pass
+            finally:
+                signal.signal(signal.SIGTERM, previous)
         print("\nstopping...", flush=True)
         return 0
     finally:
         fleet.stop()
+        if previous_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
