@@ -23,7 +23,7 @@ from orchestrator.clock import Clock
 from orchestrator.config import DyadConfig
 from orchestrator.disagg import admin_routes as disagg_admin
 from orchestrator.errors import ApiError, error_body
-from orchestrator.gateway import admin, compose, openai_routes
+from orchestrator.gateway import admin, compose, openai_routes, responses_api
 from orchestrator.gateway.fastpath import GatewayApp
 from orchestrator.gateway.openapi import build_openapi
 from orchestrator.gateway.runtime import GatewayRuntime
@@ -191,8 +191,11 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     app.add_hot_route("/v1/chat/completions", openai_routes.chat_completions)
     app.add_hot_route("/v1/completions", openai_routes.completions)
     app.add_hot_route("/v1/responses", openai_routes.responses_create)  # the Responses API (responses_api.py)
-    app.add_route("/v1/responses/{response_id}", openai_routes.responses_retrieve, methods=["GET"])
-    app.add_route("/v1/responses/{response_id}/cancel", openai_routes.responses_cancel, methods=["POST"])
+    # ... and its stored responses, behind the same per-client limits (responses_api.limited)
+    app.add_route("/v1/responses/{response_id}", responses_api.limited(
+        openai_routes.responses_retrieve, "/v1/responses/{id}"), methods=["GET"])
+    app.add_route("/v1/responses/{response_id}/cancel", responses_api.limited(
+        openai_routes.responses_cancel, "/v1/responses/{id}/cancel"), methods=["POST"])
     app.add_hot_route("/v1/embeddings", openai_routes.embeddings)  # routed by model, one worker
     app.add_hot_route("/tokenize", openai_routes.tokenize)
     app.add_hot_route("/detokenize", openai_routes.detokenize)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.clock import Clock
 from orchestrator.errors import RateLimited
+from orchestrator.redis_clients import close_quietly
 
 if TYPE_CHECKING:
     from orchestrator.gateway.auth import ClientIdentity
@@ -67,11 +68,13 @@ def ratelimit_headers(limits: list[Limit], levels: list[float]) -> list[tuple[by
     return out
 
 
-def limits_for(identity: ClientIdentity, tokens: int) -> list[Limit]:
+def limits_for(identity: ClientIdentity, tokens: int | None) -> list[Limit]:
+    """The buckets a request draws from; ``tokens`` None: a request that generates nothing (reading or
+    cancelling a stored response) counts against the requests bucket only."""
     out = []
     if identity.rpm:
         out.append(Limit("requests", float(identity.rpm), 1.0))
-    if identity.tpm:
+    if identity.tpm and tokens is not None:
         out.append(Limit("tokens", float(identity.tpm), float(max(1, tokens))))
     return out
 
@@ -166,9 +169,10 @@ class RateLimiter:
     def shared(self) -> bool:
         return self.redis_url is not None
 
-    async def check(self, identity: ClientIdentity, tokens: int) -> list[tuple[bytes, bytes]]:
+    async def check(self, identity: ClientIdentity, tokens: int | None) -> list[tuple[bytes, bytes]]:
         """Charge the request to its key's buckets; returns the ``x-ratelimit-*`` headers for the answer
-        (none for a key without limits), or raises ``RateLimited`` carrying them."""
+        (none for a key without limits), or raises ``RateLimited`` carrying them. ``tokens`` None: the
+        requests bucket only (``limits_for``)."""
         limits = limits_for(identity, tokens)
         if not limits:
             return []
@@ -228,9 +232,5 @@ class RateLimiter:
         return int(wait_ms) / 1000.0, int(short) - 1, [float(v) for v in levels]
 
     async def close(self) -> None:
-        if self._redis is not None:
-            client, self._redis = self._redis, None
-            try:
-                await client.aclose()
-            except Exception:  # noqa: BLE001 - closing a dead connection
-                pass
+        client, self._redis = self._redis, None
+        await close_quietly(client)

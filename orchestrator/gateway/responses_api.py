@@ -32,17 +32,21 @@ import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
 
-from orchestrator.errors import InvalidRequest, NotFound
+from orchestrator.errors import ApiError, InvalidRequest, NotFound
 from orchestrator.gateway import request as rq
 from orchestrator.gateway.stream_protocol import ResponsesEvents, sse_fields
+from orchestrator.redis_clients import close_quietly, cluster_client
 
 if TYPE_CHECKING:
+    from starlette.requests import Request
+
     from orchestrator.fleet.worker import Worker
     from orchestrator.gateway.runtime import GatewayRuntime
 
@@ -249,9 +253,7 @@ class SharedOwners:
 
     def _client(self) -> Any:
         if self._redis is None:
-            if self.cluster:
-                from orchestrator.kv.redis_cluster_index import cluster_client
-
+            if self.cluster:  # seeds "rediss://h1:p1,h2:p2?ssl_ca_certs=..." (orchestrator/redis_clients.py)
                 self._redis = cluster_client(self.url, REDIS_TIMEOUT_S)
             else:
                 import redis.asyncio as aioredis
@@ -301,12 +303,8 @@ class SharedOwners:
             return None
 
     async def close(self) -> None:
-        if self._redis is not None:
-            client, self._redis = self._redis, None
-            try:
-                await client.aclose()
-            except Exception:  # noqa: BLE001 - closing a dead connection
-                pass
+        client, self._redis = self._redis, None
+        await close_quietly(client)
 
 
 def build_owners(config: Any) -> ResponseOwners:
@@ -418,6 +416,70 @@ class RecordOwner:
 
 
 # --- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel ----------------------------------------
+
+def limited(handler: Callable[[Request], Awaitable[Any]], endpoint: str) -> Callable[[Request], Awaitable[Any]]:
+    """``handler`` (a stored-response route) behind the client's limits, as every other request: its
+    key's requests-per-minute bucket (``RateLimiter.check`` with no token cost: nothing is generated)
+    and ``limits.max_concurrent_per_client`` (counted until the answer's last byte, a replayed stream
+    included). A refusal is the OpenAI-style 429 with ``Retry-After``, in the access log, before the
+    owner map or an engine is asked; an answer carries the ``x-ratelimit-*`` headers."""
+
+    async def route(request: Request) -> Any:
+        rt: GatewayRuntime = request.app.state.runtime
+        intake = rt.intake
+        key = client = None
+        try:
+            identity = intake.authenticate(request)
+            client = identity.name
+            intake.enter(key := intake.client_key(identity, request))
+            headers = await intake.limiter.check(identity, None)
+        except ApiError as err:
+            intake.leave(key)
+            _refused(rt, request, endpoint, err, client)
+            raise
+        except BaseException:
+            intake.leave(key)
+            raise
+        try:
+            response = await handler(request)
+        except BaseException:
+            intake.leave(key)
+            raise
+        return _Counted(response, headers, lambda: intake.leave(key))
+
+    route.__name__ = route.__qualname__ = getattr(handler, "__name__", "stored_response")
+    route.__doc__ = handler.__doc__
+    return route
+
+
+def _refused(rt: GatewayRuntime, request: Request, endpoint: str, err: ApiError, client: str | None) -> None:
+    from orchestrator.gateway.openai_routes import request_id_of
+    from orchestrator.telemetry.access_log import AccessRecord
+
+    record = AccessRecord(request_id=request_id_of(request), endpoint=endpoint, status=err.status,
+                          error_class=err.code if isinstance(err.code, str) else type(err).__name__,
+                          client_key_id=client)
+    rt.access_log.emit(record)
+
+
+class _Counted:
+    """An answer (any ASGI response) with the ``x-ratelimit-*`` headers added, that ends the client's
+    concurrent count when it is over, however it ends."""
+
+    def __init__(self, inner: Any, headers: list[tuple[bytes, bytes]], done: Callable[[], None]) -> None:
+        self.inner, self.headers, self.done = inner, headers, done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start" and self.headers:
+                message = {**message, "headers": [*message.get("headers", []), *self.headers]}
+            await send(message)
+
+        try:
+            await self.inner(scope, receive, send_with_headers)
+        finally:
+            self.done()
+
 
 def engine_headers(worker: Worker, request_id: str) -> dict[str, str]:
     from orchestrator.telemetry import tracing

@@ -365,23 +365,37 @@ def test_itl_counts_only_token_events(engines, tmp_path):
         assert sample(gw, "dyad_request_itl_seconds_count", {"model": MODEL}) - before == deltas - 1
 
 
+@contextlib.contextmanager
+def two_replicas(engines, tmp_path, index):
+    """Two gateway replicas with the same ``index`` section (its Redis holds the response-owner map)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with gateway(engines, tmp_path / "a", index=index) as a, gateway(engines, tmp_path / "b", index=index) as b:
+        yield a, b
+
+
+def created_here_found_there(a, b) -> tuple[str, str]:
+    """A response created through replica ``a`` is read (three times) and continued through ``b``, each
+    time on the engine that created it. Returns the response's id and the continuation's."""
+    r = create(a)
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    for _ in range(3):
+        got = httpx.get(f"{b.url}/v1/responses/{rid}", timeout=10)
+        assert got.status_code == 200 and got.json()["id"] == rid, got.text
+    nxt = create(b, previous_response_id=rid)
+    assert nxt.status_code == 200 and nxt.headers["x-dyad-worker"] == r.headers["x-dyad-worker"], nxt.text
+    return rid, nxt.json()["id"]
+
+
 @pytest.mark.redis
 def test_gateway_replicas_share_response_ids_through_redis(engines, tmp_path, redis_server):  # noqa: F811
     """Two gateway replicas on one Redis (``index.backend: redis``, real redis-server): a response created
     through one is found through the other (GET and previous_response_id); Redis holds digests only."""
     prefix = unique_prefix("resp")
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    shared = {"index": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix}}
-    with gateway(engines, tmp_path / "a", **shared) as a, gateway(engines, tmp_path / "b", **shared) as b:
-        r = create(a)
-        assert r.status_code == 200
-        rid = r.json()["id"]
-        for _ in range(3):
-            got = httpx.get(f"{b.url}/v1/responses/{rid}", timeout=10)
-            assert got.status_code == 200 and got.json()["id"] == rid
-        nxt = create(b, previous_response_id=rid)
-        assert nxt.status_code == 200 and nxt.headers["x-dyad-worker"] == r.headers["x-dyad-worker"]
+    with two_replicas(engines, tmp_path, {"backend": "redis", "redis_url": redis_server.url,
+                                          "key_prefix": prefix}) as (a, b):
+        rid, _ = created_here_found_there(a, b)
         import redis
 
         keys = redis.Redis.from_url(redis_server.url).keys(f"{prefix}:resp:*")
@@ -404,19 +418,9 @@ def test_gateway_replicas_share_response_ids_through_redis_cluster(engines, tmp_
 
     with RedisCluster(primaries=3, replicas=0) as cl:
         prefix = unique_prefix("cresp")
-        (tmp_path / "a").mkdir()
-        (tmp_path / "b").mkdir()
-        shared = {"index": {"backend": "redis_cluster", "redis_url": cl.url, "key_prefix": prefix}}
-        with gateway(engines, tmp_path / "a", **shared) as a, gateway(engines, tmp_path / "b", **shared) as b:
-            r = create(a)
-            assert r.status_code == 200
-            rid = r.json()["id"]
-            for _ in range(3):
-                got = httpx.get(f"{b.url}/v1/responses/{rid}", timeout=10)
-                assert got.status_code == 200 and got.json()["id"] == rid
-            nxt = create(b, previous_response_id=rid)
-            assert nxt.status_code == 200 and nxt.headers["x-dyad-worker"] == r.headers["x-dyad-worker"]
-            nid = nxt.json()["id"]
+        with two_replicas(engines, tmp_path, {"backend": "redis_cluster", "redis_url": cl.url,
+                                              "key_prefix": prefix}) as (a, b):
+            rid, nid = created_here_found_there(a, b)
             keys: dict[bytes, int] = {}  # key → the port of the primary that holds it
             for port in cl.ports:
                 node = redis.Redis(port=port)
@@ -453,3 +457,66 @@ def test_with_redis_unreachable_a_replica_still_routes_the_ids_it_saw(engines, t
         for _ in range(2):
             assert httpx.get(f"{gw.url}/v1/responses/{r.json()['id']}", timeout=10).status_code == 200
         assert httpx.get(f"{gw.url}/v1/responses/resp_unknown", timeout=10).status_code == 404
+
+
+def _keyed_auth(name: str, secret: str, **limits) -> tuple[dict, dict]:
+    """An ``auth`` section with one key (and its limits) and the headers that present it."""
+    import hashlib
+
+    return ({"keys": [{"name": name, "sha256": hashlib.sha256(secret.encode()).hexdigest(), **limits}]},
+            {"authorization": f"Bearer {secret}"})
+
+
+def test_reading_and_cancelling_stored_responses_draw_on_the_keys_request_budget(engines, tmp_path):
+    """GET /v1/responses/{id} and POST .../cancel take a request from the key's rpm bucket like a create:
+    past it, an OpenAI-style 429 with Retry-After, logged, before the owner map or an engine is asked."""
+    auth, key = _keyed_auth("reader", "sk-reader-" + "r" * 20, rpm=4)
+    with gateway(engines, tmp_path, auth=auth) as gw:
+        r = httpx.post(f"{gw.url}/v1/responses", headers=key, json={"model": MODEL, "input": "hi"}, timeout=30)
+        assert r.status_code == 200, r.text  # 1 of 4
+        rid = r.json()["id"]
+        got = httpx.get(f"{gw.url}/v1/responses/{rid}", headers=key, timeout=10)  # 2
+        assert got.status_code == 200 and got.headers["x-ratelimit-limit-requests"] == "4"
+        assert got.headers["x-ratelimit-remaining-requests"] == "2"
+        assert httpx.post(f"{gw.url}/v1/responses/{rid}/cancel", headers=key, timeout=10).status_code == 400  # 3
+        assert httpx.get(f"{gw.url}/v1/responses/{rid}", headers=key, timeout=10).status_code == 200  # 4
+        for i, (method, suffix) in enumerate((("GET", ""), ("POST", "/cancel"))):
+            refused = httpx.request(method, f"{gw.url}/v1/responses/{rid}{suffix}", timeout=10,
+                                    headers={**key, "x-request-id": f"refused-{i}"})
+            assert refused.status_code == 429, refused.text
+            err = refused.json()["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "rpm_exceeded" and "reader" in err["message"]
+            assert int(refused.headers["retry-after"]) >= 1
+            rec = access(tmp_path, f"refused-{i}")
+            assert (rec["status"], rec["error_class"], rec["client_key_id"]) == (429, "rpm_exceeded", "reader")
+            assert rec["workers"] == [] and rec["attempts"] == 0  # no engine was asked
+        # the budget is the key's: a create is refused too
+        assert httpx.post(f"{gw.url}/v1/responses", headers=key, json={"model": MODEL, "input": "hi"},
+                          timeout=30).status_code == 429
+
+
+def test_reading_a_stored_response_counts_as_one_of_the_clients_concurrent_requests(engines, tmp_path):
+    """``limits.max_concurrent_per_client``: a GET by id while the same key has a stream open is refused
+    (429 naming the limit); once that stream is over, and after each GET, the count is back down."""
+    auth, key = _keyed_auth("one-at-a-time", "sk-single-" + "s" * 20)
+    with gateway(engines, tmp_path, auth=auth, limits={"max_concurrent_per_client": 1},
+                 resilience={"stream_idle_timeout_s": 30.0}) as gw:
+        r = httpx.post(f"{gw.url}/v1/responses", headers=key, json={"model": MODEL, "input": "hi"}, timeout=30)
+        rid = r.json()["id"]
+        for _ in range(3):  # each GET gave its place back when its answer was over
+            assert httpx.get(f"{gw.url}/v1/responses/{rid}", headers=key, timeout=10).status_code == 200
+        for e in engines:
+            fault(e, "hang", after=2)
+        body = {"model": MODEL, "input": "hold on", "stream": True, "max_output_tokens": 6}
+        with httpx.stream("POST", f"{gw.url}/v1/responses", headers=key, json=body, timeout=30) as held:
+            assert held.status_code == 200
+            chunks = held.iter_raw()  # (kept: a dropped iterator closes the stream)
+            assert b"response.output_text.delta" in next(chunks)  # under way; its engine now sends nothing more
+            busy = httpx.get(f"{gw.url}/v1/responses/{rid}", headers=key, timeout=10)
+            assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_concurrent_requests"
+            assert busy.headers["retry-after"]
+        deadline = time.monotonic() + 15
+        while (code := httpx.get(f"{gw.url}/v1/responses/{rid}", headers=key, timeout=10).status_code) == 429:
+            assert time.monotonic() < deadline, "the client's place was never given back after it left"
+            time.sleep(0.1)
+        assert code == 200
