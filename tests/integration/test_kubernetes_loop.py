@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -84,6 +85,30 @@ def base_config(fake: FakeKubeApiServer, token: str, **extra) -> dict:
             "scrape": {"interval_s": 0.3},
             "disagg": {"min_prefill_tokens": 16, "prefill_timeout_s": 10},
             **extra}
+
+
+def kubernetes_planner(fake: FakeKubeApiServer, **extra) -> dict:
+    """A ``planner`` section that scales the two statefulsets through the fake API server (``extra`` on top)."""
+    return {"enabled": True, "interval_s": 3600, "actuator": "kubernetes", "kubernetes_api": fake.url,
+            "kubernetes_token": PLANNER_TOKEN, "kubernetes_token_file": None, "kubernetes_namespace": "dyad",
+            "kubernetes_workloads": {"prefill": "statefulsets/sim-prefill", "decode": "statefulsets/sim-decode"},
+            "kubernetes_drain_settle_s": 1.0, "kubernetes_drain_timeout_s": 60, **extra}
+
+
+def started(gateways: list[GatewayThread], cfg: dict) -> GatewayThread:
+    """A gateway on ``cfg``, stopped with the ``cluster`` fixture."""
+    gw = GatewayThread(load_config(cfg, environ={})).start()
+    gateways.append(gw)
+    return gw
+
+
+def serving_and_planning(cluster, **planner) -> tuple[GatewayThread, GatewayThread, Any]:
+    """A gateway that serves (discovery only) and another whose planner (interval 3600 s: the test plays
+    it) drives the Kubernetes actuator: (the serving gateway, the planner's gateway, its actuator)."""
+    fake, gateways = cluster
+    gw = started(gateways, base_config(fake, GATEWAY_TOKEN))
+    planner_gw = started(gateways, base_config(fake, PLANNER_TOKEN, planner=kubernetes_planner(fake, **planner)))
+    return gw, planner_gw, planner_gw.runtime.planner.actuator
 
 
 def decision(prefill: int, decode: int) -> PlanDecision:
@@ -179,16 +204,7 @@ def cluster():
 
 def test_scale_out_pod_gets_traffic_scale_in_pod_drains_first_and_no_request_is_lost(cluster):
     fake, gateways = cluster
-    gw = GatewayThread(load_config(base_config(fake, GATEWAY_TOKEN), environ={})).start()
-    gateways.append(gw)
-    planner_cfg = base_config(fake, PLANNER_TOKEN, planner={
-        "enabled": True, "interval_s": 3600, "actuator": "kubernetes", "kubernetes_api": fake.url,
-        "kubernetes_token": PLANNER_TOKEN, "kubernetes_token_file": None, "kubernetes_namespace": "dyad",
-        "kubernetes_workloads": {"prefill": "statefulsets/sim-prefill", "decode": "statefulsets/sim-decode"},
-        "kubernetes_drain_settle_s": 1.0, "kubernetes_drain_timeout_s": 60})
-    planner_gw = GatewayThread(load_config(planner_cfg, environ={})).start()
-    gateways.append(planner_gw)
-    actuator = planner_gw.runtime.planner.actuator
+    gw, planner_gw, actuator = serving_and_planning(cluster)
     assert actuator.name == "kubernetes"
 
     async def scenario() -> tuple[list[Result], dict[str, float]]:
@@ -327,16 +343,11 @@ def test_the_planner_grows_and_shrinks_the_prefill_pool_through_kubernetes(clust
     fake, gateways = cluster
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(sweep_profile(load_profile("gpu-like"))))  # what `dyad profile` writes
-    cfg = base_config(fake, PLANNER_TOKEN, planner={
-        "enabled": True, "interval_s": 1.0, "actuator": "kubernetes", "kubernetes_api": fake.url,
-        "kubernetes_token": PLANNER_TOKEN, "kubernetes_token_file": None, "kubernetes_namespace": "dyad",
-        "kubernetes_workloads": {"prefill": "statefulsets/sim-prefill", "decode": "statefulsets/sim-decode"},
-        "kubernetes_drain_settle_s": 1.0, "kubernetes_drain_timeout_s": 60, "profile": str(profile),
-        "ttft_target_s": 0.3, "itl_target_s": 0.05, "max_workers": 3, "max_decode": 1, "predictor": "constant",
-        "scale_in_intervals": 1, "scale_in_margin": 0.0, "correct_from_latency": False})
+    cfg = base_config(fake, PLANNER_TOKEN, planner=kubernetes_planner(
+        fake, interval_s=1.0, profile=str(profile), ttft_target_s=0.3, itl_target_s=0.05, max_workers=3,
+        max_decode=1, predictor="constant", scale_in_intervals=1, scale_in_margin=0.0, correct_from_latency=False))
     # one gateway serving clients with the planner inside (its own metrics are the planner's input)
-    gw = GatewayThread(load_config(cfg, environ={})).start()
-    gateways.append(gw)
+    gw = started(gateways, cfg)
     actuator = gw.runtime.planner.actuator
 
     async def scenario() -> tuple[list[Result], dict[str, float]]:
@@ -397,16 +408,7 @@ def test_standby_pod_is_held_out_activated_by_a_patch_and_parked_after_a_drain(c
     from orchestrator.planner.core import Action
 
     fake, gateways = cluster
-    gw = GatewayThread(load_config(base_config(fake, GATEWAY_TOKEN), environ={})).start()
-    gateways.append(gw)
-    planner_cfg = base_config(fake, PLANNER_TOKEN, planner={
-        "enabled": True, "interval_s": 3600, "actuator": "kubernetes", "kubernetes_api": fake.url,
-        "kubernetes_token": PLANNER_TOKEN, "kubernetes_token_file": None, "kubernetes_namespace": "dyad",
-        "kubernetes_workloads": {"prefill": "statefulsets/sim-prefill", "decode": "statefulsets/sim-decode"},
-        "kubernetes_drain_settle_s": 1.0, "kubernetes_drain_timeout_s": 60, "standby_decode": 1})
-    planner_gw = GatewayThread(load_config(planner_cfg, environ={})).start()
-    gateways.append(planner_gw)
-    actuator = planner_gw.runtime.planner.actuator
+    gw, planner_gw, actuator = serving_and_planning(cluster, standby_decode=1)
     actuator.min_serve_s = 0  # the test plays the planner (interval 3600 s): no churn guard on its scale-in
 
     def plan(prefill: int, decode: int, current_decode: int, *actions: Action) -> PlanDecision:

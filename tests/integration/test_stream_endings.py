@@ -381,3 +381,84 @@ def test_the_gateways_shutdown_ends_a_stream_it_cuts_with_an_error_event(engines
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- P/D: the decode leg of a split stream breaks after the client got its 200 -------------------------
+# A prefill worker and a decode worker (the simulator in the vLLM dialect: the gateway sends the prefill
+# leg, then streams the decode leg to the client). With no other decode worker the stream cannot be
+# continued: it must end with the protocol's error ending, never look like a short, complete answer.
+
+PD_PROMPT = "Explain the plan: " + " ".join(f"step{i} then" for i in range(150))  # well past min_prefill_tokens
+
+
+def pd_body(endpoint: str, tokens: int) -> dict[str, Any]:
+    prompt = {"messages": [{"role": "user", "content": PD_PROMPT}]} if endpoint == CHAT else {"prompt": PD_PROMPT}
+    return {"model": "m", **prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
+
+
+def pd_config(prefill_url: str, decode_url: str, **resilience: Any) -> Any:
+    return load_config({
+        "models": [{"name": "m", "block_size": 32}],
+        "workers": [{"id": "p", "url": prefill_url, "engine": "sim", "role": "prefill", "models": ["m"]},
+                    {"id": "d", "url": decode_url, "engine": "sim", "role": "decode", "models": ["m"]}],
+        "router": {"policy": "least_load", "debug_headers": True},
+        "health": {"interval_s": 30},
+        "disagg": {"min_prefill_tokens": 32, "prefill_timeout_s": 30},
+        "resilience": resilience,
+    }, environ={})
+
+
+def split_once(gw: GatewayThread) -> None:
+    """The request really was split (disaggregated): one P/D request, its prefill leg on p."""
+    assert gw.runtime.metrics.registry.get_sample_value("dyad_pd_requests_total", {"mode": "disaggregated"}) == 1
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("mode,after,resilience,words", [
+    # silent after tokens: the idle timer (the stall watchdog is for an engine that does no work at all)
+    ("hang", 3, {"stream_idle_timeout_s": 1.0}, ("no data",)),
+    ("hang", 0, {"stall_timeout_s": 0.5, "stream_idle_timeout_s": 60}, ("stalled",)),
+    ("reset", 3, {}, ("broke",)),
+    ("eof", 3, {}, ("without",)),
+], ids=["stall-mid-stream", "stall-after-headers", "reset", "eof"])
+def test_a_split_streams_decode_leg_broken_after_the_headers_ends_with_the_protocols_error(
+        engines, endpoint, mode, after, resilience, words):
+    p, d = engines(2)
+    set_faults(d, **fault_for(endpoint, mode, after))
+    with GatewayThread(pd_config(p.url, d.url, **resilience)) as gw:
+        t0 = time.monotonic()
+        status, events = read_stream(gw.url, endpoint, pd_body(endpoint, 20))
+        took = time.monotonic() - t0
+        split_once(gw)
+    assert status == 200
+    error_ending(endpoint, events, *words)
+    assert took < 30  # ended by the gateway (watchdog, idle timer or the engine's own end), not the 60 s bound
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_a_split_stream_whose_decode_engine_is_killed_mid_stream_ends_with_the_protocols_error(
+        engines, endpoint, tmp_path):
+    """The decode engine is a ``dyad sim-engine`` process, SIGKILLed after the client has read tokens."""
+    from tests.fixtures.dyad_process import dyad_sim_engine
+
+    (p,) = engines(1)
+    profile = tmp_path / "paced.json"
+    profile.write_text(json.dumps(PACED))  # 20 tokens/s: the stream lasts long enough to be cut
+    decode = dyad_sim_engine("--model", "m", "--profile", str(profile), "--no-kv-events",
+                             log_path=tmp_path / "decode.log").start()
+    try:
+        with GatewayThread(pd_config(p.url, decode.url)) as gw:
+            with httpx.stream("POST", gw.url + endpoint, json=pd_body(endpoint, 400), timeout=60) as r:
+                assert r.status_code == 200 and r.headers["x-dyad-prefill-worker"] == "p"
+                raw = b""
+                chunks = r.iter_raw()
+                while raw.count(b"data: ") < 5:  # tokens reached the client
+                    raw += next(chunks)
+                decode.proc.kill()
+                raw += b"".join(chunks)
+            split_once(gw)
+    finally:
+        decode.stop()
+    events = [(None, block[len("data: "):].strip()) for block in raw.decode().split("\n\n") if block.strip()]
+    error_ending(endpoint, events)
+    assert 5 <= len(events) < 400

@@ -301,6 +301,26 @@ def test_reconciler_adds_a_standby_pod_out_of_rotation_and_activates_it():
     assert w.state is WorkerState.HEALTHY and fleet.candidates("m") == [w]
 
 
+def test_reconciler_follows_every_mark_in_the_registry_and_in_what_it_owns():
+    """drain, park, activate, drain, undrain in turn: the worker's state and the reconciler's own record of
+    the marks (which decide the next plan) after each."""
+    fleet = FleetRegistry()
+    rec = Reconciler(fleet, "kubernetes", grace_s=30)
+    cfg = spec("a", models=["m"]).config
+    rec.update({"a": WorkerSpec(cfg)}, 0.0)
+    w = fleet.get("a")
+    fleet.record_health(w, True, 1.0)
+    steps = [(WorkerSpec(cfg, draining=True), "drain", WorkerState.DRAINING, (True, False)),
+             (WorkerSpec(cfg, standby=True), "park", WorkerState.STANDBY, (False, True)),
+             (WorkerSpec(cfg), "activate", WorkerState.HEALTHY, (False, False)),
+             (WorkerSpec(cfg, draining=True), "drain", WorkerState.DRAINING, (True, False)),
+             (WorkerSpec(cfg), "undrain", WorkerState.HEALTHY, (False, False))]
+    for i, (desired, kind, state, marks) in enumerate(steps):
+        assert kinds(rec.update({"a": desired}, 2.0 + i)) == [(kind, "a")]
+        assert w.state is state and (rec.owned["a"].marked, rec.owned["a"].parked) == marks, kind
+        assert rec.update({"a": desired}, 2.5 + i) == []  # followed: nothing more to do
+
+
 def test_deployment_scale_in_keeps_the_standby_pool():
     pods = sts_pods("x-a", "x-b", "x-c")
     pods[2]["metadata"].setdefault("annotations", {})["dyad.dev/standby"] = "true"

@@ -65,6 +65,16 @@ class Change:
     reason: str = ""
 
 
+# The changes that follow a source's marks: the registry call, then ``Owned.marked`` and ``Owned.parked``
+# afterwards (None: as it was).
+MARKS: dict[str, tuple[str, bool | None, bool | None]] = {
+    "drain": ("drain", True, False),
+    "undrain": ("undrain", False, None),
+    "park": ("park", False, True),
+    "activate": ("activate", None, False),
+}
+
+
 def _identity(c: WorkerConfig) -> tuple:
     return tuple(getattr(c, f) for f in IDENTITY_FIELDS)
 
@@ -176,18 +186,12 @@ class Reconciler:
                 if c.spec.config.models:
                     w.models, w.configured_models = list(c.spec.config.models), True
             self.owned[wid].config = c.spec.config
-        elif c.kind == "drain":
-            fleet.drain(wid)
-            self.owned[wid].marked, self.owned[wid].parked = True, False
-        elif c.kind == "undrain":
-            fleet.undrain(wid)
-            self.owned[wid].marked = False
-        elif c.kind == "park":
-            fleet.park(wid)
-            self.owned[wid].marked, self.owned[wid].parked = False, True
-        elif c.kind == "activate":
-            fleet.activate(wid)
-            self.owned[wid].parked = False
+        elif c.kind in MARKS:
+            call, marked, parked = MARKS[c.kind]
+            getattr(fleet, call)(wid)
+            o = self.owned[wid]
+            o.marked = o.marked if marked is None else marked
+            o.parked = o.parked if parked is None else parked
         elif c.kind == "withdraw":
             fleet.drain(wid)
             self.owned[wid].withdrawn_at = now
