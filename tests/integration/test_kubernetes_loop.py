@@ -168,6 +168,16 @@ async def steady_load(url: str, stop: asyncio.Event, results: list[Result], conc
         await asyncio.gather(*(loop() for _ in range(concurrency)))
 
 
+async def first_pods_then_load(gw: GatewayThread) -> tuple[list[Result], asyncio.Event, asyncio.Task]:
+    """Once the first prefill and decode pods serve: steady streaming load on ``gw`` (``steady_load``),
+    its results, the event that stops it and its task."""
+    await wait_for(lambda: state(gw, "sim-prefill-0") == "healthy" and state(gw, "sim-decode-0") == "healthy",
+                   60, "the first pods to serve")
+    results: list[Result] = []
+    stop = asyncio.Event()
+    return results, stop, asyncio.create_task(steady_load(gw.url, stop, results))
+
+
 async def wait_for(pred, timeout: float, what: str, step: float = 0.02) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -209,11 +219,7 @@ def test_scale_out_pod_gets_traffic_scale_in_pod_drains_first_and_no_request_is_
 
     async def scenario() -> tuple[list[Result], dict[str, float]]:
         t: dict[str, float] = {}
-        await wait_for(lambda: state(gw, "sim-prefill-0") == "healthy" and state(gw, "sim-decode-0") == "healthy",
-                       60, "the first pods to serve")
-        results: list[Result] = []
-        stop = asyncio.Event()
-        load = asyncio.create_task(steady_load(gw.url, stop, results))
+        results, stop, load = await first_pods_then_load(gw)
         await asyncio.sleep(2.0)
         # scale-out: the planner gateway's actuator raises the decode StatefulSet's replicas
         done = planner_gw.call(actuator.apply(decision(1, 2)))
@@ -419,11 +425,7 @@ def test_standby_pod_is_held_out_activated_by_a_patch_and_parked_after_a_drain(c
 
     async def scenario() -> tuple[list[Result], dict[str, float]]:
         t: dict[str, float] = {}
-        await wait_for(lambda: state(gw, "sim-prefill-0") == "healthy" and state(gw, "sim-decode-0") == "healthy",
-                       60, "the first pods to serve")
-        results: list[Result] = []
-        stop = asyncio.Event()
-        load = asyncio.create_task(steady_load(gw.url, stop, results))
+        results, stop, load = await first_pods_then_load(gw)
         # the pool: a hold still grows the decode workload by its standby pod, marked while it starts
         planner_gw.call(actuator.apply(plan(1, 1, 1)))
         assert fake.replicas("sim-decode") == 2

@@ -38,6 +38,7 @@ from tests.integration.test_stream_endings import (
     complete,
     error_ending,
     set_faults,
+    sse_events,
 )
 
 UVICORN_WINDOW_S = 5  # serve.uvicorn_config: timeout_graceful_shutdown
@@ -104,7 +105,7 @@ def run_all(url: str) -> tuple[dict[str, dict[str, Any]], list[threading.Thread]
                     if not raw:
                         under_way.wait(30)
                     raw += chunk
-            out[name]["events"] = parse(raw)
+            out[name]["events"] = sse_events(raw.decode())
         except (httpx.HTTPError, threading.BrokenBarrierError) as e:
             out[name]["error"] = repr(e)
 
@@ -112,21 +113,6 @@ def run_all(url: str) -> tuple[dict[str, dict[str, Any]], list[threading.Thread]
     for t in threads:
         t.start()
     return out, threads, under_way
-
-
-def parse(raw: bytes) -> list[tuple[str | None, str]]:
-    events = []
-    for block in raw.decode().split("\n\n"):
-        if not block.strip():
-            continue
-        name, data = None, []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].strip())
-        events.append((name, "\n".join(data)))
-    return events
 
 
 def check_endings(out: dict[str, dict[str, Any]]) -> None:

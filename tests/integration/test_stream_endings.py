@@ -66,6 +66,11 @@ def read_stream(url: str, endpoint: str, body: dict[str, Any]) -> tuple[int, lis
     """The status and every SSE event as (event name, data)."""
     with httpx.stream("POST", url + endpoint, json=body, timeout=60) as r:
         raw = r.read().decode()
+    return r.status_code, sse_events(raw)
+
+
+def sse_events(raw: str) -> list[tuple[str | None, str]]:
+    """Every SSE event of a stream's text as (event name, data)."""
     events = []
     for block in raw.split("\n\n"):
         if not block.strip():
@@ -77,7 +82,7 @@ def read_stream(url: str, endpoint: str, body: dict[str, Any]) -> tuple[int, lis
             elif line.startswith("data:"):
                 data.append(line[5:].strip())
         events.append((name, "\n".join(data)))
-    return r.status_code, events
+    return events
 
 
 def complete(endpoint: str, events: list[tuple[str | None, str]], tokens: int) -> None:
@@ -459,6 +464,6 @@ def test_a_split_stream_whose_decode_engine_is_killed_mid_stream_ends_with_the_p
             split_once(gw)
     finally:
         decode.stop()
-    events = [(None, block[len("data: "):].strip()) for block in raw.decode().split("\n\n") if block.strip()]
+    events = sse_events(raw.decode())
     error_ending(endpoint, events)
     assert 5 <= len(events) < 400
