@@ -418,10 +418,12 @@ class RecordOwner:
 # --- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel ----------------------------------------
 
 def limited(handler: Callable[[Request], Awaitable[Any]], endpoint: str) -> Callable[[Request], Awaitable[Any]]:
-    """``handler`` (a stored-response route) behind the client's limits, as every other request: its
-    key's requests-per-minute bucket (``RateLimiter.check`` with no token cost: nothing is generated)
-    and ``limits.max_concurrent_per_client`` (counted until the answer's last byte, a replayed stream
-    included). A refusal is the OpenAI-style 429 with ``Retry-After``, in the access log, before the
+    """``handler`` (a stored-response route) behind the intake every other ``/v1`` request passes: refused
+    while the gateway drains (503 + Retry-After, ``shutdown.py``; taken in, it is one the drain waits
+    for), then the client's limits: one request from its key's requests-per-minute bucket
+    (``RateLimiter.check`` with no token cost: nothing is generated) and a place in
+    ``limits.max_concurrent_per_client``, held until the answer's last byte (a replayed stream
+    included). A refusal is the OpenAI-style error with ``Retry-After``, in the access log, before the
     owner map or an engine is asked; an answer carries the ``x-ratelimit-*`` headers."""
 
     async def route(request: Request) -> Any:
@@ -429,23 +431,30 @@ def limited(handler: Callable[[Request], Awaitable[Any]], endpoint: str) -> Call
         intake = rt.intake
         key = client = None
         try:
+            rt.shutdown.check()
             identity = intake.authenticate(request)
             client = identity.name
-            intake.enter(key := intake.client_key(identity, request))
+            entering = intake.client_key(identity, request)
+            intake.enter(entering)  # (raises without taking a place)
+            key = entering
             headers = await intake.limiter.check(identity, None)
-        except ApiError as err:
+        except BaseException as err:
             intake.leave(key)
-            _refused(rt, request, endpoint, err, client)
+            if isinstance(err, ApiError):
+                _refused(rt, request, endpoint, err, client)
             raise
-        except BaseException:
+        rt.shutdown.started()
+
+        def done() -> None:
             intake.leave(key)
-            raise
+            rt.shutdown.finished()
+
         try:
             response = await handler(request)
         except BaseException:
-            intake.leave(key)
+            done()
             raise
-        return _Counted(response, headers, lambda: intake.leave(key))
+        return _Counted(response, headers, done)
 
     route.__name__ = route.__qualname__ = getattr(handler, "__name__", "stored_response")
     route.__doc__ = handler.__doc__

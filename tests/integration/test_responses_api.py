@@ -512,11 +512,35 @@ def test_reading_a_stored_response_counts_as_one_of_the_clients_concurrent_reque
             assert held.status_code == 200
             chunks = held.iter_raw()  # (kept: a dropped iterator closes the stream)
             assert b"response.output_text.delta" in next(chunks)  # under way; its engine now sends nothing more
-            busy = httpx.get(f"{gw.url}/v1/responses/{rid}", headers=key, timeout=10)
-            assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_concurrent_requests"
-            assert busy.headers["retry-after"]
+            for _ in range(2):  # (a refusal gives back no place it did not take: the stream still holds one)
+                busy = httpx.get(f"{gw.url}/v1/responses/{rid}", headers=key, timeout=10)
+                assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_concurrent_requests"
+                assert busy.headers["retry-after"]
+            assert gw.runtime.intake.concurrent == {"key:one-at-a-time": 1}
         deadline = time.monotonic() + 15
         while (code := httpx.get(f"{gw.url}/v1/responses/{rid}", headers=key, timeout=10).status_code) == 429:
             assert time.monotonic() < deadline, "the client's place was never given back after it left"
             time.sleep(0.1)
         assert code == 200
+
+
+def test_stored_response_routes_are_refused_while_the_gateway_drains(engines, tmp_path):
+    """Like every /v1 request: once taken in, a GET or cancel is one the drain waits for (and gives its
+    place back however it ends: an answer, a 404, a replayed stream); while draining, 503 + Retry-After."""
+    with gateway(engines, tmp_path, gateway={"retry_after_s": 4}) as gw:
+        r = create(gw, stream=True)
+        rid = sse(r.text)[0][1]["response"]["id"]
+        assert httpx.get(f"{gw.url}/v1/responses/{rid}", timeout=10).status_code == 200
+        assert httpx.get(f"{gw.url}/v1/responses/resp_nobody", timeout=10).status_code == 404
+        assert httpx.get(f"{gw.url}/v1/responses/{rid}", params={"stream": "true"}, timeout=10).status_code == 200
+        assert httpx.post(f"{gw.url}/v1/responses/{rid}/cancel", timeout=10).status_code == 400
+        deadline = time.monotonic() + 5
+        while gw.runtime.shutdown.active:  # every one of them (and the create) counted out
+            assert time.monotonic() < deadline, gw.runtime.shutdown.active
+            time.sleep(0.02)
+        gw.runtime.shutdown.begin()  # what the first SIGTERM does (orchestrator/gateway/shutdown.py)
+        for method, suffix in (("GET", ""), ("POST", "/cancel")):
+            refused = httpx.request(method, f"{gw.url}/v1/responses/{rid}{suffix}", timeout=10)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "shutting_down" and refused.headers["retry-after"] == "4"
+        assert gw.runtime.shutdown.active == 0
