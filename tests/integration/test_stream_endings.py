@@ -401,11 +401,15 @@ def pd_body(endpoint: str, tokens: int) -> dict[str, Any]:
     return {"model": "m", **prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
 
 
-def pd_config(prefill_url: str, decode_url: str, **resilience: Any) -> Any:
+def pd_config(prefill_url: str, decode_url: str, engine: str = "sim", **resilience: Any) -> Any:
+    """Worker p prefills, d decodes; ``engine: sglang`` adds p's bootstrap port (the simulator serves it
+    on its main port)."""
+    prefill = {"id": "p", "url": prefill_url, "engine": engine, "role": "prefill", "models": ["m"]}
+    if engine == "sglang":
+        prefill["bootstrap_port"] = int(prefill_url.rsplit(":", 1)[1])
     return load_config({
         "models": [{"name": "m", "block_size": 32}],
-        "workers": [{"id": "p", "url": prefill_url, "engine": "sim", "role": "prefill", "models": ["m"]},
-                    {"id": "d", "url": decode_url, "engine": "sim", "role": "decode", "models": ["m"]}],
+        "workers": [prefill, {"id": "d", "url": decode_url, "engine": engine, "role": "decode", "models": ["m"]}],
         "router": {"policy": "least_load", "debug_headers": True},
         "health": {"interval_s": 30},
         "disagg": {"min_prefill_tokens": 32, "prefill_timeout_s": 30},
@@ -467,3 +471,23 @@ def test_a_split_stream_whose_decode_engine_is_killed_mid_stream_ends_with_the_p
     events = sse_events(raw.decode())
     error_ending(endpoint, events)
     assert 5 <= len(events) < 400
+
+
+@pytest.mark.parametrize("mode,words", [("reset", ("broke",)), ("eof", ("without",))])
+def test_an_sglang_split_streams_decode_leg_broken_after_the_headers_ends_with_the_protocols_error(mode, words):
+    """The SGLang dialect (simulated: SGLang cannot run here): the gateway sends the request to the prefill
+    and the decode server at once and relays the decode server's stream, which breaks after 3 chunks."""
+    p = SimEngineThread(model="m", profile="cpu-tiny", dialect="sglang", disaggregation_mode="prefill",
+                        kv_events=False).start()
+    d = SimEngineThread(model="m", profile="cpu-tiny", dialect="sglang", disaggregation_mode="decode",
+                        kv_events=False).start()
+    try:
+        set_faults(d, **fault_for(CHAT, mode, 3))
+        with GatewayThread(pd_config(p.url, d.url, "sglang")) as gw:
+            status, events = read_stream(gw.url, CHAT, pd_body(CHAT, 20))
+            split_once(gw)
+        assert status == 200
+        error_ending(CHAT, events, *words)
+    finally:
+        p.stop()
+        d.stop()
