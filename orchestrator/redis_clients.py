@@ -48,7 +48,7 @@ def cluster_options(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     return seeds, options
 
 
-def cluster_client(url: str, socket_timeout_s: float) -> aioredis.RedisCluster:
+def cluster_client(url: str, socket_timeout_s: float = 0.5) -> aioredis.RedisCluster:
     """An asyncio Redis Cluster client for ``cluster_options(url)``; socket waits bounded by
     ``socket_timeout_s``; a node without a live owner takes only its own slots down."""
     import redis.asyncio as aioredis
