@@ -30,7 +30,8 @@ def cluster_options(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
 
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss"):
-        raise ValueError(f"a Redis Cluster URL starts with redis:// or rediss://, got {url!r}")
+        # (the URL itself is not repeated: it may carry a password, and this message reaches the log)
+        raise ValueError(f"a Redis Cluster URL starts with redis:// or rediss://, not {parts.scheme or '(none)'}://")
     userinfo, _, hosts = parts.netloc.rpartition("@")
     seeds = []
     for part in hosts.split(","):

@@ -24,9 +24,10 @@ def test_a_plain_seed_list_has_no_tls_and_ipv6_seeds_keep_their_port():
         [("127.0.0.1", 7000), ("::1", 7001), ("::1", 6379)], {})
 
 
-def test_a_url_that_is_not_redis_is_refused_naming_it():
-    with pytest.raises(ValueError, match="http://x:1"):
-        cluster_options("http://x:1")
+def test_a_url_that_is_not_redis_is_refused_naming_its_scheme_not_its_password():
+    with pytest.raises(ValueError, match="not http://") as e:
+        cluster_options("http://user:hunter2@x:1")
+    assert "hunter2" not in str(e.value)
 
 
 def test_a_request_without_token_cost_draws_on_the_requests_bucket_only():
