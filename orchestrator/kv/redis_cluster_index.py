@@ -43,13 +43,13 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, Tier, chain_anchors
 from orchestrator.kv.shared_index import SharedPrefixIndex
+from orchestrator.redis_clients import cluster_client
 from orchestrator.router.types import Overlap
 
 if TYPE_CHECKING:
@@ -512,14 +512,3 @@ def cluster_serves_all_slots(info: object) -> bool:
     except ValueError:
         return False
     return state == "ok" and slots_ok == 16384
-
-
-def cluster_client(url: str, socket_timeout_s: float = 0.5) -> RedisCluster:
-    """A cluster client from ``redis://host:port[,host:port...]`` (any nodes are seeds)."""
-    rest = url.split("://", 1)[-1].split("/", 1)[0]
-    nodes = []
-    for part in rest.split(","):
-        host, _, port = part.rpartition(":")
-        nodes.append(ClusterNode(host or "127.0.0.1", int(port or 6379)))
-    return aioredis.RedisCluster(startup_nodes=nodes, socket_timeout=socket_timeout_s,
-                                 socket_connect_timeout=socket_timeout_s, require_full_coverage=False)

@@ -65,3 +65,25 @@ def test_replicas_share_response_ids_through_a_tls_redis_cluster(engines, tmp_pa
                 node.close()
         assert keys == {f"{prefix}:resp:{{{_key(i).hex()}}}".encode() for i in (rid, nid)}
     assert_no_fallback(caplog)
+
+
+async def test_prefix_index_on_a_tls_redis_cluster(pki):
+    """The prefix index (``index.backend: redis_cluster``, kv_aware) takes the same ``rediss://`` seed
+    list: it used to parse the query string as a port and stop the gateway at start-up. Two index
+    replicas share entries through the TLS-only cluster, and neither falls back to its mirror."""
+    from orchestrator.kv.redis_cluster_index import RedisClusterPrefixIndex
+
+    with TlsRedisCluster(pki, primaries=3) as cl:
+        prefix = unique_prefix("tls-idx")
+        a = RedisClusterPrefixIndex(cl.url, prefix, call_timeout_s=5.0, socket_timeout_s=5.0)
+        b = RedisClusterPrefixIndex(cl.url, prefix, call_timeout_s=5.0, socket_timeout_s=5.0)
+        try:
+            blocks = [(7 << 32) + i + 1 for i in range(40)]
+            await a.store("w0", blocks)
+            assert (await b.overlaps(blocks))["w0"].blocks == 40
+            assert (await b.overlaps(blocks[:5]))["w0"].blocks == 5
+            assert a.available and b.available
+            assert a.fallback_lookups + a.errors + b.fallback_lookups + b.errors == 0
+        finally:
+            await a.close()
+            await b.close()
