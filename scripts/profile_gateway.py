@@ -12,6 +12,7 @@ both ways, for Dyad's own code (``orchestrator/``, ``adapters/``) and for everyt
 cProfile adds its own cost per call: compare functions with each other, not with the A/B benchmark.
 
     nice -n 10 .venv/bin/python scripts/profile_gateway.py --requests 3000 [--stream] [--top 40] [--out gw.prof]
+    nice -n 10 .venv/bin/python scripts/profile_gateway.py --policy kv_aware --prompt-tokens 8000 --fresh-prompts [--chat]
 """
 
 from __future__ import annotations
@@ -36,12 +37,19 @@ from orchestrator.ports import free_port, wait_ready  # noqa: E402
 CLIENT = """
 import asyncio, json, sys
 from orchestrator.bench.loadgen import RawConnection, encode_request
-url, n, body = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+url, n, body, fresh = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+def fresh_body(i):  # a prompt no request had before: a new first word changes every block hash
+    if "messages" in body:
+        msgs = [dict(m) for m in body["messages"]]
+        msgs[0]["content"] = f"fresh{fresh}x{i} " + msgs[0]["content"]
+        return {**body, "messages": msgs}
+    return {**body, "prompt": f"fresh{fresh}x{i} " + body["prompt"]}
 async def main():
     host, port, raw = encode_request(url, body)
+    raws = [encode_request(url, fresh_body(i))[2] for i in range(n)] if fresh else None
     conn = RawConnection(host, port)
-    for _ in range(n):
-        t = await conn.send(raw)
+    for i in range(n):
+        t = await conn.send(raws[i] if raws else raw)
         if t.status != 200:
             raise SystemExit(f"HTTP {t.status}: {t.body[:200]!r}")
     await conn.close()
@@ -49,8 +57,8 @@ asyncio.run(main())
 """
 
 
-def run_client(url: str, n: int, body: dict) -> None:
-    subprocess.run([sys.executable, "-c", CLIENT, url, str(n), json.dumps(body)], cwd=ROOT, check=True,
+def run_client(url: str, n: int, body: dict, fresh: str = "") -> None:
+    subprocess.run([sys.executable, "-c", CLIENT, url, str(n), json.dumps(body), fresh], cwd=ROOT, check=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -80,6 +88,11 @@ def main() -> int:
     ap.add_argument("--policy", default="round_robin")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", help="also write the raw profile here (pstats format)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="a prompt of this many words (the simulator's tokenizer: one token per word)")
+    ap.add_argument("--fresh-prompts", action="store_true", help="a prompt never seen before for every request")
+    ap.add_argument("--chat", action="store_true",
+                    help="/v1/chat/completions; with --prompt-tokens the words are split over 8 messages")
     args = ap.parse_args()
 
     eport = free_port()
@@ -92,11 +105,20 @@ def main() -> int:
             "models": [{"name": "bench"}],
             "workers": [{"id": "e0", "url": f"http://127.0.0.1:{eport}", "engine": "sim", "models": ["bench"]}],
             "router": {"policy": args.policy}, "gateway": {"host": "127.0.0.1"}}, environ={})
-        body = {"model": "bench", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 8,
-                "temperature": 0.0, "stream": args.stream}
+        prompt = "The quick brown fox jumps over the lazy dog"
+        if args.prompt_tokens:
+            prompt = " ".join(f"w{i % 997}x{i // 997}" for i in range(args.prompt_tokens - 1))
+        body: dict = {"model": "bench", "max_tokens": 8, "temperature": 0.0, "stream": args.stream}
+        if args.chat:
+            words = prompt.split()
+            step = -(-len(words) // 8)
+            body["messages"] = [{"role": "user" if k % 2 == 0 else "assistant", "content": " ".join(words[j:j + step])}
+                                for k, j in enumerate(range(0, len(words), step))]
+        else:
+            body["prompt"] = prompt
         with GatewayThread(config) as gw:
-            url = f"{gw.url}/v1/completions"
-            run_client(url, args.warmup, body)
+            url = f"{gw.url}/v1/{'chat/completions' if args.chat else 'completions'}"
+            run_client(url, args.warmup, body, "w" if args.fresh_prompts else "")
             prof = cProfile.Profile(time.thread_time)  # this thread's CPU only (a syscall per reading: inflated)
 
             async def enable() -> None:
@@ -107,7 +129,7 @@ def main() -> int:
 
             gw.call(enable())
             t0 = time.perf_counter()
-            run_client(url, args.requests, body)
+            run_client(url, args.requests, body, "p" if args.fresh_prompts else "")
             gw.call(disable())
             wall = time.perf_counter() - t0
         stats = pstats.Stats(prof)

@@ -40,7 +40,18 @@ async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, mo
     canonical = rt.config.model(model)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     session_header = rt.config.router.kv_aware.session_header
-    req = RouteRequest(request_id=rid, model=model, prompt_tokens=estimate_prompt_tokens(endpoint, body),
+    tracker = rt.router.prefix_tracker
+    # With a prefix tracker the prompt is usually tokenized: the estimate (a pass over the whole prompt,
+    # ~0.1 ms for 8k tokens) is made only when it was not.
+    req = RouteRequest(request_id=rid, model=model,
+                       prompt_tokens=estimate_prompt_tokens(endpoint, body) if tracker is None else 0,
                        max_tokens=max_tokens, block_size=canonical.block_size if canonical is not None else 32,
                        session_key=session_key_of(headers.get(session_header), body), split_allowed=split_allowed)
-    return await rt.router.annotate(req, body, endpoint)
+    if tracker is None:
+        return req
+    out = await rt.router.annotate(req, body, endpoint)
+    if out.token_ids is None:  # not tokenized (no worker, odd content, tokenizer unavailable): estimated
+        out = out.annotated(token_ids=None, prompt_tokens=estimate_prompt_tokens(endpoint, body),
+                            block_size=out.block_size, block_hashes=out.block_hashes, overlaps=out.overlaps,
+                            peer_load=out.peer_load, session_key=out.session_key)
+    return out

@@ -267,7 +267,7 @@ class RedisClusterPrefixIndex(SharedPrefixIndex):
                 self.available = False
                 continue
             self.resyncs += 1
-            log.warning("redis cluster index resynced (%d entries)", len(self.mirror._lru))
+            log.warning("redis cluster index resynced (%d entries)", self.mirror.size_now())
 
     def _queue(self, op: Callable[[], Awaitable[Any]]) -> bool:
         """While a resync runs, queue a write for after it (bounded; beyond, the next outage's
