@@ -19,12 +19,13 @@ at the event loop's next turn (once the request has been sent) or before anythin
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 
 from orchestrator.kv.index import PrefixIndex, Tier
 
 SHARED_EXPIRY_EVERY_S = 1.0  # how often a replica runs the shared expiry pass
+COMPACT_SLACK = 65_536  # batches may hold this many outdated block references (beyond 2x the entries) before a compaction
 
 
 class ApproximateRecorder:
@@ -32,7 +33,13 @@ class ApproximateRecorder:
         self.index = index
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._expiry: OrderedDict[tuple[str, int], float] = OrderedDict()  # ordered by expiry
+        # Expiry per entry: worker → block → when (one C-level dict update per record, no key tuples), and the
+        # records in expiry order: (when, worker, blocks). A block recorded again later stays in its older
+        # record too; that reference is skipped (its entry expires later) and dropped by ``_compact``.
+        self._until: dict[str, dict[int, float]] = {}
+        self._records: deque[tuple[float, str, Sequence[int]]] = deque()
+        self._entries = 0
+        self._referenced = 0  # block references held by _records (>= _entries)
         self.shared = hasattr(index, "record_approximate") and hasattr(index, "mirror")
         self._next_shared_pass = 0.0
         if self.shared:
@@ -47,13 +54,14 @@ class ApproximateRecorder:
     def __len__(self) -> int:
         if self._pending:
             self.flush()
-        return len(self._expiry)
+        return self._entries
 
     def remaining(self, worker_id: str, block_hash: int) -> float | None:
         """Seconds left on an entry this replica recorded (None: not an approximate entry)."""
         if self._pending:
             self.flush()
-        until = self._expiry.get((worker_id, block_hash))
+        entries = self._until.get(worker_id)
+        until = entries.get(block_hash) if entries is not None else None
         return None if until is None else max(0.0, until - self._now)
 
     async def record(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
@@ -85,29 +93,75 @@ class ApproximateRecorder:
                 self._remember(worker_id, block_hashes, until)
 
     def _remember(self, worker_id: str, block_hashes: Sequence[int], until: float) -> None:
-        exp = self._expiry
-        for h in block_hashes:
-            key = (worker_id, h)
-            if key in exp:
-                exp.move_to_end(key)
-            exp[key] = until
-        if len(exp) > self.max_entries:  # the index evicts on its own; just keep this map bounded
-            for _ in range(len(exp) - self.max_entries):
-                exp.popitem(last=False)
+        entries = self._until.get(worker_id)
+        if entries is None:
+            entries = self._until[worker_id] = {}
+        before = len(entries)
+        entries.update(dict.fromkeys(block_hashes, until))
+        self._entries += len(entries) - before
+        self._records.append((until, worker_id, block_hashes))
+        self._referenced += len(block_hashes)
+        if self._entries > self.max_entries:  # the index evicts on its own; just keep this map bounded
+            self._drop_oldest(self._entries - self.max_entries)
+        elif self._referenced > 2 * self._entries + COMPACT_SLACK:
+            self._compact()
+
+    def _drop_oldest(self, n: int) -> None:
+        """Forget the ``n`` entries that expire first (their index entries stay until the index evicts them)."""
+        records = self._records
+        while n > 0 and records:
+            until, worker_id, hashes = records.popleft()
+            self._referenced -= len(hashes)
+            entries = self._until.get(worker_id)
+            if entries is None:
+                continue
+            for i, h in enumerate(hashes):
+                if n == 0:
+                    rest = hashes[i:]
+                    records.appendleft((until, worker_id, rest))
+                    self._referenced += len(rest)
+                    break
+                if entries.get(h) == until:
+                    del entries[h]
+                    self._entries -= 1
+                    n -= 1
+
+    def _compact(self) -> None:
+        """Drop the references to blocks recorded again since (bounds ``_records`` by the entries)."""
+        kept: deque[tuple[float, str, Sequence[int]]] = deque()
+        referenced = 0
+        for until, worker_id, hashes in self._records:
+            entries = self._until.get(worker_id)
+            if entries is None:
+                continue
+            live = [h for h in hashes if entries.get(h) == until]
+            if live:
+                kept.append((until, worker_id, live))
+                referenced += len(live)
+        self._records, self._referenced = kept, referenced
 
     async def expire(self, now: float) -> int:
         """Remove entries whose TTL has passed; returns how many this replica had recorded."""
         if self._pending:
             self.flush()
         self._now = now
-        exp = self._expiry
+        records = self._records
         gone: dict[str, list[int]] = {}
-        while exp:
-            key, until = next(iter(exp.items()))
-            if until > now:
-                break
-            exp.popitem(last=False)
-            gone.setdefault(key[0], []).append(key[1])
+        while records and records[0][0] <= now:
+            _until, worker_id, hashes = records.popleft()
+            self._referenced -= len(hashes)
+            entries = self._until.get(worker_id)
+            if entries is None:
+                continue
+            out = gone.setdefault(worker_id, [])
+            before = len(out)
+            for h in hashes:
+                left = entries.get(h)
+                if left is not None and left <= now:  # (a block recorded again later expires later)
+                    del entries[h]
+                    out.append(h)
+            self._entries -= len(out) - before
+        gone = {w: hs for w, hs in gone.items() if hs}
         for worker_id, hashes in gone.items():
             if self.shared:
                 self.index.mirror.remove_now(worker_id, hashes)  # type: ignore[attr-defined]
@@ -122,5 +176,6 @@ class ApproximateRecorder:
     def forget_worker(self, worker_id: str) -> None:
         if self._pending:
             self.flush()
-        for key in [k for k in self._expiry if k[0] == worker_id]:
-            del self._expiry[key]
+        entries = self._until.pop(worker_id, None)
+        if entries is not None:
+            self._entries -= len(entries)
