@@ -3,8 +3,11 @@
 Layout (``orchestrator/kv/masks.py``): each worker id gets a slot (a cleared worker's slot is
 reused); ``block → holder mask`` (one
 byte per slot holding that worker's tier mask) answers lookups with a few int operations per
-block whatever the fleet size. An ordered dict of ``(slot, block)`` entries gives the LRU order
-for the cap, and ``slot → blocks`` lets clearing a worker touch only its own entries.
+block whatever the fleet size. ``slot → {block: store number}`` holds each worker's entries (so
+clearing a worker touches only its own), and the log of stores, oldest first, gives the LRU order
+for the cap: an entry is as old as the last store that wrote it, and an older store's reference to
+it is skipped (and dropped when the log is compacted). A store of a new 8k-token prompt is then two
+C-level dict operations and one pass for the masks, with no ``(slot, block)`` key objects.
 
 ``store_later`` is ``store_now`` applied at the event loop's next turn — for a request being routed,
 once its bytes have gone to the engine — or before the index is next read or written, whichever comes
@@ -16,7 +19,7 @@ a new 8k-token prompt against a large index).
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -26,6 +29,9 @@ from orchestrator.router.types import Overlap
 
 if TYPE_CHECKING:
     from orchestrator.telemetry.metrics import DyadMetrics
+
+
+COMPACT_SLACK = 65_536  # the log may hold this many outdated references (beyond 2x the entries) before a compaction
 
 
 class MemoryPrefixIndex(PrefixIndex):
@@ -39,8 +45,11 @@ class MemoryPrefixIndex(PrefixIndex):
         self._slots = self._table.slot_of
         self._ids = self._table.ids  # slot → worker id
         self._blocks: dict[int, int] = {}  # block hash → holder mask
-        self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # (slot, block), oldest first
-        self._by_slot: dict[int, set[int]] = {}
+        self._held: dict[int, dict[int, int]] = {}  # slot → block → number of the store that last wrote it
+        self._log: deque[tuple[int, int, tuple[int, ...]]] = deque()  # (store number, slot, blocks), oldest first
+        self._count = 0  # entries: (slot, block) pairs
+        self._referenced = 0  # block references in _log (>= _count)
+        self._stores = 0
         self._walk_inputs = WalkInputs()
         self._pending: list[tuple[str, Sequence[int], Tier]] = []  # store_later, not applied yet
         self._flush_handle: asyncio.Handle | None = None
@@ -89,18 +98,31 @@ class MemoryPrefixIndex(PrefixIndex):
 
     def _store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier) -> None:
         slot = self._slot(worker_id)
+        if not block_hashes:
+            self._gauge()
+            return
         bits = int(tier) << (SLOT_BITS * slot)
-        mine = self._by_slot.setdefault(slot, set())
-        blocks, lru = self._blocks, self._lru
-        for h in block_hashes:
-            blocks[h] = blocks.get(h, 0) | bits
-            key = (slot, h)
-            if key in lru:
-                lru.move_to_end(key)
-            else:
-                lru[key] = None
-                mine.add(h)
+        self._stores += 1
+        written = dict.fromkeys(block_hashes, self._stores)
+        blocks = self._blocks
+        if blocks.keys().isdisjoint(written):  # all new (a new prompt): one C-level update
+            blocks.update(dict.fromkeys(written, bits))
+        else:
+            get = blocks.get
+            for h in written:
+                blocks[h] = get(h, 0) | bits
+        held = self._held.get(slot)
+        if held is None:
+            held = self._held[slot] = {}
+        before = len(held)
+        held.update(written)
+        self._count += len(held) - before
+        record = tuple(written)
+        self._log.append((self._stores, slot, record))
+        self._referenced += len(record)
         self._evict()
+        if self._referenced > 2 * self._count + COMPACT_SLACK:
+            self._compact()
         self._gauge()
 
     async def remove(self, worker_id: str, block_hashes: Sequence[int], tier: Tier | None = None) -> None:
@@ -136,11 +158,17 @@ class MemoryPrefixIndex(PrefixIndex):
         if slot is None:
             return
         keep = ~(0xFF << (SLOT_BITS * slot))
-        for h in list(self._by_slot.get(slot, ())):
-            mask = self._blocks.get(h)
+        held = self._held.pop(slot, None) or {}
+        blocks = self._blocks
+        for h in held:
+            mask = blocks.get(h)
             if mask is not None:
-                self._drop(slot, h, mask & keep)
-        self._by_slot.pop(slot, None)
+                mask &= keep
+                if mask:
+                    blocks[h] = mask
+                else:
+                    del blocks[h]
+        self._count -= len(held)
         self._table.free(worker_id)
         self._walk_inputs.slots_changed()
         self._gauge()
@@ -151,35 +179,63 @@ class MemoryPrefixIndex(PrefixIndex):
             self._blocks[h] = remaining
         else:
             self._blocks.pop(h, None)
-        self._lru.pop((slot, h), None)
-        mine = self._by_slot.get(slot)
-        if mine is not None:
-            mine.discard(h)
+        held = self._held.get(slot)
+        if held is not None and held.pop(h, None) is not None:
+            self._count -= 1
 
     def _evict(self) -> None:
-        over = len(self._lru) - self.max_blocks
+        over = self._count - self.max_blocks
         if over <= 0:
             return
-        # ``_drop`` inlined: this loop runs for every entry past the cap (a method call per entry
-        # costs ~6% of an eviction-heavy store)
-        blocks, by_slot, lru = self._blocks, self._by_slot, self._lru
-        for _ in range(over):
-            (slot, h), _v = lru.popitem(last=False)
-            mask = blocks.get(h)
-            if mask is not None:
-                mask &= ~(0xFF << (SLOT_BITS * slot))
-                if mask:
-                    blocks[h] = mask
-                else:
-                    del blocks[h]
-            mine = by_slot.get(slot)
-            if mine is not None:
-                mine.discard(h)
-        self._count_evictions(over)
+        # Oldest store first; within a store, in its order. An entry written again by a later store is
+        # skipped here (it is younger). ``_drop`` inlined: this loop runs for every entry past the cap.
+        blocks, held_by_slot, log = self._blocks, self._held, self._log
+        evicted = 0
+        while evicted < over and log:
+            number, slot, record = log.popleft()
+            self._referenced -= len(record)
+            held = held_by_slot.get(slot)
+            if held is None:
+                continue
+            keep = ~(0xFF << (SLOT_BITS * slot))
+            for i, h in enumerate(record):
+                if evicted == over:
+                    rest = record[i:]
+                    log.appendleft((number, slot, rest))
+                    self._referenced += len(rest)
+                    break
+                if held.get(h) != number:
+                    continue
+                del held[h]
+                evicted += 1
+                mask = blocks.get(h)
+                if mask is not None:
+                    mask &= keep
+                    if mask:
+                        blocks[h] = mask
+                    else:
+                        del blocks[h]
+        self._count -= evicted
+        self._count_evictions(evicted)
+
+    def _compact(self) -> None:
+        """Drop the log's references to entries written again later or removed (bounds the log by the entries)."""
+        kept: deque[tuple[int, int, tuple[int, ...]]] = deque()
+        referenced = 0
+        held_by_slot = self._held
+        for number, slot, record in self._log:
+            held = held_by_slot.get(slot)
+            if held is None:
+                continue
+            live = tuple(h for h in record if held.get(h) == number)
+            if live:
+                kept.append((number, slot, live))
+                referenced += len(live)
+        self._log, self._referenced = kept, referenced
 
     def _gauge(self) -> None:
         if self._metrics is not None:
-            self._metrics.index_blocks.labels(self.backend).set(len(self._lru))
+            self._metrics.index_blocks.labels(self.backend).set(self._count)
 
     # --- reads
     async def overlaps(
@@ -215,20 +271,25 @@ class MemoryPrefixIndex(PrefixIndex):
     def size_now(self) -> int:
         if self._pending:
             self.flush()
-        return len(self._lru)
+        return self._count
 
     async def worker_blocks(self, worker_id: str) -> int:
         if self._pending:
             self.flush()
         slot = self._slots.get(worker_id)
-        return 0 if slot is None else len(self._by_slot.get(slot, ()))
+        return 0 if slot is None else len(self._held.get(slot, ()))
 
     def entries(self) -> Iterator[tuple[str, int, int]]:
         """Every ``(worker id, block hash, tier mask)``, least recently stored first (Redis resync)."""
         if self._pending:
             self.flush()
-        ids, blocks = self._ids, self._blocks
-        for slot, h in list(self._lru):
-            mask = tier_of(blocks.get(h, 0), slot)
-            if mask:
-                yield ids[slot], h, mask
+        ids, blocks, held_by_slot = self._ids, self._blocks, self._held
+        for number, slot, record in list(self._log):
+            held = held_by_slot.get(slot)
+            if held is None:
+                continue
+            for h in record:
+                if held.get(h) == number:
+                    mask = tier_of(blocks.get(h, 0), slot)
+                    if mask:
+                        yield ids[slot], h, mask

@@ -68,7 +68,7 @@ def test_pending_writes_are_applied_at_the_next_loop_turn():
         await rec.record("w0", [7, 8], 0.0)
         await asyncio.sleep(0)
         assert not index._pending and not rec._pending
-        assert len(index._lru) == 2 and rec._entries == 2
+        assert index.size_now() == 2 and rec._entries == 2
     asyncio.run(main())
 
 
