@@ -141,11 +141,20 @@ class InflightLedger:
             refs = self._refs.setdefault(worker.id, {})
             bit = slot_bit(self._slots.assign(worker.id)[0])
             holders = self._holders
-            for h in c.blocks:
-                n = refs.get(h, 0)
-                refs[h] = n + 1
-                if not n:
-                    holders[h] = holders.get(h, 0) | bit
+            once = dict.fromkeys(c.blocks, 1)
+            if len(once) == len(c.blocks) and refs.keys().isdisjoint(once):  # new to this worker: C-level updates
+                refs.update(once)
+                if holders.keys().isdisjoint(once):  # ... and in flight nowhere
+                    holders.update(dict.fromkeys(once, bit))
+                else:
+                    for h in c.blocks:
+                        holders[h] = holders.get(h, 0) | bit
+            else:
+                for h in c.blocks:
+                    n = refs.get(h, 0)
+                    refs[h] = n + 1
+                    if not n:
+                        holders[h] = holders.get(h, 0) | bit
         if len(keys) > self.max_per_worker:
             self.release(next(iter(keys)))
 

@@ -115,3 +115,41 @@ def test_service_starts_at_the_previous_first_token_and_failures_teach_nothing()
     led.charge("d", w, 300, now=10.0)
     led.refresh([w], 10.0)
     assert w.queued_prefill_tokens == 300  # capped by what is still charged, whatever was drained before
+
+
+def test_covered_matches_a_brute_force_model_on_random_charges_and_releases():
+    """Fast paths (a prompt new to the worker, or in flight nowhere) and the general path agree with
+    the definition: the leading blocks each in some prompt in flight on that worker."""
+    import random
+
+    rng = random.Random(11)
+    workers = [Worker(n, f"http://{n}") for n in ("a", "b", "c")]
+    led = InflightLedger()
+    live: dict[str, tuple[Worker, list[int]]] = {}
+    for step in range(3000):
+        if live and rng.random() < 0.45:
+            key = rng.choice(list(live))
+            led.release(key)
+            del live[key]
+        else:
+            w = rng.choice(workers)
+            start = rng.randrange(0, 30)
+            blocks = list(range(start, start + rng.randrange(0, 10)))
+            if blocks and rng.random() < 0.1:
+                blocks.append(blocks[0])  # a repeated block must not break the counts
+            key = f"r{step}"
+            led.charge(key, w, 10, blocks)
+            live[key] = (w, blocks)
+        query = list(range(rng.randrange(0, 30), 40))
+        expect = {}
+        for w in workers:
+            held = {h for (ww, bl) in live.values() if ww is w for h in bl}
+            n = 0
+            while n < len(query) and query[n] in held:
+                n += 1
+            if n:
+                expect[w.id] = n
+        assert led.covered_by_worker(workers, query) == expect
+    for key in list(live):
+        led.release(key)
+    assert led._holders == {} and led._refs == {}
