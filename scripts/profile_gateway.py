@@ -13,6 +13,11 @@ cProfile adds its own cost per call: compare functions with each other, not with
 
     nice -n 10 .venv/bin/python scripts/profile_gateway.py --requests 3000 [--stream] [--top 40] [--out gw.prof]
     nice -n 10 .venv/bin/python scripts/profile_gateway.py --policy kv_aware --prompt-tokens 8000 --fresh-prompts [--chat]
+    nice -n 10 .venv/bin/python scripts/profile_gateway.py --stages --policy kv_aware --prompt-tokens 8000 --fresh-prompts
+
+``--stages`` replaces cProfile with wall-clock timers around the routing stages only (``STAGES``: no
+per-call profiler cost, so the numbers are real), the garbage collector's pauses (``gc.callbacks``)
+and the gateway thread's CPU per request.
 """
 
 from __future__ import annotations
@@ -62,6 +67,54 @@ def run_client(url: str, n: int, body: dict, fresh: str = "") -> None:
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+STAGES = [  # (module, attribute path) timed by --stages
+    ("orchestrator.gateway.openai_routes", "_admitted"), ("orchestrator.gateway.openai_routes", "annotate"),
+    ("orchestrator.gateway.annotate", "estimate_prompt_tokens"), ("orchestrator.gateway.request", "parse_json_object"),
+    ("orchestrator.router.router", "Router.annotate"), ("orchestrator.router.router", "Router.decide"),
+    ("orchestrator.router.router", "Router.begin"), ("orchestrator.router.router", "Router.first_token"),
+    ("orchestrator.kv.tracker", "PrefixTracker.on_routed"), ("orchestrator.kv.tokenization", "RequestTokenizer.tokenize"),
+    ("orchestrator.kv.hashing", "BlockHasher.hash_blocks"), ("orchestrator.kv.approximate", "ApproximateRecorder.record"),
+    ("orchestrator.kv.approximate", "ApproximateRecorder.flush"), ("orchestrator.kv.memory_index", "MemoryPrefixIndex.store_now"),
+    ("orchestrator.kv.memory_index", "MemoryPrefixIndex.flush"), ("orchestrator.router.inflight", "InflightLedger.charge"),
+    ("orchestrator.router.inflight", "InflightLedger.release"),
+]
+
+
+def install_stage_timers(samples: dict[str, list[float]]) -> None:
+    """Wrap each of ``STAGES`` (that exists in this tree) in a wall-clock timer."""
+    import asyncio
+    import importlib
+
+    for module, path in STAGES:
+        owner: object = importlib.import_module(module)
+        *parents, name = path.split(".")
+        for p in parents:
+            owner = getattr(owner, p)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+        label = path
+
+        def wrap(fn: object, label: str) -> object:
+            if asyncio.iscoroutinefunction(fn):
+                async def timed_async(*a: object, **k: object) -> object:
+                    t = time.perf_counter()
+                    try:
+                        return await fn(*a, **k)  # type: ignore[operator]
+                    finally:
+                        samples.setdefault(label, []).append(time.perf_counter() - t)
+                return timed_async
+
+            def timed(*a: object, **k: object) -> object:
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)  # type: ignore[operator]
+                finally:
+                    samples.setdefault(label, []).append(time.perf_counter() - t)
+            return timed
+        setattr(owner, name, wrap(fn, label))
+
+
 def ours(filename: str) -> bool:
     return f"{os.sep}orchestrator{os.sep}" in filename or f"{os.sep}adapters{os.sep}" in filename
 
@@ -91,6 +144,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="a prompt of this many words (the simulator's tokenizer: one token per word)")
     ap.add_argument("--fresh-prompts", action="store_true", help="a prompt never seen before for every request")
+    ap.add_argument("--stages", action="store_true",
+                    help="wall-clock timers around the routing stages and GC pauses instead of cProfile")
     ap.add_argument("--chat", action="store_true",
                     help="/v1/chat/completions; with --prompt-tokens the words are split over 8 messages")
     args = ap.parse_args()
@@ -116,6 +171,8 @@ def main() -> int:
                                 for k, j in enumerate(range(0, len(words), step))]
         else:
             body["prompt"] = prompt
+        if args.stages:
+            return run_stages(config, body, args)
         with GatewayThread(config) as gw:
             url = f"{gw.url}/v1/{'chat/completions' if args.chat else 'completions'}"
             run_client(url, args.warmup, body, "w" if args.fresh_prompts else "")
@@ -147,6 +204,52 @@ def main() -> int:
     finally:
         engine.terminate()
         engine.wait(10)
+    return 0
+
+
+def run_stages(config: object, body: dict, args: argparse.Namespace) -> int:
+    import gc
+    import statistics
+
+    samples: dict[str, list[float]] = {}
+    pauses: list[tuple[int, float]] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], time.perf_counter() - started[0]))
+
+    install_stage_timers(samples)
+    gc.callbacks.append(on_gc)
+
+    async def cpu() -> float:
+        return time.thread_time()
+
+    try:
+        with GatewayThread(config) as gw:  # type: ignore[arg-type]
+            url = f"{gw.url}/v1/{'chat/completions' if args.chat else 'completions'}"
+            run_client(url, args.warmup, body, "w" if args.fresh_prompts else "")
+            samples.clear()
+            pauses.clear()
+            c0 = gw.call(cpu())
+            run_client(url, args.requests, body, "p" if args.fresh_prompts else "")
+            c1 = gw.call(cpu())
+    finally:
+        gc.callbacks.remove(on_gc)
+    n = args.requests
+    print(f"{n} {'streamed' if args.stream else 'non-streamed'} {'chat' if args.chat else 'completions'} requests, "
+          f"policy {args.policy}; gateway thread CPU {(c1 - c0) / n * 1e6:.0f} µs/request\n")
+    print(f"{'stage':42s} {'calls/req':>9} {'p50 µs':>8} {'mean µs':>8}")
+    for label, v in sorted(samples.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{label:42s} {len(v) / n:9.2f} {statistics.median(v) * 1e6:8.1f} {statistics.mean(v) * 1e6:8.1f}")
+    by_gen: dict[int, list[float]] = {}
+    for gen, t in pauses:
+        by_gen.setdefault(gen, []).append(t)
+    for gen, v in sorted(by_gen.items()):
+        print(f"gc generation {gen}: {len(v) / n:.3f} per request, mean {statistics.mean(v) * 1e6:.0f} µs "
+              f"-> {sum(v) / n * 1e6:.0f} µs per request")
     return 0
 
 

@@ -54,7 +54,7 @@ class RouteRequest:
     model: str
     prompt_tokens: int  # known or estimated prompt length in tokens
     max_tokens: int | None = None
-    token_ids: list[int] | None = None  # when tokenized
+    token_ids: Sequence[int] | None = None  # when tokenized (read-only: shared with the token cache)
     block_hashes: list[int] = field(default_factory=list)  # our chained block hashes
     block_size: int = 32
     overlaps: dict[str, Overlap] = field(default_factory=dict)  # worker id → overlap (from the index)
@@ -67,7 +67,7 @@ class RouteRequest:
     # does not cover, e.g. /v1/responses)
     split_allowed: bool = True
 
-    def annotated(self, *, token_ids: list[int] | None, prompt_tokens: int, block_size: int,
+    def annotated(self, *, token_ids: Sequence[int] | None, prompt_tokens: int, block_size: int,
                   block_hashes: list[int], overlaps: dict[str, Overlap], peer_load: dict[str, PeerLoad],
                   session_key: str | None) -> RouteRequest:
         """This request with what the prefix tracker found (tokens, block hashes, overlaps, peer load)."""
