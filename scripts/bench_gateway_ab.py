@@ -11,7 +11,9 @@ than latency on a shared 2-core machine. ``--concurrency N`` adds a closed-loop 
 
     .venv/bin/python scripts/bench_gateway_ab.py 34a6f56 HEAD [--stream] [--rounds 15] [--concurrency 32]
 
-Pass ``.`` as a revision for the working tree as it is.
+Pass ``.`` as a revision for the working tree as it is, and ``REV@POLICY`` (e.g. ``main@round_robin``) to run
+that revision with another routing policy than ``--policy`` (e.g. kv_aware's cost over round_robin for two
+revisions in one run).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from orchestrator.bench.loadgen import RawConnection, encode_request  # noqa: E402
 from scripts.bench_gateway_overhead import free_port  # noqa: E402
 
+POLICIES = ("round_robin", "least_load", "power_of_two", "random", "kv_aware")
 PY = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
 
 
@@ -168,20 +171,25 @@ def main() -> int:
             procs.append(engine)
             wait_ready(f"http://127.0.0.1:{eport}/health", engine)
             targets = {"direct": (eport, engine.pid)}
-            for i, rev in enumerate(args.revisions):
+            for i, target in enumerate(args.revisions):
+                rev, policy = target, args.policy
+                head, _, tail = target.rpartition("@")
+                if head and tail in POLICIES:
+                    rev, policy = head, tail
                 tree = export(rev, Path(tmp) / f"rev{i}")
                 port = free_port()
                 cfg = Path(tmp) / f"gw{i}.json"
                 cfg.write_text(json.dumps({
                     "models": [{"name": "bench"}],
                     "workers": [{"id": "e0", "url": f"http://127.0.0.1:{eport}", "engine": "sim", "models": ["bench"]}],
-                    "router": {"policy": args.policy}, "gateway": {"host": "127.0.0.1", "port": port}}))
+                    "router": {"policy": policy}, "gateway": {"host": "127.0.0.1", "port": port}}))
                 gw = subprocess.Popen([PY, "-m", "orchestrator.cli", "serve", "--config", str(cfg)], cwd=tree,
                                       env={**os.environ, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True)
                 procs.append(gw)
                 wait_ready(f"http://127.0.0.1:{port}/ready", gw)
-                targets[f"dyad @ {rev}" + (f" #{i}" if f"dyad @ {rev}" in targets else "")] = (port, gw.pid)
+                name = f"dyad @ {target}"
+                targets[name + (f" #{i}" if name in targets else "")] = (port, gw.pid)
             for mode in ("asgi", "asgi-dyad", "protocol") if args.floor else ():
                 port = free_port()
                 fl = subprocess.Popen([PY, str(ROOT / "scripts/bench_gateway_floor.py"), "--engine",
