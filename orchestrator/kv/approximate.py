@@ -19,13 +19,13 @@ at the event loop's next turn (once the request has been sent) or before anythin
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 
 from orchestrator.kv.index import PrefixIndex, Tier
 
 SHARED_EXPIRY_EVERY_S = 1.0  # how often a replica runs the shared expiry pass
-COMPACT_SLACK = 65_536  # batches may hold this many outdated block references (beyond 2x the entries) before a compaction
 
 
 class ApproximateRecorder:
@@ -33,13 +33,13 @@ class ApproximateRecorder:
         self.index = index
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        # Expiry per entry: worker → block → when (one C-level dict update per record, no key tuples), and the
-        # records in expiry order: (when, worker, blocks). A block recorded again later stays in its older
-        # record too; that reference is skipped (its entry expires later) and dropped by ``_compact``.
-        self._until: dict[str, dict[int, float]] = {}
-        self._records: deque[tuple[float, str, Sequence[int]]] = deque()
+        # Entries: worker → block → the record that last wrote it (one C-level dict update per record, no
+        # key tuples); records in expiry order: number → (when, worker, {block: number} of the blocks it
+        # was the last to write), so each entry sits in exactly one record.
+        self._of: dict[str, dict[int, int]] = {}
+        self._records: OrderedDict[int, tuple[float, str, dict[int, int]]] = OrderedDict()
         self._entries = 0
-        self._referenced = 0  # block references held by _records (>= _entries)
+        self._recorded = 0
         self.shared = hasattr(index, "record_approximate") and hasattr(index, "mirror")
         self._next_shared_pass = 0.0
         if self.shared:
@@ -60,8 +60,9 @@ class ApproximateRecorder:
         """Seconds left on an entry this replica recorded (None: not an approximate entry)."""
         if self._pending:
             self.flush()
-        entries = self._until.get(worker_id)
-        until = entries.get(block_hash) if entries is not None else None
+        entries = self._of.get(worker_id)
+        number = entries.get(block_hash) if entries is not None else None
+        until = self._records[number][0] if number is not None else None
         return None if until is None else max(0.0, until - self._now)
 
     async def record(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
@@ -93,52 +94,45 @@ class ApproximateRecorder:
                 self._remember(worker_id, block_hashes, until)
 
     def _remember(self, worker_id: str, block_hashes: Sequence[int], until: float) -> None:
-        entries = self._until.get(worker_id)
+        self._recorded += 1
+        written = dict.fromkeys(block_hashes, self._recorded)
+        entries = self._of.get(worker_id)
         if entries is None:
-            entries = self._until[worker_id] = {}
+            entries = self._of[worker_id] = {}
+        records = self._records
+        if not entries.keys().isdisjoint(written):  # recorded before: those entries move to this record
+            for h in written:
+                older = entries.get(h)
+                if older is not None:
+                    blocks = records[older][2]
+                    del blocks[h]
+                    if not blocks:
+                        del records[older]
         before = len(entries)
-        entries.update(dict.fromkeys(block_hashes, until))
+        entries.update(written)
         self._entries += len(entries) - before
-        self._records.append((until, worker_id, block_hashes))
-        self._referenced += len(block_hashes)
+        records[self._recorded] = (until, worker_id, written)
         if self._entries > self.max_entries:  # the index evicts on its own; just keep this map bounded
             self._drop_oldest(self._entries - self.max_entries)
-        elif self._referenced > 2 * self._entries + COMPACT_SLACK:
-            self._compact()
 
     def _drop_oldest(self, n: int) -> None:
         """Forget the ``n`` entries that expire first (their index entries stay until the index evicts them)."""
         records = self._records
         while n > 0 and records:
-            until, worker_id, hashes = records.popleft()
-            self._referenced -= len(hashes)
-            entries = self._until.get(worker_id)
-            if entries is None:
-                continue
-            for i, h in enumerate(hashes):
-                if n == 0:
-                    rest = hashes[i:]
-                    records.appendleft((until, worker_id, rest))
-                    self._referenced += len(rest)
-                    break
-                if entries.get(h) == until:
-                    del entries[h]
-                    self._entries -= 1
-                    n -= 1
-
-    def _compact(self) -> None:
-        """Drop the references to blocks recorded again since (bounds ``_records`` by the entries)."""
-        kept: deque[tuple[float, str, Sequence[int]]] = deque()
-        referenced = 0
-        for until, worker_id, hashes in self._records:
-            entries = self._until.get(worker_id)
-            if entries is None:
-                continue
-            live = [h for h in hashes if entries.get(h) == until]
-            if live:
-                kept.append((until, worker_id, live))
-                referenced += len(live)
-        self._records, self._referenced = kept, referenced
+            number, (until, worker_id, blocks) = records.popitem(last=False)
+            if len(blocks) > n:  # only part of this record goes: the rest stays the oldest
+                gone = list(islice(blocks, n))
+                for h in gone:
+                    del blocks[h]
+                records[number] = (until, worker_id, blocks)
+                records.move_to_end(number, last=False)
+            else:
+                gone = list(blocks)
+            entries = self._of[worker_id]
+            for h in gone:
+                del entries[h]
+            self._entries -= len(gone)
+            n -= len(gone)
 
     async def expire(self, now: float) -> int:
         """Remove entries whose TTL has passed; returns how many this replica had recorded."""
@@ -147,21 +141,16 @@ class ApproximateRecorder:
         self._now = now
         records = self._records
         gone: dict[str, list[int]] = {}
-        while records and records[0][0] <= now:
-            _until, worker_id, hashes = records.popleft()
-            self._referenced -= len(hashes)
-            entries = self._until.get(worker_id)
-            if entries is None:
-                continue
-            out = gone.setdefault(worker_id, [])
-            before = len(out)
-            for h in hashes:
-                left = entries.get(h)
-                if left is not None and left <= now:  # (a block recorded again later expires later)
-                    del entries[h]
-                    out.append(h)
-            self._entries -= len(out) - before
-        gone = {w: hs for w, hs in gone.items() if hs}
+        while records:
+            number, (until, worker_id, blocks) = next(iter(records.items()))
+            if until > now:
+                break
+            del records[number]
+            entries = self._of[worker_id]
+            for h in blocks:
+                del entries[h]
+            gone.setdefault(worker_id, []).extend(blocks)
+            self._entries -= len(blocks)
         for worker_id, hashes in gone.items():
             if self.shared:
                 self.index.mirror.remove_now(worker_id, hashes)  # type: ignore[attr-defined]
@@ -176,6 +165,15 @@ class ApproximateRecorder:
     def forget_worker(self, worker_id: str) -> None:
         if self._pending:
             self.flush()
-        entries = self._until.pop(worker_id, None)
-        if entries is not None:
-            self._entries -= len(entries)
+        entries = self._of.pop(worker_id, None)
+        if entries is None:
+            return
+        self._entries -= len(entries)
+        records = self._records
+        for h, number in entries.items():
+            record = records.get(number)
+            if record is not None:
+                blocks = record[2]
+                blocks.pop(h, None)
+                if not blocks:
+                    del records[number]

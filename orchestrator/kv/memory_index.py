@@ -4,10 +4,10 @@ Layout (``orchestrator/kv/masks.py``): each worker id gets a slot (a cleared wor
 reused); ``block → holder mask`` (one
 byte per slot holding that worker's tier mask) answers lookups with a few int operations per
 block whatever the fleet size. ``slot → {block: store number}`` holds each worker's entries (so
-clearing a worker touches only its own), and the log of stores, oldest first, gives the LRU order
-for the cap: an entry is as old as the last store that wrote it, and an older store's reference to
-it is skipped (and dropped when the log is compacted). A store of a new 8k-token prompt is then two
-C-level dict operations and one pass for the masks, with no ``(slot, block)`` key objects.
+clearing a worker touches only its own), and the log of stores (store number → the blocks it wrote
+that no later store rewrote), oldest first, gives the LRU order for the cap: an entry belongs to the
+last store that wrote it, so the log holds each entry exactly once. A store of a new 8k-token prompt
+is then a few C-level dict operations and one log entry, with no ``(slot, block)`` key objects.
 
 ``store_later`` is ``store_now`` applied at the event loop's next turn — for a request being routed,
 once its bytes have gone to the engine — or before the index is next read or written, whichever comes
@@ -19,8 +19,9 @@ a new 8k-token prompt against a large index).
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier
@@ -29,9 +30,6 @@ from orchestrator.router.types import Overlap
 
 if TYPE_CHECKING:
     from orchestrator.telemetry.metrics import DyadMetrics
-
-
-COMPACT_SLACK = 65_536  # the log may hold this many outdated references (beyond 2x the entries) before a compaction
 
 
 class MemoryPrefixIndex(PrefixIndex):
@@ -46,9 +44,9 @@ class MemoryPrefixIndex(PrefixIndex):
         self._ids = self._table.ids  # slot → worker id
         self._blocks: dict[int, int] = {}  # block hash → holder mask
         self._held: dict[int, dict[int, int]] = {}  # slot → block → number of the store that last wrote it
-        self._log: deque[tuple[int, int, tuple[int, ...]]] = deque()  # (store number, slot, blocks), oldest first
+        # store number → (slot, {block: store number} of the blocks it was the last to write), oldest first
+        self._log: OrderedDict[int, tuple[int, dict[int, int]]] = OrderedDict()
         self._count = 0  # entries: (slot, block) pairs
-        self._referenced = 0  # block references in _log (>= _count)
         self._stores = 0
         self._walk_inputs = WalkInputs()
         self._pending: list[tuple[str, Sequence[int], Tier]] = []  # store_later, not applied yet
@@ -114,15 +112,20 @@ class MemoryPrefixIndex(PrefixIndex):
         held = self._held.get(slot)
         if held is None:
             held = self._held[slot] = {}
+        log = self._log
+        if not held.keys().isdisjoint(written):  # stored before: those entries move to this store
+            for h in written:
+                older = held.get(h)
+                if older is not None:
+                    record = log[older][1]
+                    del record[h]
+                    if not record:
+                        del log[older]
         before = len(held)
         held.update(written)
         self._count += len(held) - before
-        record = tuple(written)
-        self._log.append((self._stores, slot, record))
-        self._referenced += len(record)
+        log[self._stores] = (slot, written)
         self._evict()
-        if self._referenced > 2 * self._count + COMPACT_SLACK:
-            self._compact()
         self._gauge()
 
     async def remove(self, worker_id: str, block_hashes: Sequence[int], tier: Tier | None = None) -> None:
@@ -159,8 +162,8 @@ class MemoryPrefixIndex(PrefixIndex):
             return
         keep = ~(0xFF << (SLOT_BITS * slot))
         held = self._held.pop(slot, None) or {}
-        blocks = self._blocks
-        for h in held:
+        blocks, log = self._blocks, self._log
+        for h, number in held.items():
             mask = blocks.get(h)
             if mask is not None:
                 mask &= keep
@@ -168,6 +171,12 @@ class MemoryPrefixIndex(PrefixIndex):
                     blocks[h] = mask
                 else:
                     del blocks[h]
+            entry = log.get(number)
+            if entry is not None:
+                record = entry[1]
+                record.pop(h, None)
+                if not record:
+                    del log[number]
         self._count -= len(held)
         self._table.free(worker_id)
         self._walk_inputs.slots_changed()
@@ -180,34 +189,41 @@ class MemoryPrefixIndex(PrefixIndex):
         else:
             self._blocks.pop(h, None)
         held = self._held.get(slot)
-        if held is not None and held.pop(h, None) is not None:
-            self._count -= 1
+        number = held.pop(h, None) if held is not None else None
+        if number is None:
+            return
+        self._count -= 1
+        entry = self._log.get(number)
+        if entry is not None:
+            record = entry[1]
+            record.pop(h, None)
+            if not record:
+                del self._log[number]
 
     def _evict(self) -> None:
         over = self._count - self.max_blocks
         if over <= 0:
             return
-        # Oldest store first; within a store, in its order. An entry written again by a later store is
-        # skipped here (it is younger). ``_drop`` inlined: this loop runs for every entry past the cap.
+        # Oldest store first, in its order. ``_drop`` inlined: this loop runs for every entry past the cap.
         blocks, held_by_slot, log = self._blocks, self._held, self._log
         evicted = 0
         while evicted < over and log:
-            number, slot, record = log.popleft()
-            self._referenced -= len(record)
-            held = held_by_slot.get(slot)
-            if held is None:
-                continue
+            number, (slot, record) = log.popitem(last=False)
+            left = over - evicted
+            if len(record) > left:  # only part of this store goes: the rest stays the oldest
+                victims: Iterable[int] = list(islice(record, left))
+                for h in victims:
+                    del record[h]
+                log[number] = (slot, record)
+                log.move_to_end(number, last=False)
+                evicted += left
+            else:
+                victims = record
+                evicted += len(record)
+            held = held_by_slot[slot]
             keep = ~(0xFF << (SLOT_BITS * slot))
-            for i, h in enumerate(record):
-                if evicted == over:
-                    rest = record[i:]
-                    log.appendleft((number, slot, rest))
-                    self._referenced += len(rest)
-                    break
-                if held.get(h) != number:
-                    continue
+            for h in victims:
                 del held[h]
-                evicted += 1
                 mask = blocks.get(h)
                 if mask is not None:
                     mask &= keep
@@ -217,21 +233,6 @@ class MemoryPrefixIndex(PrefixIndex):
                         del blocks[h]
         self._count -= evicted
         self._count_evictions(evicted)
-
-    def _compact(self) -> None:
-        """Drop the log's references to entries written again later or removed (bounds the log by the entries)."""
-        kept: deque[tuple[int, int, tuple[int, ...]]] = deque()
-        referenced = 0
-        held_by_slot = self._held
-        for number, slot, record in self._log:
-            held = held_by_slot.get(slot)
-            if held is None:
-                continue
-            live = tuple(h for h in record if held.get(h) == number)
-            if live:
-                kept.append((number, slot, live))
-                referenced += len(live)
-        self._log, self._referenced = kept, referenced
 
     def _gauge(self) -> None:
         if self._metrics is not None:
@@ -283,13 +284,9 @@ class MemoryPrefixIndex(PrefixIndex):
         """Every ``(worker id, block hash, tier mask)``, least recently stored first (Redis resync)."""
         if self._pending:
             self.flush()
-        ids, blocks, held_by_slot = self._ids, self._blocks, self._held
-        for number, slot, record in list(self._log):
-            held = held_by_slot.get(slot)
-            if held is None:
-                continue
+        ids, blocks = self._ids, self._blocks
+        for slot, record in [(slot, list(record)) for slot, record in self._log.values()]:
             for h in record:
-                if held.get(h) == number:
-                    mask = tier_of(blocks.get(h, 0), slot)
-                    if mask:
-                        yield ids[slot], h, mask
+                mask = tier_of(blocks.get(h, 0), slot)
+                if mask:
+                    yield ids[slot], h, mask

@@ -106,11 +106,11 @@ def test_expiry_keeps_blocks_recorded_again_and_removes_them_from_the_index():
         assert (await index.overlaps([1, 2, 3]))["w0"].blocks == 2
         assert await rec.expire(15.0) == 2
         assert await index.worker_blocks("w0") == 0 and len(rec) == 0
-        assert not rec._records and rec._referenced == 0
+        assert not rec._records and not any(rec._of.values())
     asyncio.run(main())
 
 
-def test_the_expiry_map_is_bounded_and_its_references_compacted():
+def test_the_expiry_map_is_bounded_and_holds_each_entry_once():
     async def main() -> None:
         index = MemoryPrefixIndex()
         rec = ApproximateRecorder(index, ttl_s=1e9, max_entries=100)
@@ -118,11 +118,11 @@ def test_the_expiry_map_is_bounded_and_its_references_compacted():
             await rec.record("w0", list(range(i * 10, i * 10 + 10)), float(i))
         assert len(rec) == 100  # the oldest dropped from the map (the index bounds itself)
         assert rec.remaining("w0", 0) is None and rec.remaining("w0", 499) is not None
-        # the same blocks recorded over and over: the references to older records are compacted away
+        # the same blocks recorded over and over: each entry moves to its latest record, none piles up
         for i in range(20_000):
             await rec.record("w0", [1, 2, 3, 4, 5], 100.0 + i)
-        assert len(rec) <= 100
-        assert rec._referenced <= 2 * rec._entries + 65_536 + 5
+        assert len(rec) <= 100 and len(rec._records) <= len(rec)
+        assert sum(len(blocks) for _u, _w, blocks in rec._records.values()) == len(rec)
     asyncio.run(main())
 
 
@@ -160,19 +160,23 @@ def test_expiry_matches_the_reference_model_on_random_sequences():
                     if rng.random() < 0.5:
                         await asyncio.sleep(0)  # sometimes applied at the loop's turn, sometimes by the next read
                 elif op < 0.95:
-                    before = {(w, h) for w, d in rec._until.items() for h in d} if not rec._pending else None
+                    before = {(w, h) for w, d in rec._of.items() for h in d} if not rec._pending else None
                     n = await rec.expire(now)
                     gone = ref.expire(now)
                     assert n == len(gone)
                     if before is not None:
-                        after = {(w, h) for w, d in rec._until.items() for h in d}
+                        after = {(w, h) for w, d in rec._of.items() for h in d}
                         assert before - after == gone
                 else:
                     rec.forget_worker(worker)
                     ref.forget(worker)
                 assert len(rec) == len(ref.expiry)
                 for (w, h), until in ref.expiry.items():
-                    assert rec._until[w][h] == until
+                    assert rec._records[rec._of[w][h]][0] == until
+                # each entry in exactly one record, in expiry order as the reference keeps it
+                assert sum(len(blocks) for _u, _w, blocks in rec._records.values()) == len(ref.expiry)
+                order = [(w, h) for _u, w, blocks in rec._records.values() for h in blocks]
+                assert order == list(ref.expiry)
             # the index holds exactly what has not expired (nothing else writes it here)
             for w in ("a", "b", "c"):
                 held = {h for (ww, h) in ref.expiry if ww == w}
