@@ -103,7 +103,8 @@ class MemoryPrefixIndex(PrefixIndex):
         self._stores += 1
         written = dict.fromkeys(block_hashes, self._stores)
         blocks = self._blocks
-        if blocks.keys().isdisjoint(written):  # all new (a new prompt): one C-level update
+        new = blocks.keys().isdisjoint(written)
+        if new:  # held by no one (a new prompt): one C-level update
             blocks.update(dict.fromkeys(written, bits))
         else:
             get = blocks.get
@@ -113,7 +114,8 @@ class MemoryPrefixIndex(PrefixIndex):
         if held is None:
             held = self._held[slot] = {}
         log = self._log
-        if not held.keys().isdisjoint(written):  # stored before: those entries move to this store
+        # (a worker's entries all have a mask in ``_blocks``: when none of these had one, none is held here)
+        if not new and not held.keys().isdisjoint(written):  # stored before: those entries move to this store
             for h in written:
                 older = held.get(h)
                 if older is not None:
