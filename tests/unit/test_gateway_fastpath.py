@@ -110,7 +110,7 @@ def test_request_ids_are_unique_hex_of_uuid_length():
 def test_child_returns_the_same_labelled_child():
     c = Counter("x_total", "x", ["model"], registry=CollectorRegistry())
     a = child(c, "m")
-    assert child(c, "m") is a and a is c.labels("m")
+    assert child(c, "m") is a and a.metric is c.labels("m")
     child(c, "m").inc(2)
     child(c, "n").inc()
     assert c.labels("m")._value.get() == 2 and c.labels("n")._value.get() == 1
