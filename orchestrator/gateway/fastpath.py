@@ -27,7 +27,8 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI
-from starlette.requests import Request
+from starlette.datastructures import Headers
+from starlette.requests import Request, empty_send
 from starlette.responses import Response
 
 from orchestrator.telemetry.children import child  # noqa: F401 - re-exported (request metrics)
@@ -35,12 +36,80 @@ from orchestrator.telemetry.children import child  # noqa: F401 - re-exported (r
 Endpoint = Callable[[Request], Awaitable[Any]]
 
 
+class HotHeaders(Headers):
+    """Starlette's ``Headers`` with lookups by a dict built once (Starlette's scans the list on every
+    ``get``: two Python calls and a loop; a hot request makes five to seven lookups). The first value
+    of a repeated name wins, as in Starlette; ``raw``/``getlist``/``items`` are Starlette's."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._list = raw
+        self._first: dict[str, str] | None = None
+
+    def _lookup(self) -> dict[str, str]:
+        first = self._first = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(self._list)}
+        return first
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return (self._first or self._lookup()).get(key.lower(), default)
+
+    def __getitem__(self, key: str) -> str:
+        return (self._first or self._lookup())[key.lower()]
+
+    def __contains__(self, key: Any) -> bool:
+        return isinstance(key, str) and key.lower() in (self._first or self._lookup())
+
+
+class HotRequest(Request):
+    """A Starlette ``Request`` for the hot routes, built without its checks and with ``HotHeaders``."""
+
+    headers = None  # type: ignore[assignment]  # (shadows Starlette's property: a plain attribute here)
+
+    def __init__(self, scope: Any, receive: Any, send: Any = empty_send) -> None:
+        self.scope = scope
+        self._receive = receive
+        self._send = send
+        self._stream_consumed = False
+        self._is_disconnected = False
+        self._form = None
+        self.headers = HotHeaders(scope["headers"])  # type: ignore[assignment]
+
+
 class GatewayApp(FastAPI):
-    """FastAPI, except for the POST routes registered with ``add_hot_route``."""
+    """FastAPI, except for the POST routes registered with ``add_hot_route``.
+
+    Those are served two ways, with the same code: through ``__call__`` (ASGI, as any app), or — on the
+    gateway's own connection protocol (``http_server.py``), for a request that uvicorn's proxy-headers
+    middleware would leave as it is — straight from the protocol through ``serve_direct``, which skips
+    that middleware and this class's dispatch. Either way the endpoint and its ASGI response are the
+    same objects and write through the same ``send``.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._hot: dict[str, Endpoint] = {}
+
+    def hot_endpoint(self, method: str, path: str, root_path: str) -> Endpoint | None:
+        """The endpoint ``serve_direct`` may run for this request, if any (the same test as ``__call__``)."""
+        if method == "POST" and not root_path:
+            return self._hot.get(path)
+        return None
+
+    async def serve_direct(self, endpoint: Endpoint, scope: Any, receive: Any, send: Any, cycle: Any) -> None:
+        """``endpoint`` for a request of the connection protocol: ``cycle.start_tried`` says whether the
+        answer's head was offered to ``send`` (after which an error can no longer be rendered)."""
+        scope["app"] = self
+        request = HotRequest(scope, receive, send)
+        try:
+            response = await endpoint(request)
+            await response(scope, receive, send)
+        except Exception as exc:
+            handler = self._handler(exc)
+            if cycle.start_tried or handler is None:
+                raise
+            error_response = await handler(request, exc)
+            await error_response(scope, receive, send)
+            if self._handler_is_catch_all(exc):
+                raise
 
     def add_hot_route(self, path: str, endpoint: Endpoint) -> None:
         """``POST path`` served by ``endpoint`` without FastAPI's layers (and declared as a normal route)."""
@@ -64,7 +133,7 @@ class GatewayApp(FastAPI):
 
     async def _serve_hot(self, endpoint: Endpoint, scope: Any, receive: Any, send: Any) -> None:
         scope["app"] = self
-        request = Request(scope, receive, send)
+        request = HotRequest(scope, receive, send)
         started = False
 
         async def tracked_send(message: Any) -> None:

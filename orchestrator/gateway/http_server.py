@@ -39,6 +39,7 @@ from typing import Any
 
 import httptools
 import orjson
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
@@ -71,7 +72,7 @@ class _Cycle:
     """One request/response on a connection: the ASGI ``receive`` and ``send`` of its app call."""
 
     __slots__ = ("conn", "scope", "body", "more_body", "event", "disconnected", "keep_alive", "continue_100",
-                 "started", "complete", "chunked", "remaining", "head", "delivered")
+                 "started", "complete", "chunked", "remaining", "head", "delivered", "direct", "start_tried")
 
     def __init__(self, conn: HttpProtocol, scope: dict[str, Any], keep_alive: bool, continue_100: bool) -> None:
         self.conn = conn
@@ -88,6 +89,8 @@ class _Cycle:
         self.remaining = 0  # Content-Length bytes still to send
         self.head = scope["method"] == "HEAD"
         self.delivered = False  # the last http.request message went to the app
+        self.direct: Any = None  # the app's hot endpoint, served without the ASGI layers (``HttpProtocol.direct``)
+        self.start_tried = False  # the app offered the answer's head to ``send``
 
     def wake(self) -> None:
         event = self.event
@@ -96,7 +99,10 @@ class _Cycle:
 
     async def run(self, app: Any) -> None:
         try:
-            result = await app(self.scope, self.receive, self.send)
+            if self.direct is not None:
+                result = await self.conn.direct.serve_direct(self.direct, self.scope, self.receive, self.send, self)
+            else:
+                result = await app(self.scope, self.receive, self.send)
         except BaseException as exc:
             _logger.error("Exception in ASGI application\n", exc_info=exc)
             if not self.started:
@@ -145,6 +151,8 @@ class _Cycle:
 
     async def send(self, message: Any) -> None:
         conn = self.conn
+        if not self.started and message["type"] == "http.response.start":
+            self.start_tried = True
         if conn.writable is not None and not self.disconnected:
             await conn.writable
         if self.disconnected:
@@ -227,6 +235,7 @@ class HttpProtocol(asyncio.Protocol):
             config.load()
         self.config = config
         self.app = config.loaded_app
+        self.direct = direct_app(self.app)
         self.loop = _loop or asyncio.get_event_loop()
         self.parser = httptools.HttpRequestParser(self)
         try:  # answer the first of pipelined requests even when the client half-closed after sending them
@@ -264,6 +273,7 @@ class HttpProtocol(asyncio.Protocol):
         self.header_bytes = 0
         self.headers_too_large = False
         self.expect_continue = False
+        self.forwarded = False  # an X-Forwarded-For/-Proto header: uvicorn's proxy-headers middleware applies
 
     # --- asyncio.Protocol --------------------------------------------------------------------------
 
@@ -427,6 +437,7 @@ class HttpProtocol(asyncio.Protocol):
         self.headers = []
         self.header_bytes = 0
         self.expect_continue = False
+        self.forwarded = False
         self._arm(self.header_timeout_s, "headers")
 
     def on_url(self, url: bytes) -> None:
@@ -444,6 +455,8 @@ class HttpProtocol(asyncio.Protocol):
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_continue = True
+        elif name == b"x-forwarded-for" or name == b"x-forwarded-proto":
+            self.forwarded = True
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -455,14 +468,18 @@ class HttpProtocol(asyncio.Protocol):
         if "%" in path:
             path = urllib.parse.unquote(path)
         root = self.root_path
+        method = parser.get_method().decode("ascii")
         scope = {"type": "http", "asgi": self.asgi, "http_version": version, "server": self.server,
                  "client": self.client, "scheme": self.scheme, "root_path": root, "headers": self.headers,
-                 "state": self.app_state.copy(), "method": parser.get_method().decode("ascii"),
+                 "state": self.app_state.copy(), "method": method,
                  "path": root + path if root else path,
                  "raw_path": root.encode("ascii") + raw_path if root else raw_path,
                  "query_string": parsed.query or b""}
         cycle = self.cycle = _Cycle(self, scope, version != "1.0" and parser.should_keep_alive(),
                                     self.expect_continue)
+        direct = self.direct
+        if direct is not None and not self.forwarded:
+            cycle.direct = direct.hot_endpoint(method, scope["path"], root)
         self._arm(self.body_timeout_s, "body")  # (disarmed when the message completes, usually at once)
         if self.active is None:
             self._start(cycle)
@@ -522,6 +539,17 @@ class HttpProtocol(asyncio.Protocol):
         the connection was closed or lost then)."""
         if self.active is cycle:
             self.active = None
+
+
+def direct_app(app: Any) -> Any:
+    """The app behind uvicorn's wrappers when it serves some requests without ASGI (``hot_endpoint`` and
+    ``serve_direct``: ``fastpath.GatewayApp``), else None. Only uvicorn's proxy-headers middleware may
+    stand in between: the protocol bypasses it only for requests it would not change (no
+    X-Forwarded-For/-Proto header); any other wrapper (e.g. uvicorn's trace-level message logger) keeps
+    every request on the ASGI path."""
+    if isinstance(app, ProxyHeadersMiddleware):
+        app = app.app
+    return app if hasattr(app, "hot_endpoint") and hasattr(app, "serve_direct") else None
 
 
 def http_protocol(header_timeout_s: float | None = None, body_timeout_s: float | None = None) -> type[HttpProtocol]:

@@ -28,6 +28,7 @@ from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.access_log import AccessRecord
+from orchestrator.telemetry.children import request_children
 from orchestrator.telemetry.logging import bind_request_id
 
 MAX_REQUEST_ID = 128
@@ -94,8 +95,9 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         else:
             route_req = await annotate(rt, request.headers, rid, endpoint, model, body)
         # Demand, counted before admission: queued, refused and failed requests are demand too (the planner).
-        child(rt.metrics.arrivals, model).inc()
-        child(rt.metrics.arrival_prompt_tokens, model).inc(route_req.prompt_tokens)
+        counted = request_children(rt.metrics, model, label)
+        counted.arrivals.inc()
+        counted.arrival_prompt_tokens.inc(route_req.prompt_tokens)
         intake.enter(key := intake.client_key(client, request))  # limits.max_concurrent_per_client
         client_key = key
         # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
@@ -112,7 +114,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         raise
     strip_usage = stream and not responses and rq.ask_for_usage(body)  # (a Responses stream always has usage)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
-    child(rt.metrics.inflight, model).inc()
+    counted.inflight.inc()
     proxy = ProxyResponse(rt, call, route_req, label, started, record, strip_usage, limit_headers,
                           pinned_away=pinned_away)
     inner: Any = responses_api.RecordOwner(proxy, client.name) if responses else proxy

@@ -32,7 +32,6 @@ from orchestrator.gateway import classify
 from orchestrator.gateway.attempt import Attempt, aborted_by_gateway
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall
 from orchestrator.gateway.failover import StreamRelay
-from orchestrator.gateway.fastpath import child
 from orchestrator.gateway.responses import send_error
 from orchestrator.gateway.stream_timing import TokenTimer
 from orchestrator.gateway.transport import header, raw_headers, read_all
@@ -40,6 +39,7 @@ from orchestrator.router.estimate import estimate_text_tokens
 from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.access_log import AccessRecord
+from orchestrator.telemetry.children import request_children
 
 if TYPE_CHECKING:
     from orchestrator.gateway.runtime import GatewayRuntime
@@ -66,6 +66,7 @@ class ProxyResponse:
         self.call = call
         self.req = req
         self.endpoint_label = endpoint_label
+        self.metrics = request_children(runtime.metrics, call.model, endpoint_label)  # (children: one look-up)
         self.started = started
         self.status = 0
         self.done = False  # our own response is complete: a disconnect from here on is not the client leaving
@@ -447,7 +448,7 @@ class ProxyResponse:
         # Too late to change the status from here on: a broken upstream is continued on another
         # worker, or the stream ends with an SSE error event (failover.py; cut short by the gateway
         # itself: ``_answer_cut``).
-        timer = TokenTimer(child(self.rt.metrics.itl, self.call.model), relay.protocol.token_event,
+        timer = TokenTimer(self.metrics.itl, relay.protocol.token_event,
                            relay.protocol.no_token_event)
         await relay.run(timer.wrap(send), response)  # ITL
 
@@ -465,7 +466,7 @@ class ProxyResponse:
         if self._first_token_at is None:
             self._first_token_at = time.perf_counter()
             if self.call.stream:
-                child(self.rt.metrics.ttft, self.call.model).observe(self._first_token_at - self.started)
+                self.metrics.ttft.observe(self._first_token_at - self.started)
         if self.attempt is not None:
             self.attempt.first_token()
 
@@ -480,17 +481,16 @@ class ProxyResponse:
                 attempt.cancelled()
             else:
                 attempt.request_failed()
-        model = self.call.model
-        m = rt.metrics  # (children cached per label values: fastpath.child)
+        m = self.metrics  # (this request's metric children: telemetry/children.py)
         elapsed = time.perf_counter() - self.started
-        child(m.inflight, model).dec()
-        child(m.requests, model, self.endpoint_label, str(self.status or 500)).inc()
-        child(m.e2e, model, self.endpoint_label).observe(elapsed)
+        m.inflight.dec()
+        m.requests(str(self.status or 500)).inc()
+        m.e2e.observe(elapsed)
         prompt, generated = self._token_counts()
         if prompt is not None:
-            child(m.prompt_tokens, model).observe(prompt)
+            m.prompt_tokens.observe(prompt)
         if generated is not None:
-            child(m.generation_tokens, model).observe(generated)
+            m.generation_tokens.observe(generated)
         rec = self.record
         rec.status = self.status or 500
         rec.error_class = None if ok else (self.error_class or "failed")

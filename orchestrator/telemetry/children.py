@@ -129,3 +129,44 @@ def child(metric: Any, *values: str) -> Any:
     if found is None:
         found = cache[values] = _fast(metric.labels(*values))
     return found
+
+
+class RequestChildren:
+    """The request metrics of one (model, endpoint label) as ``child``ren: one look-up per request
+    instead of one per update."""
+
+    __slots__ = ("inflight", "arrivals", "arrival_prompt_tokens", "ttft", "itl", "e2e", "prompt_tokens",
+                 "generation_tokens", "_requests", "_counter", "_model", "_label")
+
+    def __init__(self, metrics: Any, model: str, label: str) -> None:
+        self.inflight = child(metrics.inflight, model)
+        self.arrivals = child(metrics.arrivals, model)
+        self.arrival_prompt_tokens = child(metrics.arrival_prompt_tokens, model)
+        self.ttft = child(metrics.ttft, model)
+        self.itl = child(metrics.itl, model)
+        self.e2e = child(metrics.e2e, model, label)
+        self.prompt_tokens = child(metrics.prompt_tokens, model)
+        self.generation_tokens = child(metrics.generation_tokens, model)
+        self._counter = metrics.requests
+        self._model = model
+        self._label = label
+        self._requests: dict[str, Any] = {}
+
+    def requests(self, status: str) -> Any:
+        """``dyad_requests_total{model, endpoint, status}``."""
+        found = self._requests.get(status)
+        if found is None:
+            found = self._requests[status] = child(self._counter, self._model, self._label, status)
+        return found
+
+
+def request_children(metrics: Any, model: str, label: str) -> RequestChildren:
+    """The ``RequestChildren`` of (model, label), remembered on ``metrics`` (a ``DyadMetrics``)."""
+    try:
+        cache = metrics._dyad_request_children
+    except AttributeError:
+        cache = metrics._dyad_request_children = {}
+    found = cache.get((model, label))
+    if found is None:
+        found = cache[(model, label)] = RequestChildren(metrics, model, label)
+    return found
