@@ -250,3 +250,77 @@ async def test_idle_keep_alive_connection_is_closed_and_a_new_request_moves_the_
     assert t.out.count(b"HTTP/1.1 200 OK") == 3
     await asyncio.sleep(0.35)  # idle past the keep-alive timeout: closed, with no 408
     assert t.closed and b"408" not in t.out
+
+
+# --- the hot routes, served straight from the protocol (fastpath.GatewayApp.serve_direct) -----------------
+
+def _gateway_app() -> Any:
+    from starlette.responses import JSONResponse
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    from orchestrator.errors import ApiError
+    from orchestrator.gateway.fastpath import GatewayApp
+
+    class App(GatewayApp):
+        asgi_calls = 0
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            App.asgi_calls += 1
+            await super().__call__(scope, receive, send)
+
+    app = App()
+
+    async def hot(request: Any) -> Any:
+        body = await request.body()
+        if body == b"refuse":
+            raise ApiError("refused by the endpoint", status=400, code="refused")
+        if body == b"late":
+            class Late:
+                async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+                    await send({"type": "http.response.start", "status": 200, "headers": []})
+                    raise RuntimeError("after the head")
+            return Late()
+        return JSONResponse({"client": request.client.host, "scheme": request.url.scheme,
+                             "auth": request.headers.get("Authorization"), "body": body.decode()})
+
+    async def api_error(request: Any, exc: Any) -> Any:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_hot_route("/v1/completions", hot)
+    return App, ProxyHeadersMiddleware(app, trusted_hosts="127.0.0.1")
+
+
+async def test_hot_route_is_served_without_asgi_and_answers_as_through_it():
+    App, wrapped = _gateway_app()
+    proto, t, _ = connect(wrapped)
+    assert proto.direct is not None
+    proto.data_received(post("/v1/completions", b"hi", b"Authorization: Bearer k\r\n"))
+    await settle()
+    direct = orjson.loads(t.out.split(b"\r\n\r\n", 1)[1])
+    assert direct == {"client": "127.0.0.1", "scheme": "http", "auth": "Bearer k", "body": "hi"}
+    assert App.asgi_calls == 0
+    # X-Forwarded-For from a trusted peer: the proxy-headers middleware's path, as before
+    t.out = b""
+    proto.data_received(post("/v1/completions", b"hi", b"x-forwarded-for: 10.1.2.3\r\nx-forwarded-proto: https\r\n"))
+    await settle()
+    forwarded = orjson.loads(t.out.split(b"\r\n\r\n", 1)[1])
+    assert forwarded["client"] == "10.1.2.3" and forwarded["scheme"] == "https" and App.asgi_calls == 1
+    # other paths: ASGI
+    t.out = b""
+    proto.data_received(post("/v1/other", b""))
+    await settle()
+    assert t.out.startswith(b"HTTP/1.1 404") and App.asgi_calls == 2
+
+
+async def test_hot_route_errors_are_rendered_by_the_apps_handlers_and_late_ones_close():
+    App, wrapped = _gateway_app()
+    proto, t, _ = connect(wrapped)
+    proto.data_received(post("/v1/completions", b"refuse"))
+    await settle()
+    head, body = t.out.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 400") and orjson.loads(body)["error"]["code"] == "refused" and not t.closed
+    t.out = b""
+    proto.data_received(post("/v1/completions", b"late"))
+    await settle()
+    assert b"500" not in t.out and t.closed and App.asgi_calls == 0  # (the head was out: no error answer, a close)
