@@ -411,8 +411,29 @@ def raw_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
     stream = response.stream
     if isinstance(stream, _Body) and not response.is_stream_consumed:
         response.is_stream_consumed = True
-        return stream.__aiter__()
+        return _Chunks(stream)
     return response.aiter_raw()
+
+
+class _Chunks:
+    """``_Body``'s chunks as a plain async iterator: an async generator costs, per stream, the event
+    loop's first-iteration hook (a ``WeakSet`` add, and its removal when collected)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: _Body) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        stream = self._stream
+        chunk = await stream.conn.next_chunk(stream.read_timeout)
+        if chunk is None:
+            stream._release()
+            raise StopAsyncIteration
+        return chunk
 
 
 def _request_head(request: httpx.Request) -> bytes:
