@@ -48,6 +48,7 @@ HIGH_WATER = 65536  # pause reading a request body beyond this much unread
 
 _HEADER_NAME_BAD = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _HEADER_VALUE_BAD = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+_NAMES_OK: set[bytes] = set()  # header names seen to pass _HEADER_NAME_BAD (bounded)
 _logger = logging.getLogger("uvicorn.error")
 
 
@@ -166,11 +167,14 @@ class _Cycle:
             chunked = close_asked = False
             headers = message.get("headers", ())
             defaults = conn.server_state.default_headers  # (uvicorn's server/date headers; off in the gateway)
+            values = []
             for name, value in [*defaults, *headers] if defaults else headers:
-                if _HEADER_NAME_BAD.search(name):
-                    raise RuntimeError("Invalid HTTP header name.")
-                if _HEADER_VALUE_BAD.search(value):
-                    raise RuntimeError("Invalid HTTP header value.")
+                if name not in _NAMES_OK:
+                    if _HEADER_NAME_BAD.search(name):
+                        raise RuntimeError("Invalid HTTP header name.")
+                    if len(_NAMES_OK) < 4096:
+                        _NAMES_OK.add(name)
+                values.append(value)
                 name = name.lower()
                 if name == b"content-length" and length is None and not chunked:
                     length = int(value)
@@ -179,6 +183,8 @@ class _Cycle:
                 elif name == b"connection" and b"close" in [t.strip().lower() for t in value.split(b",")]:
                     close_asked = True
                 out += (name, b": ", value, b"\r\n")
+            if _HEADER_VALUE_BAD.search(b"\t".join(values)):  # (one search for all values: a tab is allowed)
+                raise RuntimeError("Invalid HTTP header value.")
             if close_asked:
                 self.keep_alive = False
             elif not self.keep_alive:

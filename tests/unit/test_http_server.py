@@ -241,6 +241,22 @@ async def test_header_values_with_line_breaks_are_refused(value: bytes):
     assert b"x-bad" not in t.out and t.out.startswith(b"HTTP/1.1 500")
 
 
+@pytest.mark.parametrize("headers", [
+    [(b"x-ok", b"1"), (b"x bad", b"1")],
+    [(b"x-ok", b"1"), (b"x-ok\r\nx-injected", b"1")],
+    [(b"x-ok", b"fine"), (b"x-ok", b"also\tfine"), (b"x-later", b"bad\x00")],
+])
+async def test_bad_header_names_and_values_are_refused_wherever_they_are(headers: list[tuple[bytes, bytes]]):
+    async def bad(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    for _ in range(2):  # (the second time, the good names are known)
+        proto, t, _ = connect(bad)
+        proto.data_received(post("/x", b""))
+        await settle()
+        assert b"x-ok" not in t.out and t.out.startswith(b"HTTP/1.1 500")
+
+
 async def test_idle_keep_alive_connection_is_closed_and_a_new_request_moves_the_deadlines():
     proto, t, _ = connect(header_timeout_s=0.15, body_timeout_s=0.15, keep_alive_s=0.3)
     for _ in range(3):  # requests 0.1 s apart: no header, body or idle deadline of an earlier one fires
