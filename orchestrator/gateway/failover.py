@@ -360,8 +360,11 @@ class StreamRelay:
         self.failovers = 0
         self.events = 0  # data: events relayed
         self.held: list[bytes] | None = [] if self.protocol.holds_preamble else None  # (until the first token)
+        self.on_bytes: Callable[[bytes], None] | None = None  # sees every body relayed (ITL: TokenTimer.on_bytes)
 
-    async def run(self, send: Any, response: httpx.Response) -> None:
+    async def run(self, send: Any, response: httpx.Response, on_bytes: Callable[[bytes], None] | None = None) -> None:
+        """``on_bytes``: called with each body relayed, before it is sent (``stream_timing.TokenTimer``)."""
+        self.on_bytes = on_bytes
         p = self.proxy
         rewriter: ContinuationRewriter | None = None
         while True:
@@ -385,12 +388,14 @@ class StreamRelay:
 
     async def _emit(self, send: Any, out: bytes) -> None:
         self.recorder.record(out)
+        if self.on_bytes is not None:
+            self.on_bytes(out)
         await send({"type": "http.response.body", "body": out, "more_body": True})
 
     async def cut(self, send: Any, message: str, code: str) -> None:
         """The gateway ends the stream now (its total timeout, its worker pulled outside ``_pump``, its
         shutdown): the protocol's error ending unless the answer was already complete, then the end.
-        ``send`` is the client's own (not the token-timing one: the ending is not a token)."""
+        The ending is not a token: ``on_bytes`` does not see it."""
         ending = b"" if self.recorder.done else self.protocol.error_ending(message, code, self.recorder.sent)
         self.recorder.record(ending)
         await send({"type": "http.response.body", "body": ending, "more_body": False})

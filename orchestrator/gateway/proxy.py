@@ -450,7 +450,7 @@ class ProxyResponse:
         # itself: ``_answer_cut``).
         timer = TokenTimer(self.metrics.itl, relay.protocol.token_event,
                            relay.protocol.no_token_event)
-        await relay.run(timer.wrap(send), response)  # ITL
+        await relay.run(send, response, timer.on_bytes)  # ITL
 
     async def _whole(self, send: Any, response: httpx.Response, body: bytes) -> None:
         self.mark_first_token()

@@ -330,6 +330,16 @@ class EngineResponse(httpx.Response):
     def headers(self, value: Any) -> None:
         self._headers = httpx.Headers(value)
 
+    async def aclose(self) -> None:
+        """As ``httpx.Response.aclose``, without its error-wrapping context (``_Body`` releasing its
+        connection raises nothing): the connection goes back to the pool, or is closed if unfinished."""
+        stream = self.stream
+        if not isinstance(stream, _Body):
+            await super().aclose()
+        elif not self.is_closed:
+            self.is_closed = True
+            stream._release()
+
 
 def header(response: httpx.Response, name: bytes) -> bytes | None:
     """The value of header ``name`` (lower-case) of ``response``, without building ``httpx.Headers``."""
