@@ -41,6 +41,14 @@ class _Conn(asyncio.Protocol):
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        # The read timeout (headers, then each body chunk): one deadline at a time and one timer that, when
+        # it fires before the deadline (moved meanwhile), re-arms for the rest; a wait costs no timer
+        # operation (two per wait otherwise: a timer pushed, then cancelled).
+        self._deadline: float | None = None
+        self._deadline_waiter: asyncio.Future[None] | None = None
+        self._deadline_message = ""
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -73,6 +81,9 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.pool._forget(self)
         if not self.complete:
             if not self.got_bytes:
@@ -119,6 +130,10 @@ class _Conn(asyncio.Protocol):
         self.close()
 
     def close(self) -> None:
+        self._deadline = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if not self.closed:
             self.closed = True
             if self.transport is not None:
@@ -139,9 +154,9 @@ class _Conn(asyncio.Protocol):
                 return None
             if self.error is not None:
                 raise self.error
-            loop = asyncio.get_running_loop()
-            waiter = self.wakeup = loop.create_future()
-            timer = None if timeout is None else loop.call_later(timeout, _expire, waiter, _BODY_TIMEOUT)
+            waiter = self.wakeup = asyncio.get_running_loop().create_future()
+            if timeout is not None:
+                self.wait_until(timeout, waiter, _BODY_TIMEOUT)
             try:
                 await waiter
             except httpx.ReadTimeout:
@@ -149,8 +164,35 @@ class _Conn(asyncio.Protocol):
                 raise
             finally:
                 self.wakeup = None
-                if timer is not None:
-                    timer.cancel()
+                self._deadline = None
+
+    def wait_until(self, timeout: float, waiter: asyncio.Future[None], message: str) -> None:
+        """``waiter`` fails with ``httpx.ReadTimeout(message)`` unless it is done within ``timeout`` s
+        (or the deadline is cleared first: ``self._deadline = None``)."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + timeout
+        self._deadline, self._deadline_waiter, self._deadline_message = when, waiter, message
+        timer = self._timer
+        if timer is None or when < self._timer_at:  # (a later deadline waits for the timer to fire early)
+            if timer is not None:
+                timer.cancel()
+            self._timer_at = when
+            self._timer = loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        when = self._deadline
+        if when is None or self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < when:  # moved since: wait for the rest
+            self._timer_at = when
+            self._timer = loop.call_at(when, self._on_timer)
+            return
+        self._deadline = None
+        waiter, self._deadline_waiter = self._deadline_waiter, None
+        if waiter is not None:
+            _expire(waiter, self._deadline_message)
 
 
 class _Body(httpx.AsyncByteStream):
@@ -262,8 +304,8 @@ class FastTransport(httpx.AsyncBaseTransport):
             if len(body) >= 65536:
                 conn.transport.write(body)
             headers_done = conn.headers_done
-            timer = None if read_timeout is None else \
-                asyncio.get_running_loop().call_later(read_timeout, _expire, headers_done, _HEADERS_TIMEOUT)
+            if read_timeout is not None:
+                conn.wait_until(read_timeout, headers_done, _HEADERS_TIMEOUT)
             try:
                 await headers_done  # (cancelled with us: the connection is closed then, nobody else waits on it)
             except httpx.ReadTimeout as e:
@@ -281,8 +323,7 @@ class FastTransport(httpx.AsyncBaseTransport):
                 conn.close()
                 raise
             finally:
-                if timer is not None:
-                    timer.cancel()
+                conn._deadline = None
             if request is not None:
                 return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, read_timeout),
                                       extensions=_HTTP11, request=request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -196,3 +197,29 @@ async def test_read_all_raises_httpx_errors_when_the_body_breaks_off():
             await read_all(r)
         await r.aclose()
     await cut.stop()
+
+
+async def test_read_timeout_bounds_each_wait_not_the_whole_answer():
+    """The read timeout (one lazily re-armed timer per connection) bounds each wait for headers or a
+    body chunk: chunks 0.12 s apart pass a 0.3 s timeout however long the answer, a 0.8 s gap fails
+    it after ~0.3 s, and a keep-alive connection's next request gets a fresh bound."""
+    def respond(req: bytes):
+        if b"/stall" in req:
+            return [(0, b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\none\r\n"), (0.8, b"0\r\n\r\n")]
+        return ([(0.12, b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")]
+                + [(0.12, b"1\r\nx\r\n")] * 6 + [(0.12, b"0\r\n\r\n")])
+    srv = RawServer(respond)
+    url = await srv.start()
+    async with httpx.AsyncClient(transport=FastTransport(), timeout=httpx.Timeout(5.0, read=0.3)) as c:
+        for _ in range(2):  # the same connection twice
+            started = time.monotonic()
+            r = await c.post(url + "/slow", content=b"{}")
+            assert r.content == b"x" * 6 and time.monotonic() - started > 0.8
+        started = time.monotonic()
+        async with c.stream("POST", url + "/stall", content=b"{}") as r:
+            with pytest.raises(httpx.ReadTimeout):
+                async for _ in r.aiter_raw():
+                    pass
+        assert 0.25 < time.monotonic() - started < 0.7
+    assert srv.connections == 1  # (keep-alive throughout; the stalled answer closes it)
+    await srv.stop()
