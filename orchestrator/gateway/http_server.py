@@ -73,7 +73,8 @@ class _Cycle:
     """One request/response on a connection: the ASGI ``receive`` and ``send`` of its app call."""
 
     __slots__ = ("conn", "scope", "body", "more_body", "event", "disconnected", "keep_alive", "continue_100",
-                 "started", "complete", "chunked", "remaining", "head", "delivered", "direct", "start_tried")
+                 "started", "complete", "chunked", "remaining", "head", "delivered", "direct", "start_tried",
+                 "left_callback")
 
     def __init__(self, conn: HttpProtocol, scope: dict[str, Any], keep_alive: bool, continue_100: bool) -> None:
         self.conn = conn
@@ -92,6 +93,26 @@ class _Cycle:
         self.delivered = False  # the last http.request message went to the app
         self.direct: Any = None  # the app's hot endpoint, served without the ASGI layers (``HttpProtocol.direct``)
         self.start_tried = False  # the app offered the answer's head to ``send``
+        self.left_callback: Any = None  # called once if the client leaves before the answer is complete
+        scope["extensions"] = {"dyad.on_disconnect": self.on_disconnect}
+
+    def on_disconnect(self, callback: Any) -> None:
+        """ASGI extension ``dyad.on_disconnect``: ``callback()`` runs (once) when the client leaves before
+        this answer is complete — at once if it has left already; None unregisters. Saves the app a task
+        reading ``receive`` for ``http.disconnect``."""
+        self.left_callback = callback
+        if callback is not None and self.disconnected and not self.complete:
+            self.left_callback = None
+            callback()
+
+    def gone(self) -> None:
+        """The client left (or its body timed out) before this answer was complete."""
+        self.disconnected = True
+        self.wake()
+        callback = self.left_callback
+        if callback is not None:
+            self.left_callback = None
+            callback()
 
     def wake(self) -> None:
         event = self.event
@@ -300,8 +321,9 @@ class HttpProtocol(asyncio.Protocol):
         for cycle in (self.active, self.cycle, *self.pipeline):
             if cycle is not None:
                 if not cycle.complete:
-                    cycle.disconnected = True
-                cycle.wake()
+                    cycle.gone()
+                else:
+                    cycle.wake()
         writable = self.writable
         if writable is not None:
             self.writable = None
@@ -416,8 +438,7 @@ class HttpProtocol(asyncio.Protocol):
         if what == "body" and (cycle is None or cycle.started or not cycle.more_body):
             return  # the body is complete, or the app answered without it
         if cycle is not None and what == "body":
-            cycle.disconnected = True  # the app's receive() now says http.disconnect; its sends are dropped
-            cycle.wake()
+            cycle.gone()  # the app's receive() now says http.disconnect; its sends are dropped
         self._flush()
         self.transport.write(timeout_response(what, seconds))
         self.transport.close()

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 _PASS_HEADERS = (b"content-type", b"content-encoding")
 _JITTER = random.Random()
 WATCH_AFTER_S = 0.02  # the client watcher starts this late: a disconnect is seen within 20 ms more
+ON_DISCONNECT = "dyad.on_disconnect"  # scope["extensions"][ON_DISCONNECT](callback or None): see http_server.py
+_NO_EXTENSIONS: dict[str, Any] = {}
 MAX_ERROR_BODY = 1 << 20  # an engine's non-stream answer to a stream request is read up to this
 
 
@@ -96,8 +98,15 @@ class ProxyResponse:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
-        # The client watcher is a task of its own; most answers are done before it would start.
-        start_watching = loop.call_later(WATCH_AFTER_S, self._start_watcher, receive, task)
+        # The client leaving cancels the work. The gateway's connection protocol says so itself (ASGI
+        # extension ``dyad.on_disconnect``: http_server.py); under another server a watcher task reads
+        # ``receive``, started late because most answers are done before.
+        on_disconnect = scope.get("extensions", _NO_EXTENSIONS).get(ON_DISCONNECT)
+        if on_disconnect is not None:
+            on_disconnect(lambda: self._client_left(task))
+            start_watching = None
+        else:
+            start_watching = loop.call_later(WATCH_AFTER_S, self._start_watcher, receive, task)
         # A stream is bounded by its idle timeout (failover.py), and in total only if configured. The
         # bound is a plain timer that cancels the task (``asyncio.timeout`` costs ~5x as much per request).
         timeout = self.rt.config.resilience.stream_timeout_s if self.call.stream \
@@ -148,7 +157,10 @@ class ProxyResponse:
                 deadline.cancel()
             self.root_span.end()
             self.done = True
-            start_watching.cancel()
+            if start_watching is not None:
+                start_watching.cancel()
+            else:
+                on_disconnect(None)
             if self._watcher is not None:
                 self._watcher.cancel()
             self._finish()
@@ -181,6 +193,11 @@ class ProxyResponse:
         self.status = err.status  # (the client saw 200; the record and metrics say how it ended)
         if self._relay is not None:
             await self._relay.cut(send, err.message, err.code if isinstance(err.code, str) else "upstream_error")
+
+    def _client_left(self, task: asyncio.Task[Any]) -> None:
+        if not self.done:
+            self._disconnected = True
+            task.cancel()
 
     def _start_watcher(self, receive: Any, task: asyncio.Task[Any]) -> None:
         if not self.done:  # (a client that left meanwhile is seen at once: receive() says so)

@@ -340,3 +340,46 @@ async def test_hot_route_errors_are_rendered_by_the_apps_handlers_and_late_ones_
     proto.data_received(post("/v1/completions", b"late"))
     await settle()
     assert b"500" not in t.out and t.closed and App.asgi_calls == 0  # (the head was out: no error answer, a close)
+
+
+async def test_on_disconnect_extension_calls_back_once_when_the_client_leaves_mid_answer():
+    calls: list[str] = []
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        scope["extensions"]["dyad.on_disconnect"](lambda: calls.append(scope["path"]))
+        await release.wait()
+        if scope["path"] == "/late":  # registering after the client left: called at once
+            scope["extensions"]["dyad.on_disconnect"](lambda: calls.append("late-registered"))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    proto, t, _ = connect(app)
+    proto.data_received(post("/left", b""))
+    await settle()
+    proto.connection_lost(None)
+    proto.connection_lost(None)  # (twice: still one call)
+    await settle()
+    assert calls == ["/left"]
+    release.set()
+    await settle()
+
+    calls.clear()
+    release.clear()
+    proto, t, _ = connect(app)
+    proto.data_received(post("/late", b""))
+    await settle()
+    proto.connection_lost(None)
+    release.set()
+    await settle()
+    assert calls == ["/late", "late-registered"]
+
+    calls.clear()
+    proto, t, _ = connect(app)  # answered in full, then the connection goes: no call
+    proto.data_received(post("/done", b""))
+    await settle()
+    assert t.out.startswith(b"HTTP/1.1 200")
+    proto.connection_lost(None)
+    await settle()
+    assert calls == []
