@@ -113,10 +113,13 @@ class ProxyResponse:
             else self.rt.config.gateway.request_timeout_s
         deadline = None if timeout is None else loop.call_later(timeout, self._time_out, task)
         try:
-            with self.root_span.activate() as span:
-                span.set_attributes({"model": self.call.model, "stream": self.call.stream})
-                self.record.trace_id = span.trace_id_hex()
+            if self.root_span.span is tracing.NO_SPAN:  # tracing off: no span to make current
                 await self._run(send)
+            else:
+                with self.root_span.activate() as span:
+                    span.set_attributes({"model": self.call.model, "stream": self.call.stream})
+                    self.record.trace_id = span.trace_id_hex()
+                    await self._run(send)
         except asyncio.CancelledError:
             if self._disconnected:  # the client left: the only end that writes nothing more
                 task.uncancel()
@@ -267,12 +270,16 @@ class ProxyResponse:
                 await asyncio.sleep(rt.backoff.delay(attempt_no + (1 if retry else 0), _JITTER))
             blocked = rt.breakers.blocked(rt.clock.now())
             exclude = self._tried | blocked if blocked else self._tried
+            traced = tracing.enabled()  # (off: no span objects or attribute dicts per request)
             try:
-                with tracing.span("dyad.route", policy=rt.router.policy.name) as route_span:
+                if not traced:
                     decision = await rt.router.decide(self.req, exclude)
-                    route_span.set_attributes({
-                        "worker": decision.worker.id, "predicted_cached_tokens": decision.predicted_cached_tokens,
-                        "prefill_worker": decision.prefill_worker.id if decision.prefill_worker else ""})
+                else:
+                    with tracing.span("dyad.route", policy=rt.router.policy.name) as route_span:
+                        decision = await rt.router.decide(self.req, exclude)
+                        route_span.set_attributes({
+                            "worker": decision.worker.id, "predicted_cached_tokens": decision.predicted_cached_tokens,
+                            "prefill_worker": decision.prefill_worker.id if decision.prefill_worker else ""})
             except NoHealthyWorker:
                 self._settle_5xx(request_caused=False)  # no second opinion: the held 5xx were the workers'
                 if last_error is not None:
@@ -287,10 +294,13 @@ class ProxyResponse:
             self.record.attempts += 1
             self.record.workers.extend(attempt.workers())
             try:
-                with tracing.span("dyad.attempt", worker=decision.worker.id,
-                                  role="decode" if decision.prefill_worker else "both") as span:
+                if not traced:
                     body = await self._try(attempt, call, last_try=attempt_no + 1 >= max_attempts)
-                    span.set_attribute("outcome", "answered")
+                else:
+                    with tracing.span("dyad.attempt", worker=decision.worker.id,
+                                      role="decode" if decision.prefill_worker else "both") as span:
+                        body = await self._try(attempt, call, last_try=attempt_no + 1 >= max_attempts)
+                        span.set_attribute("outcome", "answered")
             except _Retry as r:
                 last_error = r.error
                 continue
