@@ -24,6 +24,17 @@ in one class, because per request it is the largest cost left after the gateway'
   answering. WebSocket upgrades are not offered (the gateway has no WebSocket route): such a
   request is served as plain HTTP, as uvicorn does without a WebSocket library.
 
+Two shortcuts past the ASGI layers, for the gateway's hot routes (docs/benchmarks.md, issue 13, "the hot
+routes straight from the protocol"):
+
+* **direct dispatch**: when the app behind uvicorn's proxy-headers middleware offers ``hot_endpoint`` /
+  ``serve_direct`` (``fastpath.GatewayApp``), a request for one of its hot routes is handed to
+  ``serve_direct`` with this cycle's ``receive``/``send``, skipping that middleware and the app's ASGI
+  dispatch — only when the middleware would change nothing (no ``X-Forwarded-For``/``-Proto`` header);
+  the endpoint, its response and every byte written are the same as through ASGI;
+* **``dyad.on_disconnect``** (``scope["extensions"]``): the app registers a callback that runs when the
+  client leaves before the answer is complete, instead of a task waiting on ``receive``.
+
 ``connection_limit.limited_protocol`` wraps this class like any uvicorn protocol.
 """
 
@@ -48,6 +59,7 @@ HIGH_WATER = 65536  # pause reading a request body beyond this much unread
 
 _HEADER_NAME_BAD = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _HEADER_VALUE_BAD = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+_NOTED = frozenset((b"expect", b"x-forwarded-for", b"x-forwarded-proto"))  # request headers the protocol reads
 _NAMES_OK: set[bytes] = set()  # header names seen to pass _HEADER_NAME_BAD (bounded)
 _logger = logging.getLogger("uvicorn.error")
 
@@ -480,10 +492,12 @@ class HttpProtocol(asyncio.Protocol):
             self.headers_too_large = True
             raise ValueError(f"request headers larger than {MAX_HEADER_BYTES} bytes")
         name = name.lower()
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_continue = True
-        elif name == b"x-forwarded-for" or name == b"x-forwarded-proto":
-            self.forwarded = True
+        if name in _NOTED:
+            if name == b"expect":
+                if value.lower() == b"100-continue":
+                    self.expect_continue = True
+            else:
+                self.forwarded = True
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:

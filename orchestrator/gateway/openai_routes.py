@@ -51,8 +51,11 @@ async def _completion(request: Request, endpoint: str, label: str) -> Any:
     # One root span per request: admission here, the exchange later in the ASGI response (proxy.py).
     root = tracing.begin("dyad.request", incoming=request.headers, endpoint=endpoint)
     try:
-        with root.activate():
+        if root.span is tracing.NO_SPAN:  # tracing off: nothing to make current
             response = await _admitted(request, rt, rid, endpoint, label, started)
+        else:
+            with root.activate():
+                response = await _admitted(request, rt, rid, endpoint, label, started)
     except BaseException:
         root.end()
         rt.shutdown.finished()
@@ -101,8 +104,11 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         intake.enter(key := intake.client_key(client, request))  # limits.max_concurrent_per_client
         client_key = key
         # The body is read: request.receive now returns only when the client hangs up (frees a queued place).
-        with tracing.span("dyad.admission", model=model):
+        if not tracing.enabled():
             slot, limit_headers = await intake.admit(client, route_req, request.headers, request.receive)
+        else:
+            with tracing.span("dyad.admission", model=model):
+                slot, limit_headers = await intake.admit(client, route_req, request.headers, request.receive)
     except BaseException as err:
         intake.leave(client_key)
         if not isinstance(err, ApiError):
