@@ -297,14 +297,18 @@ class IdleTimer:
 
     __slots__ = ("_loop", "_expire", "_due", "_paused", "_idle", "_handle", "_armed")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, expire: Callable[[float], object], first_wait: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, expire: Callable[[float], object], first_wait: float,
+                 idle: float | None = None) -> None:
+        """``idle``: the wait that will follow the first (when shorter, the one timer is armed for it at once,
+        and re-arms for the rest of the first wait if it fires before: no timer moved at the first chunk)."""
         self._loop = loop
         self._expire = expire
-        self._due = loop.time() + first_wait
+        now = loop.time()
+        self._due = now + first_wait
         self._idle = first_wait
         self._paused = False
-        self._armed = self._due
-        self._handle: asyncio.TimerHandle | None = loop.call_at(self._due, self._check)
+        self._armed = now + idle if idle is not None and idle < first_wait else self._due
+        self._handle: asyncio.TimerHandle | None = loop.call_at(self._armed, self._check)
 
     def pause(self) -> None:
         self._paused = True
@@ -439,7 +443,7 @@ class StreamRelay:
             went_idle = True
             task.cancel()
 
-        idle_timer = IdleTimer(loop, expire, first_wait)
+        idle_timer = IdleTimer(loop, expire, first_wait, idle)
         try:
             async for chunk in chunks:
                 idle_timer.pause()  # a slow client is not an idle engine

@@ -53,3 +53,28 @@ def test_cancelled_it_never_fires() -> None:
             await asyncio.sleep(0.6)
 
     asyncio.run(main())
+
+
+def test_armed_for_the_shorter_idle_wait_the_first_wait_still_holds() -> None:
+    """Given the idle wait up front (shorter than the first), the timer fires early, re-arms, and the
+    first wait still runs its full length; after the first chunk the idle wait applies with no re-arm."""
+    async def main() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(None) as deadline:
+                IdleTimer(loop, deadline.reschedule, 0.4, idle=0.1)  # no chunk ever comes
+                await asyncio.sleep(30)
+        first = loop.time() - t0
+        t0 = loop.time()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(None) as deadline:
+                timer = IdleTimer(loop, deadline.reschedule, 30.0, idle=0.1)
+                await asyncio.sleep(0.05)
+                timer.pause()
+                timer.resume(0.1)  # the first chunk: from now on 0.1 s of silence ends it
+                await asyncio.sleep(30)
+        return first, loop.time() - t0
+
+    first, idle = asyncio.run(main())
+    assert 0.38 < first < 2 and 0.13 < idle < 2
