@@ -406,6 +406,8 @@ class ProxyResponse:
         return any(w.id not in self._tried and w.id not in blocked for w in self.rt.router.candidates(self.call.model))
 
     def _settle_5xx(self, request_caused: bool) -> None:
+        if not self._judge.pending:  # (nothing held: the usual case)
+            return
         rt = self.rt
         now = rt.clock.now()
         for wid, status in self._judge.settle(request_caused):
