@@ -258,6 +258,10 @@ class _Cycle:
             if self.remaining != 0:
                 raise RuntimeError("Response content shorter than Content-Length")
             self.complete = True
+            # The answer is complete: its bytes leave now (one write with whatever this step queued before
+            # them), not after the rest of the app's step (its accounting after the last send); the flush
+            # already scheduled then finds nothing.
+            conn._flush()
             self.wake()
             conn.response_complete(self)
 
