@@ -7,8 +7,10 @@ Every request to ``POST /v1/chat/completions`` or ``POST /v1/completions`` would
 through about ten ASGI layers (FastAPI telemetry, server-error and exception middleware, the body
 limit and exit-stack middleware, route matching, Starlette's request/response wrapper), each one a
 coroutine call per request and a wrapped ``send`` per message: together more CPU than the proxying
-itself. ``GatewayApp.__call__`` answers those two paths directly and hands everything else to
-FastAPI unchanged. The routes stay declared on the app (``app.add_route``; their request schemas in
+itself. ``GatewayApp.__call__`` answers those paths directly and hands everything else to
+FastAPI unchanged; on the gateway's own connection protocol (``http_server.py``) they do not even
+go through ``__call__`` and uvicorn's proxy-headers middleware: the protocol calls ``serve_direct``
+(the same code, measured in docs/benchmarks.md, issue 13, "the hot routes straight from the protocol"). The routes stay declared on the app (``app.add_route``; their request schemas in
 ``/openapi.json`` come from ``openapi.py`` as before), and any scope this fast path does not take (a
 ``root_path`` mount, other methods) is FastAPI's as before.
 
@@ -41,8 +43,8 @@ class HotHeaders(Headers):
     ``get``: two Python calls and a loop; a hot request makes five to seven lookups). The first value
     of a repeated name wins, as in Starlette; ``raw``/``getlist``/``items`` are Starlette's."""
 
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        self._list = raw
+    def __init__(self, raw: Any) -> None:
+        self._list = raw if isinstance(raw, list) else list(raw)
         self._first: dict[str, str] | None = None
 
     def _lookup(self) -> dict[str, str]:
@@ -95,8 +97,9 @@ class GatewayApp(FastAPI):
         return None
 
     async def serve_direct(self, endpoint: Endpoint, scope: Any, receive: Any, send: Any, cycle: Any) -> None:
-        """``endpoint`` for a request of the connection protocol: ``cycle.start_tried`` says whether the
-        answer's head was offered to ``send`` (after which an error can no longer be rendered)."""
+        """Run ``endpoint`` and its response; ``cycle.start_tried`` says whether the answer's head was offered
+        to ``send`` (after which an error can no longer be rendered: it is re-raised and the server closes
+        the connection). The connection protocol passes its request cycle; ``__call__`` a ``_TrackedSend``."""
         scope["app"] = self
         request = HotRequest(scope, receive, send)
         try:
@@ -109,7 +112,7 @@ class GatewayApp(FastAPI):
             error_response = await handler(request, exc)
             await error_response(scope, receive, send)
             if self._handler_is_catch_all(exc):
-                raise
+                raise  # as Starlette's ServerErrorMiddleware: the server logs it too
 
     def add_hot_route(self, path: str, endpoint: Endpoint) -> None:
         """``POST path`` served by ``endpoint`` without FastAPI's layers (and declared as a normal route)."""
@@ -132,33 +135,29 @@ class GatewayApp(FastAPI):
         return None
 
     async def _serve_hot(self, endpoint: Endpoint, scope: Any, receive: Any, send: Any) -> None:
-        scope["app"] = self
-        request = HotRequest(scope, receive, send)
-        started = False
-
-        async def tracked_send(message: Any) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            response = await endpoint(request)
-            await response(scope, receive, tracked_send)
-        except Exception as exc:
-            handler = self._handler(exc)
-            if started or handler is None:
-                raise
-            error_response = await handler(request, exc)
-            await error_response(scope, receive, send)
-            if self._handler_is_catch_all(exc):
-                raise  # as Starlette's ServerErrorMiddleware: the server logs it too
+        tracked = _TrackedSend(send)
+        await self.serve_direct(endpoint, scope, receive, tracked, tracked)
 
     def _handler_is_catch_all(self, exc: Exception) -> bool:
         for cls in type(exc).__mro__:
             if cls in self.exception_handlers:
                 return cls is Exception
         return False
+
+
+class _TrackedSend:
+    """An ASGI ``send`` that remembers whether the answer's head went out (``start_tried``)."""
+
+    __slots__ = ("send", "start_tried")
+
+    def __init__(self, send: Any) -> None:
+        self.send = send
+        self.start_tried = False
+
+    async def __call__(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            self.start_tried = True
+        await self.send(message)
 
 
 # --- small per-request helpers ------------------------------------------------------------------
