@@ -22,6 +22,7 @@ from bisect import bisect_left
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.values import MutexValue
 
 
 class Cell:
@@ -107,6 +108,9 @@ class HistogramChild:
 
 
 def _fast(found: Any) -> Any:
+    value = getattr(found, "_sum", None) if isinstance(found, Histogram) else getattr(found, "_value", None)
+    if not isinstance(value, (MutexValue, Cell)):  # (prometheus_client's multiprocess mode: left as it is)
+        return found
     if isinstance(found, Counter):
         return CounterChild(found)
     if isinstance(found, Gauge) and found._multiprocess_mode == "all":
