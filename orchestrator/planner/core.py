@@ -134,6 +134,9 @@ class PlannerSettings:
     rise_quantile: float = 0.0  # size prefill for the lead forecast times this quantile of how far the
     # arrivals outran it recently (``rise_factor``; 0 = off)
     standby_wake_s: float = 5.0  # seconds a standby worker takes to serve once activated
+    standby_net_of_spare: bool = False  # warm standby is insurance for load beyond what the serving pool holds;
+    # serving workers the pool keeps beyond the model's sizing (the burst floor, scale-in hysteresis) are the
+    # same insurance in rotation already, so the standby pool wanted is ``standby_*`` minus that spare (>= 0)
     cold_backlog: str = "off"  # load mode: "off" = every confirmed shortfall starts cold workers; otherwise
     # start cold prefill workers only for a backlog that outlasts the start-up, judged against the arrivals
     # seen now ("observed": the larger of the forecast and the rate measured from the queue's growth between
@@ -159,6 +162,10 @@ class PlanDecision:
     peak_decode_streams: float | None = None  # peak streams in flight on decode within the interval
     standby: dict[str, int] = field(default_factory=dict)
     changes: dict[str, str] = field(default_factory=dict)  # role → why its count changes
+    # role → workers the model sized for (incl. the latency guard's +1) and the count after the burst
+    # floor: what serving capacity is for (``dyad plan``'s worker-hour breakdown); empty when not planned
+    sized: dict[str, int] = field(default_factory=dict)
+    floored: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -170,7 +177,7 @@ class PlanDecision:
             "desired": self.desired, "current": self.current, "standby": self.standby,
             "actions": [a.to_dict() for a in self.actions],
             "correction": self.correction, "predictors": self.predictors, "reasons": self.reasons,
-            "changes": self.changes,
+            "changes": self.changes, "sized": self.sized, "floored": self.floored,
         }
 
     def timeline_row(self) -> dict[str, Any]:
@@ -194,6 +201,7 @@ class PlanDecision:
             "standby": dict(self.standby),
             "correction": {k: r(v) for k, v in self.correction.items() if k in ("ttft", "itl")},
             "changes": dict(self.changes),
+            "floor_held": {k: max(0, self.floored.get(k, v) - v) for k, v in self.sized.items()},
             "actions": [f"{a.kind} {a.role.value}" + (f" {a.worker_id}" if a.worker_id else "")
                         + (f" -> {a.then}" if a.then else "") for a in self.actions],
         }
@@ -225,6 +233,7 @@ class Planner:
         # per interval: (5-s peak arrival rate, peak decode streams) — the burst history of ``standby_auto``
         self._bursts: deque[tuple[float, float]] = deque(maxlen=max(2, self.settings.jump_memory + self.horizon_steps()))
         self._standby_sized: dict[Role, int] = dict.fromkeys(ROLES, 0)
+        self._spare: dict[Role, int] = {}  # serving workers kept beyond the model's sizing, this interval
         # per interval: [observed rate, the lead rate forecast after it] (``rise_factor``)
         self._leads: deque[list[float | None]] = deque(maxlen=max(2, self.settings.jump_memory + self.lead_steps() + 1))
         self.last: PlanDecision | None = None
@@ -309,9 +318,10 @@ class Planner:
     def _standby_want(self) -> dict[Role, int]:
         s = self.settings
         fixed = {Role.PREFILL: s.standby_prefill, Role.DECODE: s.standby_decode}
-        if s.standby_auto:
-            return {r: max(fixed[r], self._standby_sized[r]) for r in ROLES}
-        return fixed
+        want = {r: max(fixed[r], self._standby_sized[r]) for r in ROLES} if s.standby_auto else fixed
+        if s.standby_net_of_spare:
+            want = {r: max(0, want[r] - self._spare.get(r, 0)) for r in ROLES}
+        return want
 
     def burst_jumps(self) -> tuple[float, float]:
         """How far the load rose above what the burst floor held, in the recent past, as a factor:
@@ -512,21 +522,28 @@ class Planner:
             budget = total  # split the workers we have in proportion to need
             p, d = fit_budget(sizing.prefill_exact, sizing.decode_exact, replace(s.limits, budget=total))
             want = {Role.PREFILL: p, Role.DECODE: d}
+            floored = dict(want)
         elif self.burst_window() > 0:
-            want, exact = self._capacity_floor(want, exact, counts, now, reasons)
-        want = self._latency_guard(want, counts, obs, reasons, decode_saturated)
+            floored, exact = self._capacity_floor(want, exact, counts, now, reasons)
+        else:
+            floored = dict(want)
+        guarded = self._latency_guard(floored, counts, obs, reasons, decode_saturated)
+        sized = {r.value: guarded[r] if guarded[r] != floored[r] else want[r] for r in ROLES}
+        want = guarded
         target = self._hysteresis(want, exact, counts, now, reasons, budget)
         target = self._decode_floor(target, counts, streams_now[Role.DECODE], planned, reasons)
         for r in ROLES:
             if target[r] > counts[r]:
                 self._grown[r] = (now, exact[r])
+        self._spare = {r: max(0, target[r] - sized[r.value]) for r in ROLES}
         changes = self._explain(target, counts, want, reasons)
         actions += self._actions(target, counts, fleet, now, standby)
         desired = {r.value: target[r] for r in ROLES}
         self.last = PlanDecision(now, obs, forecast, sizing, desired, current, actions,
                                  asdict(self.correction), self.load.chosen(), reasons, lead_rate=lead,
                                  peak_decode_streams=max(peak_streams[Role.DECODE], streams_now[Role.DECODE]),
-                                 standby=standby_n, changes=changes)
+                                 standby=standby_n, changes=changes, sized=sized,
+                                 floored={r.value: max(sized[r.value], want[r]) for r in ROLES})
         return self.last
 
     def _explain(self, target: dict[Role, int], counts: dict[Role, int], want: dict[Role, int],

@@ -87,6 +87,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--standby-auto", action="store_true",
                         help="keep more than --standby-prefill/--standby-decode warm workers when the recent bursts "
                              "need them (sized from observed burst factors)")
+    parser.add_argument("--standby-net-of-spare", action=argparse.BooleanOptionalAction, default=None,
+                        help="count serving workers kept beyond the model's sizing (burst floor, scale-in "
+                             "hysteresis) against the warm standby pool (default: PlannerSettings')")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--cold-backlog", choices=["off", "observed", "forecast"], default="off",
@@ -99,6 +102,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="queue-length baseline: requests per decode worker")
     parser.add_argument("--keda-window", type=float, default=300.0, help="baseline scale-down stabilization, s")
     parser.add_argument("--no-static-search", action="store_true", help="skip the static search (faster)")
+    parser.add_argument("--static", default=None, metavar="P:D",
+                        help="replay this static split as the comparison row instead of searching (e.g. a split "
+                             "an earlier search found)")
     parser.add_argument("--plot", default=None,
                         help=f"write a PNG here: load, workers, TTFT/ITL vs the SLO per strategy (needs {PLOT_EXTRA})")
 
@@ -165,6 +171,8 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         standby_auto=g(args, "standby_auto", False), standby_prefill=g(args, "standby_prefill", 1),
         standby_decode=g(args, "standby_decode", 1),
         standby_wake_s=g(args, "standby_wake_s", 5.0), cold_backlog=g(args, "cold_backlog", "off"))
+    if g(args, "standby_net_of_spare", None) is not None:
+        settings.standby_net_of_spare = args.standby_net_of_spare
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
     return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
 
@@ -326,6 +334,45 @@ def with_cost(summary: dict[str, Any], res: SimResult, lim: Limits) -> dict[str,
     return summary
 
 
+BREAKDOWN_PARTS = ("standby", "starting", "waking", "floor", "hold", "sized")
+
+
+def breakdown(res: SimResult, static_wh: float | None = None) -> dict[str, Any]:
+    """Where a run's worker-hours went (pure accounting over the replay): warm ``standby`` (incl. starting
+    into it), cold ``starting`` and ``waking`` standby (paid, not serving), and serving workers split into
+    those the burst ``floor`` kept beyond the model's sizing, those ``hold`` kept beyond both (scale-in
+    hysteresis, the churn rule, one worker back per interval) and the rest (``sized``: what the model
+    asked for, the latency guard and the 1 + 1 minimum included). With ``static_wh``: ``sized`` minus
+    the static split's worker-hours is the serving capacity above it (negative: below it, in troughs)."""
+    ss = res.state_seconds
+    per_role: dict[str, dict[str, float]] = {}
+    for key, sec in ss.items():
+        bucket, role = key.split(":", 1)
+        per_role.setdefault(role, {})
+        per_role[role][bucket] = per_role[role].get(bucket, 0.0) + sec / 3600.0
+    out: dict[str, Any] = {}
+    for part in BREAKDOWN_PARTS:
+        if part == "sized":
+            v = sum(r.get("serving", 0.0) - r.get("floor", 0.0) - r.get("hold", 0.0) for r in per_role.values())
+        else:
+            v = sum(r.get(part, 0.0) for r in per_role.values())
+        out[part] = round(v, 4)
+    out["by_role"] = {role: {k: round(v, 4) for k, v in sorted(r.items())} for role, r in sorted(per_role.items())}
+    if static_wh is not None:
+        out["static"] = round(static_wh, 4)
+        out["sized_above_static"] = round(out["sized"] - static_wh, 4)
+        out["excess_over_static"] = round(res.worker_seconds / 3600.0 - static_wh, 4)
+    return out
+
+
+def _breakdown_line(name: str, b: dict[str, Any]) -> str:
+    parts = [f"standby {b['standby']:.3f}", f"starting {b['starting'] + b['waking']:.3f}",
+             f"floor {b['floor']:.3f}", f"hold {b['hold']:.3f}", f"sized {b['sized']:.3f}"]
+    if "static" in b:
+        parts.append(f"(sized - static {b['sized_above_static']:+.3f}; total - static {b['excess_over_static']:+.3f})")
+    return f"  {name}: worker-hours " + ", ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     from orchestrator.sim.profiles import load_profile
 
@@ -354,7 +401,18 @@ def run(args: argparse.Namespace) -> int:
     decisions: dict[str, list[dict[str, Any]]] = {}
     tried: list[dict[str, Any]] = []
     static: tuple[int, int] | None = None
-    if not args.no_static_search:
+    given = getattr(args, "static", None)
+    if given:
+        try:
+            static = tuple(int(x) for x in given.split(":"))  # type: ignore[assignment]
+            assert static is not None and len(static) == 2 and min(static) >= 1
+        except (ValueError, AssertionError):
+            return fail(f"--static must be P:D with P, D >= 1 (got {given!r})")
+        sres = simulate(args, profile, reqs, FleetSpec(*static), decode_profile=decode_profile)
+        name = f"static P={static[0]} D={static[1]} (given)"
+        rows.append({"strategy": name, **with_cost(sres.summary(args.ttft, args.itl), sres, lim)})
+        timelines[name] = interval_rows(sres, args.interval, args.ttft, args.itl, static)
+    elif not args.no_static_search:
         log("searching static splits ...")
         static, best, tried, sres = search_static(args, profile, reqs, log, decode_profile)
         name = f"static P={static[0]} D={static[1]} (best in hindsight)"
@@ -381,8 +439,15 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['strategy']:44} {100 * r['slo_attainment']:7.2f} {r['worker_hours']:9.3f} {r['cost']:8.3f} "
               f"{r['goodput_per_worker']:10.3f} {_ms(r['ttft_p99_s']):>9} {_ms(r['itl_p90_s']):>8}")
+    static_wh = rows[0]["worker_hours"] if static is not None else None
+    rows[-2]["worker_hours_breakdown"] = breakdown(dyn, static_wh)
+    rows[-1]["worker_hours_breakdown"] = breakdown(base, static_wh)
     if static is not None:
-        print(f"dynamic / best static worker-hours: {rows[1]['worker_hours'] / rows[0]['worker_hours']:.3f}")
+        print(f"dynamic / {'given' if given else 'best'} static worker-hours: "
+              f"{rows[1]['worker_hours'] / rows[0]['worker_hours']:.3f}")
+    print("where the worker-hours went (standby | starting+waking | burst floor | scale-in hold | sized by the model):")
+    print(_breakdown_line("planner", rows[-2]["worker_hours_breakdown"]))
+    print(_breakdown_line("autoscaler", rows[-1]["worker_hours_breakdown"]))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({
             "trace": args.trace, "requests": len(reqs), "profile": profile.name,

@@ -217,6 +217,15 @@ class SimWorker:
     state: str = "starting"  # starting | healthy | draining | switching | standby
     switch_to: Role | None = None
     to_standby: bool = False  # planner hook: started into the warm standby pool (out of rotation)
+    waking: bool = False  # activated from warm standby, not serving yet
+
+    def bucket(self) -> str:
+        """What its worker-seconds pay for (``SimResult.state_seconds``)."""
+        if self.state == "standby" or (self.state == "starting" and self.to_standby):
+            return "standby"
+        if self.state == "starting":
+            return "waking" if self.waking else "starting"
+        return "serving"  # healthy, draining (finishing its work) or switching role
 
 
 @dataclass
@@ -235,6 +244,12 @@ class SimResult:
     decisions: list[PlanDecision] = field(default_factory=list)
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, prefill, decode, both)
     role_seconds: dict[str, float] = field(default_factory=dict)  # worker-seconds per role (costs)
+    # worker-seconds by what they paid for: "serving" (in rotation: healthy, draining, switching),
+    # "starting" (cold start, not serving yet), "waking" (activated standby, not serving yet), "standby"
+    # (warm, out of rotation, incl. starting into it); and, within "serving", "floor" (workers the
+    # planner's burst floor kept beyond its model's sizing) and "hold" (kept beyond both by scale-in
+    # hysteresis / the churn rule / a role's minimum pace of giving back). Per role: "<bucket>:<role>".
+    state_seconds: dict[str, float] = field(default_factory=dict)
 
     def summary(self, ttft_s: float, itl_s: float) -> dict[str, Any]:
         done = [r for r in self.requests if r.finish is not None]
@@ -356,6 +371,9 @@ class VirtualFleet:
         self.standby_wake_s = float(getattr(getattr(scaler, "settings", None), "standby_wake_s", 5.0))
         self._role_seconds: dict[str, float] = {}
         self._roles: dict[str, int] | None = None  # workers per role, for role_seconds
+        self._buckets: dict[tuple[str, str], int] | None = None  # (bucket, role) → workers, for state_seconds
+        self._state_seconds: dict[str, float] = {}
+        self._held: dict[str, tuple[int, int]] = {}  # role → (model's sizing, after the burst floor), last tick
         self.workers: dict[str, SimWorker] = {}
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
@@ -398,13 +416,13 @@ class VirtualFleet:
             w.state = WorkerState.UNHEALTHY
             self._push(sw.ready_at, "ready", wid)
         self.workers[wid] = sw
-        self._roles = None
+        self._roles = self._buckets = None
         self.registry.add(w)
         return sw
 
     def _remove_worker(self, wid: str) -> SimWorker:
         sw = self.workers.pop(wid)
-        self._roles = None
+        self._roles = self._buckets = None
         self.registry.remove(wid)
         return sw
 
@@ -426,7 +444,30 @@ class VirtualFleet:
                     self._roles[k] = self._roles.get(k, 0) + 1
             for k, n in self._roles.items():
                 self._role_seconds[k] = self._role_seconds.get(k, 0.0) + n * dt
+            if self._buckets is None:
+                self._buckets = self._count_buckets()
+            for (b, k), n in self._buckets.items():
+                key = f"{b}:{k}"
+                self._state_seconds[key] = self._state_seconds.get(key, 0.0) + n * dt
             self._last_t = now
+
+    def _count_buckets(self) -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], int] = {}
+        serving: dict[str, int] = {}
+        for sw in self.workers.values():
+            k = (sw.bucket(), sw.worker.role.value)
+            out[k] = out.get(k, 0) + 1
+            if k[0] == "serving":
+                serving[k[1]] = serving.get(k[1], 0) + 1
+        for role, (sized, floored) in self._held.items():
+            n = serving.get(role, 0)
+            floor = min(max(0, n - sized), max(0, floored - sized))
+            hold = max(0, n - max(sized, floored))
+            if floor:
+                out[("floor", role)] = floor
+            if hold:
+                out[("hold", role)] = hold
+        return out
 
     def counts(self) -> tuple[int, int, int]:
         c = {Role.PREFILL: 0, Role.DECODE: 0, Role.BOTH: 0}
@@ -554,12 +595,16 @@ class VirtualFleet:
             if a.kind == "start":
                 self._add_worker(a.role, now).to_standby = a.then == "standby"
             elif a.kind == "activate" and sw is not None:  # warm standby → rotation
+                self._accrue(now)
                 if sw.state == "standby":
-                    sw.state = "starting"
+                    sw.state, sw.waking = "starting", True
                     self._push(now + self.standby_wake_s, "ready", a.worker_id)
                 sw.to_standby = False
+                self._buckets = None
             elif a.kind == "park" and sw is not None:  # idle → warm standby (out of rotation)
+                self._accrue(now)
                 sw.state, sw.to_standby = "standby", False
+                self._buckets = None
                 sw.worker.state = WorkerState.DRAINING
             elif a.kind == "drain" and sw is not None:
                 sw.state = "draining"
@@ -590,6 +635,8 @@ class VirtualFleet:
         self.decisions.append(d)
         if self.on_decision:
             self.on_decision(d)
+        self._held = {r: (d.sized[r], d.floored.get(r, d.sized[r])) for r in getattr(d, "sized", {}) or {}}
+        self._buckets = None
         self.apply(d.actions, now)
 
     def _react(self, now: float) -> None:
@@ -652,10 +699,11 @@ class VirtualFleet:
                 self._handoff(payload, t)
             elif kind == "ready":
                 sw = self.workers.get(payload)
+                self._buckets = None
                 if sw is not None and sw.state == "starting" and sw.to_standby:
                     sw.state, sw.to_standby = "standby", False  # warm, out of rotation
                 elif sw is not None and sw.state == "starting":  # (a parked worker is DRAINING: set, not probed)
-                    sw.state = "healthy"
+                    sw.state, sw.waking = "healthy", False
                     sw.worker.health_ok, sw.worker.state = True, WorkerState.HEALTHY
                     self._drain_pending(t)
             elif kind == "switched":
@@ -663,7 +711,7 @@ class VirtualFleet:
                 if sw is not None and sw.switch_to is not None:
                     self._accrue(t)
                     sw.worker.role = sw.engine.role = sw.switch_to
-                    self._roles = None
+                    self._roles = self._buckets = None
                     sw.switch_to, sw.state = None, "healthy"
                     self.registry.undrain(sw.worker.id)
                     self._drain_pending(t)
@@ -681,7 +729,7 @@ class VirtualFleet:
         end = self.clock.now()
         self._accrue(end)
         return SimResult(list(requests), end, self._worker_seconds, time.perf_counter() - wall0,
-                         self.decisions, self.timeline, dict(self._role_seconds))
+                         self.decisions, self.timeline, dict(self._role_seconds), dict(self._state_seconds))
 
 
 # ------------------------------------------------------------------------------------------ helpers
