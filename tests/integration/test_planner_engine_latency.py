@@ -26,6 +26,7 @@ from orchestrator.planner.metrics_source import EngineLatency, latency_from_engi
 from orchestrator.sim.profiles import load_profile
 from orchestrator.sim.server import SimEngineThread
 from orchestrator.sim.virtual_time import sweep_profile
+from tests.fixtures.planner_live import open_loop
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -65,28 +66,7 @@ async def streamed(url: str, rate: float, seconds: float) -> list[str]:
 
 
 async def drive(url: str, rate: float, until, max_s: float) -> tuple[int, list[str]]:
-    failures: list[str] = []
-    tasks: set[asyncio.Task] = set()
-    sent = 0
-    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        async def one(body: dict) -> None:
-            try:
-                r = await c.post("/v1/completions", json=body)  # not streamed
-                if r.status_code != 200:
-                    failures.append(f"{r.status_code} {r.text[:200]}")
-            except httpx.HTTPError as e:
-                failures.append(repr(e))
-
-        start = time.monotonic()
-        while time.monotonic() - start < max_s and not (time.monotonic() - start > 2 and until()):
-            t = asyncio.create_task(one(prefill_heavy()))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-            sent += 1
-            await asyncio.sleep(1 / rate)
-        if tasks:
-            await asyncio.wait(tasks, timeout=60)
-    return sent, failures
+    return await open_loop(url, prefill_heavy, rate, until, max_s)  # not streamed
 
 
 def test_non_streamed_fleet_plans_and_starts_a_worker(tmp_path: Path):

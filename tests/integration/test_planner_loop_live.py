@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,9 +35,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
 from orchestrator.planner.install import min_serve_s
-from orchestrator.sim.profiles import load_profile
-from orchestrator.sim.server import SimEngineThread
-from orchestrator.sim.virtual_time import sweep_profile
+from tests.fixtures.planner_live import sim_pd_setup
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -174,14 +171,8 @@ async def day(url: str) -> tuple[int, list[str]]:
 
 
 def test_planner_follows_a_day_with_local_engines(tmp_path: Path):
-    engine_file = tmp_path / "engine.json"
-    engine_file.write_text(json.dumps(ENGINE))
-    perf = tmp_path / "perf.json"
-    perf.write_text(json.dumps(sweep_profile(load_profile(str(engine_file)))))  # `dyad profile --sim <file>`
-    cmd = (f"{sys.executable} -m orchestrator.cli sim-engine --port {{port}} --model {MODEL} "
-           f"--profile {engine_file} --no-kv-events --seed 7")
-    static = [SimEngineThread(model=MODEL, profile=load_profile(str(engine_file)), seed=i, kv_events=False).start()
-              for i in range(2)]
+    setup = sim_pd_setup(tmp_path, ENGINE, MODEL)  # `dyad profile --sim <file>` + 1P/1D sim engines
+    perf, cmd, static = setup.perf, setup.cmd, setup.static
     gw = None
     monitor = None
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from orchestrator.gateway.serve import GatewayThread
 from orchestrator.sim.profiles import load_profile
 from orchestrator.sim.server import SimEngineThread
 from orchestrator.sim.virtual_time import sweep_profile
+from tests.fixtures.planner_live import open_loop
 from tests.fixtures.prometheus import prometheus_server  # noqa: F401
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.timeout(180)]
@@ -49,31 +49,7 @@ def peak_seen(url: str) -> bool:
 async def drive(url: str, make_body: Callable[[], dict], rate: float, until: Callable[[], bool],
                 max_s: float) -> tuple[int, list[str]]:
     """Open-loop traffic at ``rate`` req/s until ``until()`` (checked after min 2 s) or ``max_s``."""
-    failures: list[str] = []
-    sent = 0
-    tasks: set[asyncio.Task] = set()
-    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        async def one(body: dict) -> None:
-            try:
-                r = await c.post("/v1/completions", json=body)
-                if r.status_code != 200:
-                    failures.append(f"{r.status_code} {r.text[:200]}")
-            except httpx.HTTPError as e:
-                failures.append(repr(e))
-
-        start = time.monotonic()
-        while True:
-            elapsed = time.monotonic() - start
-            if elapsed > max_s or (elapsed > 2 and until()):
-                break
-            t = asyncio.create_task(one(make_body()))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-            sent += 1
-            await asyncio.sleep(1 / rate)
-        if tasks:
-            await asyncio.wait(tasks, timeout=60)
-    return sent, failures
+    return await open_loop(url, make_body, rate, until, max_s)
 
 
 def prefill_heavy() -> dict:

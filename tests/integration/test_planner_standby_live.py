@@ -16,8 +16,6 @@ second prefill worker). The planner keeps ``standby_prefill: 1``:
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,9 +26,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.fleet.worker import WorkerState
 from orchestrator.gateway.serve import GatewayThread
-from orchestrator.sim.profiles import load_profile
-from orchestrator.sim.server import SimEngineThread
-from orchestrator.sim.virtual_time import sweep_profile
+from tests.fixtures.planner_live import sim_pd_setup
 from tests.integration.test_planner_loop_live import ENGINE, MODEL, chat_body, one_stream
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -65,14 +61,8 @@ async def traffic(url: str, rate: float, until, max_s: float) -> tuple[int, list
 
 
 def test_standby_worker_is_held_out_then_activated(tmp_path: Path):
-    engine_file = tmp_path / "engine.json"
-    engine_file.write_text(json.dumps(ENGINE))
-    perf = tmp_path / "perf.json"
-    perf.write_text(json.dumps(sweep_profile(load_profile(str(engine_file)))))
-    cmd = (f"{sys.executable} -m orchestrator.cli sim-engine --port {{port}} --model {MODEL} "
-           f"--profile {engine_file} --no-kv-events --seed 7")
-    static = [SimEngineThread(model=MODEL, profile=load_profile(str(engine_file)), seed=i, kv_events=False).start()
-              for i in range(2)]
+    setup = sim_pd_setup(tmp_path, ENGINE, MODEL)  # `dyad profile --sim <file>` + 1P/1D sim engines
+    perf, cmd, static = setup.perf, setup.cmd, setup.static
     gw = None
     stop = threading.Event()
     try:
