@@ -134,7 +134,7 @@ class PlannerSettings:
     rise_quantile: float = 0.0  # size prefill for the lead forecast times this quantile of how far the
     # arrivals outran it recently (``rise_factor``; 0 = off)
     standby_wake_s: float = 5.0  # seconds a standby worker takes to serve once activated
-    standby_net_of_spare: bool = False  # warm standby is insurance for load beyond what the serving pool holds;
+    standby_net_of_spare: bool = True  # warm standby is insurance for load beyond what the serving pool holds;
     # serving workers the pool keeps beyond the model's sizing (the burst floor, scale-in hysteresis) are the
     # same insurance in rotation already, so the standby pool wanted is ``standby_*`` minus that spare (>= 0)
     cold_backlog: str = "off"  # load mode: "off" = every confirmed shortfall starts cold workers; otherwise

@@ -335,7 +335,8 @@ def test_standby_is_used_before_cold_starts_and_refilled():
 
 def test_scale_in_parks_a_worker_in_standby_when_the_pool_is_short():
     settings = PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
-                               correct_from_latency=False, standby_prefill=1, scale_in_intervals=1)
+                               correct_from_latency=False, standby_prefill=1, scale_in_intervals=1,
+                               standby_net_of_spare=False)  # the fixed pool (net of spare: test_planner_worker_hours)
     pl = Planner(perf(), settings)
     d = pl.step(_obs(60, 0.1, 1000, 50), _fleet(3, 1), 60)
     assert ("park", Role.PREFILL) in [(a.kind, a.role) for a in d.actions]
@@ -400,7 +401,8 @@ def test_a_spike_between_intervals_does_not_start_cold_workers():
 
 def test_an_activated_standby_worker_is_parked_again_not_replaced_by_a_cold_start():
     settings = PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
-                               correct_from_latency=False, standby_prefill=1, scale_in_intervals=2)
+                               correct_from_latency=False, standby_prefill=1, scale_in_intervals=2,
+                               standby_net_of_spare=False)  # the fixed pool (net of spare: test_planner_worker_hours)
     pl = Planner(perf(), settings)
     fleet = _fleet(3, 1)  # one more prefill worker than 0.1 req/s needs (a false alarm woke it)
     d1 = pl.step(_obs(60, 0.1, 1000, 50), fleet, 60)
@@ -511,7 +513,7 @@ def _burst_obs(t: float, rate: float, peak: float) -> Observation:
 def test_auto_standby_is_sized_from_recent_jumps_and_is_zero_when_calm():
     settings = PlannerSettings(targets=Targets(0.5, 0.05), limits=Limits(budget=40), predictor="constant",
                                interval_s=30, start_s=60, burst_window_s=None, correct_from_latency=False,
-                               standby_auto=True)
+                               standby_auto=True, standby_net_of_spare=False)  # the sizing itself, not netted
     calm = Planner(perf(), settings)
     fleet = _fleet(2, 2)
     for k in range(1, 12):
