@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -407,12 +407,14 @@ class PlannerConfig(_Section):
         "auto", description="Load predictor; auto = lowest rolling backtest error")
     season: int = Field(24, ge=2, description="Holt-Winters season length, in intervals")
     headroom: float = Field(0.0, ge=0, description="Plan for (1 + headroom) x the forecast request rate")
-    burst_window_s: float = Field(
-        0.0, ge=0, description="Burst floor (0 = off): size prefill for the arrival peak over seconds and keep "
-                               "the largest prefill sizing of this window; set it well above an engine's start time")
+    burst_window_s: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        0.0, description="Burst floor (0 = off): size prefill for the arrival peak over seconds and keep "
+                         "the largest prefill sizing of this window; set it well above an engine's start time. "
+                         "auto = start_s + interval_s, the time a worker given back takes to return")
     scale_in_margin: float = Field(0.15, ge=0, description="Headroom kept before giving a worker back")
     scale_in_intervals: int = Field(2, ge=1, description="Intervals below capacity before scaling in")
-    scale_in_step: int = Field(1, ge=1, description="Most workers of one role given back per interval (drained first)")
+    scale_in_step: int = Field(1, ge=0, description="Most workers of one role given back per interval (drained "
+                                                     "first); 0 = all above the need plus scale_in_margin")
     decode_headroom: float = Field(
         0.25, ge=0, description="Decode sized for (1 + this) x the peak streams in flight within an interval")
     fast_interval_s: float = Field(
@@ -436,6 +438,19 @@ class PlannerConfig(_Section):
                              "kubernetes); growth activates them in well under a second before starting cold "
                              "ones. They count against max_workers")
     standby_decode: int = Field(0, ge=0, description="Warm standby decode workers (as standby_prefill)")
+    standby_auto: bool = Field(
+        False, description="Keep more warm standby than standby_prefill/standby_decode when recent bursts need it "
+                           "(sized from observed burst factors; opt-in, docs/benchmarks.md Issue 14)")
+    standby_net_of_spare: bool = Field(
+        True, description="Count serving workers kept beyond the model's sizing (burst floor, scale-in "
+                          "hysteresis) against the standby pool: they are warm capacity already")
+    rise_quantile: float = Field(
+        0.0, ge=0, lt=1, description="Size prefill for the lead forecast times this quantile of how far arrivals "
+                                     "recently outran it (0 = off; opt-in)")
+    cold_backlog: Literal["off", "observed", "forecast"] = Field(
+        "off", description="Load mode: start cold prefill workers only for a backlog that outlasts the start-up, "
+                           "judged on arrivals seen now (observed) or the forecast; off = every confirmed "
+                           "shortfall starts cold workers")
     standby_wake_s: float = Field(
         1.0, ge=0, description="Seconds an activated standby worker takes to serve (a registry state change: "
                                "about one health interval)")

@@ -71,9 +71,12 @@ class Action:
     role: Role  # start: role to start; drain/stop/activate/park: current role; set_role: the new role
     worker_id: str | None = None
     then: str | None = None  # drain: "stop", "standby" or the new role's value; start: "standby" or None
+    force: bool = False  # stop/drain: past the actuator's churn guard (``keep_reason``: still starting, or in
+    # rotation for less than its minimum serving time)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "role": self.role.value, "worker_id": self.worker_id, "then": self.then}
+        return {"kind": self.kind, "role": self.role.value, "worker_id": self.worker_id, "then": self.then,
+                "force": self.force}
 
 
 def cold_prefill_need(mode: str, queue: float, forecast_rate: float, observed_rate: float | None,
@@ -193,6 +196,8 @@ class PlanDecision:
             "rate_predicted": r(f.request_rate) if f else None, "rate_lead": r(self.lead_rate),
             "peak_rate": r(o.peak_rate) if o else None,
             "isl": r(o.mean_isl, 1) if o else None, "osl": r(o.mean_osl, 1) if o else None,
+            # where this interval's TTFT/ITL came from: "gateway" (streams), "engines" (their histograms) or None
+            "latency_source": o.latency_source if o else None,
             "ttft_mean_s": r(o.ttft_mean, 4) if o else None, "ttft_p90_s": r(o.ttft_p90, 4) if o else None,
             "itl_mean_s": r(o.itl_mean, 5) if o else None,
             "peak_decode_streams": r(self.peak_decode_streams, 1),
@@ -203,7 +208,8 @@ class PlanDecision:
             "changes": dict(self.changes),
             "floor_held": {k: max(0, self.floored.get(k, v) - v) for k, v in self.sized.items()},
             "actions": [f"{a.kind} {a.role.value}" + (f" {a.worker_id}" if a.worker_id else "")
-                        + (f" -> {a.then}" if a.then else "") for a in self.actions],
+                        + (f" -> {a.then}" if a.then else "") + (" (forced)" if a.force else "") for a in self.actions],
+            "forced": any(a.force for a in self.actions),  # an action overrides the actuators' churn guard
         }
 
 

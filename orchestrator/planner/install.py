@@ -57,11 +57,14 @@ def settings_from_config(cfg: PlannerConfig) -> PlannerSettings:
                       decode_cost=cfg.decode_cost, cost_budget=cfg.cost_budget),
         interval_s=cfg.interval_s, predictor=cfg.predictor, season=cfg.season,
         scale_in_margin=cfg.scale_in_margin, scale_in_intervals=cfg.scale_in_intervals,
-        scale_in_step=cfg.scale_in_step, decode_headroom=cfg.decode_headroom, fast_interval_s=cfg.fast_interval_s,
+        scale_in_step=cfg.scale_in_step or cfg.max_workers, decode_headroom=cfg.decode_headroom, fast_interval_s=cfg.fast_interval_s,
         cooldown_s=cfg.cooldown_s, role_change_s=role_change_s, start_s=cfg.start_s,
         correct_from_latency=cfg.correct_from_latency, headroom=cfg.headroom,
-        burst_window_s=cfg.burst_window_s, fixed_fleet=cfg.actuator == "role_change",
-        standby_prefill=cfg.standby_prefill, standby_decode=cfg.standby_decode, standby_wake_s=cfg.standby_wake_s)
+        burst_window_s=None if cfg.burst_window_s == "auto" else cfg.burst_window_s,
+        fixed_fleet=cfg.actuator == "role_change",
+        standby_prefill=cfg.standby_prefill, standby_decode=cfg.standby_decode, standby_wake_s=cfg.standby_wake_s,
+        standby_auto=cfg.standby_auto, standby_net_of_spare=cfg.standby_net_of_spare,
+        rise_quantile=cfg.rise_quantile, cold_backlog=cfg.cold_backlog)
 
 
 # Shipped as package data: `dyad profile --sim gpu-like --out orchestrator/planner/profiles/gpu-like.json`
@@ -265,7 +268,7 @@ class _DrainingLocal:
         for a in decision.actions:
             w = fleet.get(a.worker_id) if a.worker_id else None
             to_stop = a.kind == "stop" or (a.kind == "drain" and a.then in (None, "stop"))
-            if to_stop and w is not None and not getattr(a, "force", False) and (why := self.keep_reason(w, now)):
+            if to_stop and w is not None and not a.force and (why := self.keep_reason(w, now)):
                 done.append(f"kept {w.id}: {why}")
                 continue
             if a.kind == "drain" and w is not None:

@@ -113,10 +113,7 @@ class PlannerService:
         entry["applied"] = done
         entry["actuator"] = self.actuator.name
         self.history.append(entry)
-        row = decision.timeline_row()
-        # where this interval's TTFT/ITL came from: "gateway" (streams), "engines" (their histograms) or None
-        row["latency_source"] = decision.observation.latency_source if decision.observation else None
-        self.timeline.append(row)
+        self.timeline.append(decision.timeline_row())
 
     async def react_once(self) -> PlanDecision | None:
         """The fast load-reactive look (``Planner.react``) between intervals; acts only to scale out."""

@@ -127,3 +127,39 @@ def test_timeline_row_shows_what_the_floor_held():
     row = d.timeline_row()
     assert row["floor_held"]["prefill"] >= 1  # the 5-s peak of the first interval still sizes prefill
     assert d.floored["prefill"] > d.sized["prefill"]
+
+
+# ---------------------------------------------------------------- timeline row fields, config
+
+def test_timeline_row_has_the_latency_source_and_a_forced_flag():
+    pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
+                                         correct_from_latency=False))
+    obs = _obs(60, 6)
+    obs.latency_source = "engines"
+    d = pl.step(obs, _fleet(1, 1), 60)
+    row = d.timeline_row()
+    assert row["latency_source"] == "engines" and row["forced"] is False
+    assert all("(forced)" not in a for a in row["actions"])
+    d.actions.append(Action("stop", Role.PREFILL, "p0", force=True))
+    row = d.timeline_row()
+    assert row["forced"] is True and row["actions"][-1] == "stop prefill p0 (forced)"
+    assert d.to_dict()["actions"][-1]["force"] is True
+    assert Planner(perf()).step(None, _fleet(1, 1), 1).timeline_row()["latency_source"] is None
+
+
+def test_opt_in_settings_come_from_the_config_file():
+    from orchestrator.config import PlannerConfig
+    from orchestrator.planner.install import settings_from_config
+
+    s = settings_from_config(PlannerConfig(max_workers=12))
+    assert (s.burst_window_s, s.scale_in_step, s.standby_auto, s.rise_quantile, s.cold_backlog,
+            s.standby_net_of_spare) == (0.0, 1, False, 0.0, "off", True)
+    s = settings_from_config(PlannerConfig(
+        max_workers=12, burst_window_s="auto", scale_in_step=0, standby_auto=True, rise_quantile=0.9,
+        cold_backlog="observed", standby_net_of_spare=False))
+    assert s.burst_window_s is None and Planner(perf(), s).burst_window() == s.start_s + s.interval_s
+    assert s.scale_in_step == 12  # 0 = everything above the need: at most the whole budget
+    assert (s.standby_auto, s.rise_quantile, s.cold_backlog, s.standby_net_of_spare) == (True, 0.9, "observed", False)
+    for bad in ({"burst_window_s": -1}, {"burst_window_s": "soon"}, {"rise_quantile": 1.0}, {"cold_backlog": "x"}):
+        with pytest.raises(ValueError):
+            PlannerConfig(**bad)
