@@ -341,7 +341,7 @@ def breakdown(res: SimResult, static_wh: float | None = None) -> dict[str, Any]:
     """Where a run's worker-hours went (pure accounting over the replay): warm ``standby`` (incl. starting
     into it), cold ``starting`` and ``waking`` standby (paid, not serving), and serving workers split into
     those the burst ``floor`` kept beyond the model's sizing, those ``hold`` kept beyond both (scale-in
-    hysteresis, the churn rule, one worker back per interval) and the rest (``sized``: what the model
+    hysteresis, the churn rule, the pace of giving back, decode's batch-cap floor) and the rest (``sized``: what the model
     asked for, the latency guard and the 1 + 1 minimum included). With ``static_wh``: ``sized`` minus
     the static split's worker-hours is the serving capacity above it (negative: below it, in troughs)."""
     ss = res.state_seconds
