@@ -271,7 +271,8 @@ def search_static(args: argparse.Namespace, profile: EngineProfile, reqs: list[S
                 hi -= 1
         if hi < 1 or score(p, hi)["slo_attainment"] < args.goal:
             top = args.budget - p
-            if lim.fits(p, top) and score(p, top)["slo_attainment"] > score(*fallback)["slo_attainment"]:
+            # the best-effort fallback matters only while no split reaches the goal (each is a full replay)
+            if best is None and lim.fits(p, top) and score(p, top)["slo_attainment"] > score(*fallback)["slo_attainment"]:
                 fallback = (p, top)
             continue
         lo = 1
