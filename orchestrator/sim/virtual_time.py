@@ -371,7 +371,10 @@ class VirtualFleet:
         self.standby_wake_s = float(getattr(getattr(scaler, "settings", None), "standby_wake_s", 5.0))
         self._role_seconds: dict[str, float] = {}
         self._roles: dict[str, int] | None = None  # workers per role, for role_seconds
-        self._buckets: dict[tuple[str, str], int] | None = None  # (bucket, role) → workers, for state_seconds
+        # "<bucket>:<role>" → workers, for state_seconds; integrated lazily: flushed when the fleet's states
+        # change (``_rebucket``), not on every event
+        self._buckets: dict[str, int] | None = None
+        self._bucket_t = 0.0  # since when ``_buckets`` holds
         self._state_seconds: dict[str, float] = {}
         self._held: dict[str, tuple[int, int]] = {}  # role → (model's sizing, after the burst floor), last tick
         self.workers: dict[str, SimWorker] = {}
@@ -416,13 +419,15 @@ class VirtualFleet:
             w.state = WorkerState.UNHEALTHY
             self._push(sw.ready_at, "ready", wid)
         self.workers[wid] = sw
-        self._roles = self._buckets = None
+        self._roles = None
+        self._rebucket()
         self.registry.add(w)
         return sw
 
     def _remove_worker(self, wid: str) -> SimWorker:
         sw = self.workers.pop(wid)
-        self._roles = self._buckets = None
+        self._roles = None
+        self._rebucket()
         self.registry.remove(wid)
         return sw
 
@@ -445,13 +450,20 @@ class VirtualFleet:
             for k, n in self._roles.items():
                 self._role_seconds[k] = self._role_seconds.get(k, 0.0) + n * dt
             if self._buckets is None:
-                self._buckets = self._count_buckets()
-            for (b, k), n in self._buckets.items():
-                key = f"{b}:{k}"
-                self._state_seconds[key] = self._state_seconds.get(key, 0.0) + n * dt
+                self._buckets, self._bucket_t = self._count_buckets(), self._last_t
             self._last_t = now
 
-    def _count_buckets(self) -> dict[tuple[str, str], int]:
+    def _rebucket(self) -> None:
+        """The workers' states changed (at ``_last_t``, up to which time is accrued): book the seconds of the
+        states that held until now."""
+        if self._buckets is not None:
+            dt = self._last_t - self._bucket_t
+            if dt > 0:
+                for key, n in self._buckets.items():
+                    self._state_seconds[key] = self._state_seconds.get(key, 0.0) + n * dt
+            self._buckets = None
+
+    def _count_buckets(self) -> dict[str, int]:
         out: dict[tuple[str, str], int] = {}
         serving: dict[str, int] = {}
         for sw in self.workers.values():
@@ -467,7 +479,7 @@ class VirtualFleet:
                 out[("floor", role)] = floor
             if hold:
                 out[("hold", role)] = hold
-        return out
+        return {f"{b}:{r}": n for (b, r), n in out.items()}
 
     def counts(self) -> tuple[int, int, int]:
         c = {Role.PREFILL: 0, Role.DECODE: 0, Role.BOTH: 0}
@@ -600,11 +612,11 @@ class VirtualFleet:
                     sw.state, sw.waking = "starting", True
                     self._push(now + self.standby_wake_s, "ready", a.worker_id)
                 sw.to_standby = False
-                self._buckets = None
+                self._rebucket()
             elif a.kind == "park" and sw is not None:  # idle → warm standby (out of rotation)
                 self._accrue(now)
                 sw.state, sw.to_standby = "standby", False
-                self._buckets = None
+                self._rebucket()
                 sw.worker.state = WorkerState.DRAINING
             elif a.kind == "drain" and sw is not None:
                 sw.state = "draining"
@@ -636,7 +648,7 @@ class VirtualFleet:
         if self.on_decision:
             self.on_decision(d)
         self._held = {r: (d.sized[r], d.floored.get(r, d.sized[r])) for r in getattr(d, "sized", {}) or {}}
-        self._buckets = None
+        self._rebucket()
         self.apply(d.actions, now)
 
     def _react(self, now: float) -> None:
@@ -699,7 +711,7 @@ class VirtualFleet:
                 self._handoff(payload, t)
             elif kind == "ready":
                 sw = self.workers.get(payload)
-                self._buckets = None
+                self._rebucket()
                 if sw is not None and sw.state == "starting" and sw.to_standby:
                     sw.state, sw.to_standby = "standby", False  # warm, out of rotation
                 elif sw is not None and sw.state == "starting":  # (a parked worker is DRAINING: set, not probed)
@@ -711,7 +723,8 @@ class VirtualFleet:
                 if sw is not None and sw.switch_to is not None:
                     self._accrue(t)
                     sw.worker.role = sw.engine.role = sw.switch_to
-                    self._roles = self._buckets = None
+                    self._roles = None
+                    self._rebucket()
                     sw.switch_to, sw.state = None, "healthy"
                     self.registry.undrain(sw.worker.id)
                     self._drain_pending(t)
@@ -728,6 +741,7 @@ class VirtualFleet:
                     self._push(t + self.interval_s, "tick", None)
         end = self.clock.now()
         self._accrue(end)
+        self._rebucket()
         return SimResult(list(requests), end, self._worker_seconds, time.perf_counter() - wall0,
                          self.decisions, self.timeline, dict(self._role_seconds), dict(self._state_seconds))
 
