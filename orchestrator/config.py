@@ -413,7 +413,7 @@ class PlannerConfig(_Section):
                          "auto = start_s + interval_s, the time a worker given back takes to return")
     scale_in_margin: float = Field(0.15, ge=0, description="Headroom kept before giving a worker back")
     scale_in_intervals: int = Field(2, ge=1, description="Intervals below capacity before scaling in")
-    scale_in_step: int = Field(0, ge=0, description="Most workers of one role given back per interval (drained "
+    scale_in_step: int = Field(1, ge=0, description="Most workers of one role given back per interval (drained "
                                                      "first); 0 = all above the need plus scale_in_margin")
     decode_headroom: float = Field(
         0.25, ge=0, description="Decode sized for (1 + this) x the peak streams in flight within an interval")

@@ -15,7 +15,7 @@ What it plans for, and why (issue 14):
 - **Separate, bounded corrections** (``LatencyCorrection``), learned only from intervals in which
   the role's serving workers did not change.
 - **Slow scale-in.** A role shrinks only after ``scale_in_intervals`` intervals below its capacity,
-  by at most ``scale_in_step`` workers per interval (0, the default: down to the need plus the margin),
+  by at most ``scale_in_step`` workers per interval (0: down to the need plus the margin at once),
   always through ``drain``.
 - **A fast load-reactive mode** (``react``, every ``fast_interval_s``): between intervals, queued
   prefill work or decode streams beyond what the serving workers hold scale that role out at once.
@@ -110,9 +110,9 @@ class PlannerSettings:
     season: int = 24  # Holt-Winters season, in intervals
     scale_in_margin: float = 0.15  # keep this much headroom before giving a worker back
     scale_in_intervals: int = 2  # consecutive intervals below capacity before scaling in
-    scale_in_step: int = 0  # most workers of one role given back per interval; 0 = all above the need plus
-    # scale_in_margin (a fixed count does not scale with the fleet: 1 per interval halves 40 workers in 20 intervals;
-    # slowness comes from scale_in_intervals, the margin and the churn rule)
+    scale_in_step: int = 1  # most workers of one role given back per interval; 0 = all above the need plus
+    # scale_in_margin (cheaper on 8-14-worker fleets, but on a 28-worker day it gave back 3 decode workers on a
+    # two-interval dip at the peak and missed the SLO: docs/benchmarks.md, Issue 14, helper planner3)
     cooldown_s: float = 0.0  # after a change to a role, no scale-in of that role for this long
     role_change_s: float | None = None  # time a role change takes (None: actuator cannot)
     start_s: float = 60.0  # time an engine takes to start: the lead time of a scale-out

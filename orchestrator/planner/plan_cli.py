@@ -76,8 +76,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rise-quantile", type=float, default=0.0,
                         help="size for the lead forecast times this quantile of how far the load outran it "
                              "recently (a conformal upper bound; 0 = off)")
-    parser.add_argument("--scale-in-step", type=int, default=0,
-                        help="most workers of a role given back per interval (0, the default: all above the need plus margin, "
+    parser.add_argument("--scale-in-step", type=int, default=1,
+                        help="most workers of a role given back per interval (0 = all above the need plus margin, "
                              "after the hysteresis intervals and the churn rule)")
     parser.add_argument("--fast-interval", type=float, default=2.0,
                         help="load-reactive mode: look at queues every this many seconds between intervals (0 = off)")
@@ -166,7 +166,7 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         predictor=g(args, "predictor", "auto"), role_change_s=args.role_change_s, start_s=args.start_s,
         cooldown_s=2 * args.interval, headroom=g(args, "headroom", 0.0),
         decode_headroom=g(args, "decode_headroom", 0.25), burst_window_s=g(args, "burst_window", 600.0),
-        scale_in_step=g(args, "scale_in_step", 0), rise_quantile=g(args, "rise_quantile", 0.0),
+        scale_in_step=g(args, "scale_in_step", 1), rise_quantile=g(args, "rise_quantile", 0.0),
         decode_floor=g(args, "decode_floor", False), fast_interval_s=g(args, "fast_interval", 2.0),
         standby_auto=g(args, "standby_auto", False), standby_prefill=g(args, "standby_prefill", 1),
         standby_decode=g(args, "standby_decode", 1),

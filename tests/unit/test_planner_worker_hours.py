@@ -53,8 +53,8 @@ def test_a_spare_serving_worker_replaces_the_standby_pool_and_the_last_one_is_pa
     assert not [a for a in d2.actions if a.kind == "start"]  # no cold start to refill it
 
 
-def test_by_default_scale_in_goes_to_the_need_after_hysteresis_and_parks_one_for_the_pool():
-    pl = Planner(perf(), _settings())  # scale_in_intervals 2, scale_in_step 0
+def test_scale_in_step_0_goes_to_the_need_after_hysteresis_and_parks_one_for_the_pool():
+    pl = Planner(perf(), _settings(scale_in_step=0))  # scale_in_intervals 2
     d1 = pl.step(_obs(60, 0.1), _fleet(4, 1), 60)
     assert d1.desired["prefill"] == 4  # first interval below: hold
     d2 = pl.step(_obs(120, 0.1), _fleet(4, 1), 120)
@@ -163,10 +163,11 @@ def test_opt_in_settings_come_from_the_config_file():
 
     s = settings_from_config(PlannerConfig(max_workers=12))
     assert (s.burst_window_s, s.scale_in_step, s.standby_auto, s.rise_quantile, s.cold_backlog,
-            s.standby_net_of_spare) == (0.0, 0, False, 0.0, "off", True)
+            s.standby_net_of_spare) == (0.0, 1, False, 0.0, "off", True)
     s = settings_from_config(PlannerConfig(
         max_workers=12, burst_window_s="auto", scale_in_step=0, standby_auto=True, rise_quantile=0.9,
         cold_backlog="observed", standby_net_of_spare=False))
+    assert s.scale_in_step == 0 and Planner(perf(), s).settings.scale_in_step == 0
     assert s.burst_window_s is None and Planner(perf(), s).burst_window() == s.start_s + s.interval_s
     assert (s.standby_auto, s.rise_quantile, s.cold_backlog, s.standby_net_of_spare) == (True, 0.9, "observed", False)
     for bad in ({"burst_window_s": -1}, {"burst_window_s": "soon"}, {"rise_quantile": 1.0}, {"cold_backlog": "x"}):
