@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
 
+from orchestrator.kv.deferred import Deferred
 from orchestrator.kv.index import PrefixIndex, Tier
 
 SHARED_EXPIRY_EVERY_S = 1.0  # how often a replica runs the shared expiry pass
@@ -48,18 +49,17 @@ class ApproximateRecorder:
         self._pass: asyncio.Future[int] | None = None
         # Deferred records (local index only): (worker, blocks, expiry), applied by ``flush``.
         self._store_later = None if self.shared else getattr(index, "store_later", None)
-        self._pending: list[tuple[str, Sequence[int], float]] = []
-        self._flush_handle: asyncio.Handle | None = None
+        self._later = Deferred(self._remember)  # expiry entries of records not applied yet
 
     def __len__(self) -> int:
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         return self._entries
 
     def remaining(self, worker_id: str, block_hash: int) -> float | None:
         """Seconds left on an entry this replica recorded (None: not an approximate entry)."""
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         entries = self._of.get(worker_id)
         number = entries.get(block_hash) if entries is not None else None
         until = self._records[number][0] if number is not None else None
@@ -72,9 +72,7 @@ class ApproximateRecorder:
         self._now = now
         if self._store_later is not None:  # local index: applied at the loop's next turn or before a read
             self._store_later(worker_id, block_hashes, Tier.DEVICE)
-            self._pending.append((worker_id, block_hashes, now + self.ttl_s))
-            if self._flush_handle is None:
-                self._flush_handle = asyncio.get_running_loop().call_soon(self._flush_soon)
+            self._later.add(worker_id, block_hashes, now + self.ttl_s)
             return
         self._remember(worker_id, block_hashes, now + self.ttl_s)
         if self.shared:
@@ -82,16 +80,9 @@ class ApproximateRecorder:
         else:
             await self.index.store(worker_id, block_hashes, Tier.DEVICE)
 
-    def _flush_soon(self) -> None:
-        self._flush_handle = None
-        self.flush()
-
     def flush(self) -> None:
         """Apply the deferred records' expiry entries now, in order."""
-        while self._pending:
-            pending, self._pending = self._pending, []
-            for worker_id, block_hashes, until in pending:
-                self._remember(worker_id, block_hashes, until)
+        self._later.flush()
 
     def _remember(self, worker_id: str, block_hashes: Sequence[int], until: float) -> None:
         self._recorded += 1
@@ -136,8 +127,8 @@ class ApproximateRecorder:
 
     async def expire(self, now: float) -> int:
         """Remove entries whose TTL has passed; returns how many this replica had recorded."""
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         self._now = now
         records = self._records
         gone: dict[str, list[int]] = {}
@@ -163,8 +154,8 @@ class ApproximateRecorder:
         return sum(len(v) for v in gone.values())
 
     def forget_worker(self, worker_id: str) -> None:
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         entries = self._of.pop(worker_id, None)
         if entries is None:
             return

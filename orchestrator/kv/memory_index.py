@@ -18,12 +18,12 @@ a new 8k-token prompt against a large index).
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING
 
+from orchestrator.kv.deferred import Deferred
 from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier
 from orchestrator.kv.masks import SLOT_BITS, SlotTable, WalkInputs, tier_of, walk
 from orchestrator.router.types import Overlap
@@ -49,8 +49,7 @@ class MemoryPrefixIndex(PrefixIndex):
         self._count = 0  # entries: (slot, block) pairs
         self._stores = 0
         self._walk_inputs = WalkInputs()
-        self._pending: list[tuple[str, Sequence[int], Tier]] = []  # store_later, not applied yet
-        self._flush_handle: asyncio.Handle | None = None
+        self._later = Deferred(self._store)  # store_later calls, not applied yet
 
     # --- slots
     def _slot(self, worker_id: str) -> int:
@@ -68,30 +67,16 @@ class MemoryPrefixIndex(PrefixIndex):
     def store_later(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
         """``store_now`` at the loop's next turn, or before the next read or write of this index
         (``block_hashes`` is kept, not copied: do not change it afterwards)."""
-        self._pending.append((worker_id, block_hashes, tier))
-        if self._flush_handle is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop (a synchronous caller): now
-                self.flush()
-                return
-            self._flush_handle = loop.call_soon(self._flush_soon)
-
-    def _flush_soon(self) -> None:
-        self._flush_handle = None
-        self.flush()
+        self._later.add(worker_id, block_hashes, tier)
 
     def flush(self) -> None:
         """Apply every pending ``store_later`` now, in order."""
-        while self._pending:
-            pending, self._pending = self._pending, []
-            for worker_id, block_hashes, tier in pending:
-                self._store(worker_id, block_hashes, tier)
+        self._later.flush()
 
     def store_now(self, worker_id: str, block_hashes: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
         """Synchronous ``store`` (the virtual-time simulator and the Redis fallback use it)."""
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         self._store(worker_id, block_hashes, tier)
 
     def _store(self, worker_id: str, block_hashes: Sequence[int], tier: Tier) -> None:
@@ -134,8 +119,8 @@ class MemoryPrefixIndex(PrefixIndex):
         self.remove_now(worker_id, block_hashes, tier)
 
     def remove_now(self, worker_id: str, block_hashes: Sequence[int], tier: Tier | None = None) -> None:
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         slot = self._slots.get(worker_id)
         if slot is None:
             return
@@ -157,22 +142,15 @@ class MemoryPrefixIndex(PrefixIndex):
         self.clear_worker_now(worker_id)
 
     def clear_worker_now(self, worker_id: str) -> None:
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         slot = self._slots.get(worker_id)
         if slot is None:
             return
-        keep = ~(0xFF << (SLOT_BITS * slot))
         held = self._held.pop(slot, None) or {}
-        blocks, log = self._blocks, self._log
+        _clear_slot(self._blocks, held, slot)
+        log = self._log
         for h, number in held.items():
-            mask = blocks.get(h)
-            if mask is not None:
-                mask &= keep
-                if mask:
-                    blocks[h] = mask
-                else:
-                    del blocks[h]
             entry = log.get(number)
             if entry is not None:
                 record = entry[1]
@@ -206,7 +184,7 @@ class MemoryPrefixIndex(PrefixIndex):
         over = self._count - self.max_blocks
         if over <= 0:
             return
-        # Oldest store first, in its order. ``_drop`` inlined: this loop runs for every entry past the cap.
+        # Oldest store first, in its order (not through ``_drop``: this runs for every entry past the cap).
         blocks, held_by_slot, log = self._blocks, self._held, self._log
         evicted = 0
         while evicted < over and log:
@@ -223,16 +201,9 @@ class MemoryPrefixIndex(PrefixIndex):
                 victims = record
                 evicted += len(record)
             held = held_by_slot[slot]
-            keep = ~(0xFF << (SLOT_BITS * slot))
             for h in victims:
                 del held[h]
-                mask = blocks.get(h)
-                if mask is not None:
-                    mask &= keep
-                    if mask:
-                        blocks[h] = mask
-                    else:
-                        del blocks[h]
+            _clear_slot(blocks, victims, slot)
         self._count -= evicted
         self._count_evictions(evicted)
 
@@ -256,8 +227,8 @@ class MemoryPrefixIndex(PrefixIndex):
         workers: Sequence[str] | None = None,
     ) -> dict[str, Overlap]:
         """Walk the request's blocks AND-ing holder masks (``masks.walk``)."""
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         if not block_hashes:
             return {}
         candidates = self._walk_inputs.candidates(workers, self._slots)
@@ -272,23 +243,36 @@ class MemoryPrefixIndex(PrefixIndex):
         return self.size_now()
 
     def size_now(self) -> int:
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         return self._count
 
     async def worker_blocks(self, worker_id: str) -> int:
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         slot = self._slots.get(worker_id)
         return 0 if slot is None else len(self._held.get(slot, ()))
 
     def entries(self) -> Iterator[tuple[str, int, int]]:
         """Every ``(worker id, block hash, tier mask)``, least recently stored first (Redis resync)."""
-        if self._pending:
-            self.flush()
+        if self._later.pending:
+            self._later.flush()
         ids, blocks = self._ids, self._blocks
         for slot, record in [(slot, list(record)) for slot, record in self._log.values()]:
             for h in record:
                 mask = tier_of(blocks.get(h, 0), slot)
                 if mask:
                     yield ids[slot], h, mask
+
+
+def _clear_slot(blocks: dict[int, int], hashes: Iterable[int], slot: int) -> None:
+    """Clear worker ``slot``'s bits in each of ``hashes``' masks; a block no worker holds any more goes."""
+    keep = ~(0xFF << (SLOT_BITS * slot))
+    for h in hashes:
+        mask = blocks.get(h)
+        if mask is not None:
+            mask &= keep
+            if mask:
+                blocks[h] = mask
+            else:
+                del blocks[h]

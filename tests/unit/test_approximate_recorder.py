@@ -54,7 +54,7 @@ def test_a_record_is_visible_to_the_next_read_without_a_loop_turn():
         rec = ApproximateRecorder(index, ttl_s=10.0)
         await rec.record("w0", [1, 2, 3], 0.0)
         # nothing has yielded to the loop: the writes are pending, and every read applies them first
-        assert index._pending and rec._pending
+        assert index._later.pending and rec._later.pending
         assert (await index.overlaps([1, 2, 3, 4]))["w0"].blocks == 3
         assert rec.remaining("w0", 2) == 10.0
         assert len(rec) == 3
@@ -67,7 +67,7 @@ def test_pending_writes_are_applied_at_the_next_loop_turn():
         rec = ApproximateRecorder(index, ttl_s=10.0)
         await rec.record("w0", [7, 8], 0.0)
         await asyncio.sleep(0)
-        assert not index._pending and not rec._pending
+        assert not index._later.pending and not rec._later.pending
         assert index.size_now() == 2 and rec._entries == 2
     asyncio.run(main())
 
@@ -85,14 +85,14 @@ def test_pending_stores_keep_their_order_with_later_writes():
         assert await index.worker_blocks("w1") == 0
         index.store_later("w1", [9])
         await index.clear_worker("w1")
-        assert await index.worker_blocks("w1") == 0 and not index._pending
+        assert await index.worker_blocks("w1") == 0 and not index._later.pending
     asyncio.run(main())
 
 
 def test_store_later_without_a_loop_stores_at_once():
     index = MemoryPrefixIndex()
     index.store_later("w0", [1, 2], Tier.HOST)
-    assert not index._pending and index.size_now() == 2
+    assert not index._later.pending and index.size_now() == 2
 
 
 def test_expiry_keeps_blocks_recorded_again_and_removes_them_from_the_index():
@@ -160,7 +160,7 @@ def test_expiry_matches_the_reference_model_on_random_sequences():
                     if rng.random() < 0.5:
                         await asyncio.sleep(0)  # sometimes applied at the loop's turn, sometimes by the next read
                 elif op < 0.95:
-                    before = {(w, h) for w, d in rec._of.items() for h in d} if not rec._pending else None
+                    before = {(w, h) for w, d in rec._of.items() for h in d} if not rec._later.pending else None
                     n = await rec.expire(now)
                     gone = ref.expire(now)
                     assert n == len(gone)
