@@ -54,6 +54,8 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
+from orchestrator.gateway.lazy_deadline import LazyDeadline
+
 MAX_HEADER_BYTES = 64 * 1024  # request line + headers
 HIGH_WATER = 65536  # pause reading a request body beyond this much unread
 
@@ -303,13 +305,11 @@ class HttpProtocol(asyncio.Protocol):
         self.reading_paused = False
         self.writable: asyncio.Future[None] | None = None  # set while the transport's buffer is full
         self._pending: list[bytes] | None = None  # writes of this event-loop step
-        # One deadline at a time (header, body or keep-alive idle) and one timer that may fire early and
-        # then re-arms for the rest: setting a deadline costs no timer operation (three per request else).
-        self._deadline: float | None = None  # loop time
+        # One deadline at a time (header, body or keep-alive idle) on one lazily moved timer: setting a
+        # deadline costs no timer operation (three per request else).
+        self._deadline = LazyDeadline(self.loop, self._on_deadline)
         self._deadline_what = ""  # "headers" | "body" | "idle"
         self._deadline_s = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
         # per request being parsed
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
@@ -330,10 +330,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
-        self._disarm()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.cancel()
         for cycle in (self.active, self.cycle, *self.pipeline):
             if cycle is not None:
                 if not cycle.complete:
@@ -354,7 +351,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._deadline_what == "idle":
-            self._deadline = None
+            self._deadline.clear()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -416,31 +413,15 @@ class HttpProtocol(asyncio.Protocol):
 
     def _arm(self, seconds: float | None, what: str) -> None:
         if seconds is None:
-            self._deadline = None
+            self._deadline.clear()
             return
-        loop = self.loop
-        when = loop.time() + seconds
-        self._deadline, self._deadline_what, self._deadline_s = when, what, seconds
-        timer = self._timer
-        if timer is None or when < self._timer_at:  # (a later deadline waits for the timer to fire early)
-            if timer is not None:
-                timer.cancel()
-            self._timer_at = when
-            self._timer = loop.call_at(when, self._on_timer)
+        self._deadline_what, self._deadline_s = what, seconds
+        self._deadline.set(seconds)
 
     def _disarm(self) -> None:
-        self._deadline = None
+        self._deadline.clear()
 
-    def _on_timer(self) -> None:
-        self._timer = None
-        when = self._deadline
-        if when is None:
-            return
-        if self.loop.time() < when:  # moved since: wait for the rest
-            self._timer_at = when
-            self._timer = self.loop.call_at(when, self._on_timer)
-            return
-        self._deadline = None
+    def _on_deadline(self) -> None:
         if self._deadline_what == "idle":
             if not self.transport.is_closing():
                 self.transport.close()

@@ -22,6 +22,8 @@ from typing import Any
 import httptools
 import httpx
 
+from orchestrator.gateway.lazy_deadline import LazyDeadline
+
 _READ_HIGH_WATER = 1 << 20  # pause reading from the engine when this much body is unconsumed
 _HEADERS_TIMEOUT = "timed out waiting for the engine's response headers"
 _BODY_TIMEOUT = "timed out waiting for the engine's response body"
@@ -41,14 +43,10 @@ class _Conn(asyncio.Protocol):
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        # The read timeout (headers, then each body chunk): one deadline at a time and one timer that, when
-        # it fires before the deadline (moved meanwhile), re-arms for the rest; a wait costs no timer
-        # operation (two per wait otherwise: a timer pushed, then cancelled).
-        self._deadline: float | None = None
+        # The read timeout (headers, then each body chunk): one lazily moved timer per connection.
+        self._deadline = LazyDeadline(asyncio.get_running_loop(), self._on_deadline)
         self._deadline_waiter: asyncio.Future[None] | None = None
         self._deadline_message = ""
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -81,9 +79,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.cancel()
         self.pool._forget(self)
         if not self.complete:
             if not self.got_bytes:
@@ -130,10 +126,7 @@ class _Conn(asyncio.Protocol):
         self.close()
 
     def close(self) -> None:
-        self._deadline = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.cancel()
         if not self.closed:
             self.closed = True
             if self.transport is not None:
@@ -164,32 +157,17 @@ class _Conn(asyncio.Protocol):
                 raise
             finally:
                 self.wakeup = None
-                self._deadline = None
+                self._deadline.clear()
 
     def wait_until(self, timeout: float, waiter: asyncio.Future[None], message: str) -> None:
         """``waiter`` fails with ``httpx.ReadTimeout(message)`` unless it is done within ``timeout`` s
-        (or the deadline is cleared first: ``self._deadline = None``)."""
-        loop = asyncio.get_running_loop()
-        when = loop.time() + timeout
-        self._deadline, self._deadline_waiter, self._deadline_message = when, waiter, message
-        timer = self._timer
-        if timer is None or when < self._timer_at:  # (a later deadline waits for the timer to fire early)
-            if timer is not None:
-                timer.cancel()
-            self._timer_at = when
-            self._timer = loop.call_at(when, self._on_timer)
+        (or the deadline is cleared first: ``self._deadline.clear()``)."""
+        self._deadline_waiter, self._deadline_message = waiter, message
+        self._deadline.set(timeout)
 
-    def _on_timer(self) -> None:
-        self._timer = None
-        when = self._deadline
-        if when is None or self.closed:
+    def _on_deadline(self) -> None:
+        if self.closed:
             return
-        loop = asyncio.get_running_loop()
-        if loop.time() < when:  # moved since: wait for the rest
-            self._timer_at = when
-            self._timer = loop.call_at(when, self._on_timer)
-            return
-        self._deadline = None
         waiter, self._deadline_waiter = self._deadline_waiter, None
         if waiter is not None:
             _expire(waiter, self._deadline_message)
@@ -323,7 +301,7 @@ class FastTransport(httpx.AsyncBaseTransport):
                 conn.close()
                 raise
             finally:
-                conn._deadline = None
+                conn._deadline.clear()
             if request is not None:
                 return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, read_timeout),
                                       extensions=_HTTP11, request=request)
