@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.gateway.serve import GatewayThread
 from orchestrator.kv.tracker import PrefixTracker
 from orchestrator.sim.server import SimEngineThread
+from tests.fixtures.sim_gateway import gateway_over
 
 MODEL = "sim-model"
 
@@ -33,13 +33,8 @@ def fleet():
         "router": {"policy": "kv_aware", "debug_headers": True, "seed": 5},
         "health": {"interval_s": 1.0},
     }, environ={})
-    gw = GatewayThread(cfg).start()
-    try:
-        yield gw, engines
-    finally:
-        gw.stop()
-        for e in engines:
-            e.stop()
+    with gateway_over(cfg, engines) as running:
+        yield running
 
 
 def hits(engine: SimEngineThread) -> int:

@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.gateway.serve import GatewayThread
 from orchestrator.kv.tracker import PrefixTracker
 from orchestrator.sim.server import SimEngineThread
+from tests.fixtures.sim_gateway import gateway_over
 
 MODEL = "sim-model"
 N_ENGINES = 3
@@ -47,13 +47,8 @@ def fleet():
         "health": {"interval_s": 1.0},
         "scrape": {"interval_s": 0.25},
     }, environ={})
-    gw = GatewayThread(cfg).start()
-    try:
-        yield gw, engines
-    finally:
-        gw.stop()
-        for e in engines:
-            e.stop()
+    with gateway_over(cfg, engines) as running:
+        yield running
 
 
 def counters(engines: list[SimEngineThread]) -> list[tuple[int, int]]:

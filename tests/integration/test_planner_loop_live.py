@@ -35,7 +35,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
 from orchestrator.planner.install import min_serve_s
-from tests.fixtures.planner_live import sim_pd_setup
+from tests.fixtures.planner_live import fire, sim_pd_setup
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -147,26 +147,24 @@ async def one_stream(client: httpx.AsyncClient, body: dict) -> str | None:
     return None if finish else "no finish_reason before [DONE]"
 
 
+def curve_rate(elapsed: float) -> float | None:
+    """CURVE's rate at ``elapsed`` seconds (None once it is over)."""
+    for seconds, rate in CURVE:
+        if elapsed < seconds:
+            return rate
+        elapsed -= seconds
+    return None
+
+
 async def day(url: str) -> tuple[int, list[str]]:
     problems: list[str] = []
-    tasks: set[asyncio.Task] = set()
-    sent = 0
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        async def go(body: dict) -> None:
-            problem = await one_stream(client, body)
+        async def go() -> None:
+            problem = await one_stream(client, chat_body())
             if problem is not None:
                 problems.append(problem)
 
-        for seconds, rate in CURVE:
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                t = asyncio.create_task(go(chat_body()))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-                sent += 1
-                await asyncio.sleep(1 / rate)
-        if tasks:
-            await asyncio.wait(tasks, timeout=120)
+        sent = await fire(go, curve_rate)
     return sent, problems
 
 

@@ -26,7 +26,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.fleet.worker import WorkerState
 from orchestrator.gateway.serve import GatewayThread
-from tests.fixtures.planner_live import sim_pd_setup
+from tests.fixtures.planner_live import fire, sim_pd_setup
 from tests.integration.test_planner_loop_live import ENGINE, MODEL, chat_body, one_stream
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -40,23 +40,13 @@ def requests_served(url: str) -> float:
 
 async def traffic(url: str, rate: float, until, max_s: float) -> tuple[int, list[str]]:
     problems: list[str] = []
-    tasks: set[asyncio.Task] = set()
-    sent = 0
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         async def go() -> None:
             p = await one_stream(client, chat_body())
             if p is not None:
                 problems.append(p)
 
-        start = time.monotonic()
-        while time.monotonic() - start < max_s and not until():
-            t = asyncio.create_task(go())
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-            sent += 1
-            await asyncio.sleep(1 / rate)
-        if tasks:
-            await asyncio.wait(tasks, timeout=120)
+        sent = await fire(go, lambda el: None if el >= max_s or until() else rate)
     return sent, problems
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from adapters import internal_fields
 from orchestrator.config import load_config
-from orchestrator.gateway.serve import GatewayThread
+from tests.fixtures.sim_gateway import gateway_over
 from tests.integration.fake_engine import FakeEngine
 
 MODEL = "m"
@@ -33,13 +33,8 @@ def fleet(roles: list[tuple[str, str]], **disagg):
         "health": {"interval_s": 30},
         "disagg": {"enabled": bool(disagg), "min_prefill_tokens": 64, **disagg},
     })
-    gw = GatewayThread(config).start()
-    try:
-        yield gw, engines
-    finally:
-        gw.stop()
-        for e in engines:
-            e.stop()
+    with gateway_over(config, engines) as running:
+        yield running
 
 
 PATHS = {
