@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from itertools import islice
 
 from orchestrator.kv.deferred import Deferred
+from orchestrator.kv.entry_log import drop_owner, move_out_of_older
 from orchestrator.kv.index import PrefixIndex, Tier
 
 SHARED_EXPIRY_EVERY_S = 1.0  # how often a replica runs the shared expiry pass
@@ -92,13 +93,7 @@ class ApproximateRecorder:
             entries = self._of[worker_id] = {}
         records = self._records
         if not entries.keys().isdisjoint(written):  # recorded before: those entries move to this record
-            for h in written:
-                older = entries.get(h)
-                if older is not None:
-                    blocks = records[older][2]
-                    del blocks[h]
-                    if not blocks:
-                        del records[older]
+            move_out_of_older(entries, written, records, 2)
         before = len(entries)
         entries.update(written)
         self._entries += len(entries) - before
@@ -160,11 +155,4 @@ class ApproximateRecorder:
         if entries is None:
             return
         self._entries -= len(entries)
-        records = self._records
-        for h, number in entries.items():
-            record = records.get(number)
-            if record is not None:
-                blocks = record[2]
-                blocks.pop(h, None)
-                if not blocks:
-                    del records[number]
+        drop_owner(entries, self._records, 2)

@@ -24,6 +24,7 @@ from itertools import islice
 from typing import TYPE_CHECKING
 
 from orchestrator.kv.deferred import Deferred
+from orchestrator.kv.entry_log import drop_owner, move_out_of_older
 from orchestrator.kv.index import DEFAULT_TIER_WEIGHTS, PrefixIndex, Tier
 from orchestrator.kv.masks import SLOT_BITS, SlotTable, WalkInputs, tier_of, walk
 from orchestrator.router.types import Overlap
@@ -101,13 +102,7 @@ class MemoryPrefixIndex(PrefixIndex):
         log = self._log
         # (a worker's entries all have a mask in ``_blocks``: when none of these had one, none is held here)
         if not new and not held.keys().isdisjoint(written):  # stored before: those entries move to this store
-            for h in written:
-                older = held.get(h)
-                if older is not None:
-                    record = log[older][1]
-                    del record[h]
-                    if not record:
-                        del log[older]
+            move_out_of_older(held, written, log, 1)
         before = len(held)
         held.update(written)
         self._count += len(held) - before
@@ -149,14 +144,7 @@ class MemoryPrefixIndex(PrefixIndex):
             return
         held = self._held.pop(slot, None) or {}
         _clear_slot(self._blocks, held, slot)
-        log = self._log
-        for h, number in held.items():
-            entry = log.get(number)
-            if entry is not None:
-                record = entry[1]
-                record.pop(h, None)
-                if not record:
-                    del log[number]
+        drop_owner(held, self._log, 1)
         self._count -= len(held)
         self._table.free(worker_id)
         self._walk_inputs.slots_changed()
