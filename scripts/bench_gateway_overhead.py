@@ -63,6 +63,12 @@ def start_targets(ps: Processes, args: argparse.Namespace) -> dict[str, str]:
         g = ps.start(f"dyad-{policy}", [py, "-m", "orchestrator.cli", "serve", "--config", str(cfg)])
         wait_http(f"http://127.0.0.1:{gport}/ready", g)
         targets[f"dyad ({policy})"] = f"http://127.0.0.1:{gport}"
+    for mode in args.floor:  # the least a Python proxy on the same machinery costs (not a gateway)
+        port = free_port()
+        p = ps.start(f"floor-{mode}", [py, str(ROOT / "scripts/bench_gateway_floor.py"), "--engine", engine,
+                                       "--port", str(port), "--mode", mode])
+        wait_http(f"http://127.0.0.1:{port}/ready", p)
+        targets[f"python floor ({mode})"] = f"http://127.0.0.1:{port}"
     venv = Path(args.anchors_venv).expanduser()
     if not args.no_anchors and (venv / "bin/vllm-router").exists():
         port = free_port()
@@ -202,6 +208,9 @@ def main() -> int:
                     help="prompt length in tokens (simulator tokenizer: words); 0 = a 9-word sentence")
     ap.add_argument("--fresh-prompts", action="store_true",
                     help="a new prompt for every latency request (nothing tokenized or cached before)")
+    ap.add_argument("--floor", action="append", default=[], choices=("protocol", "asgi-dyad", "asgi"),
+                    help="also measure a Python proxy that only forwards bytes (scripts/bench_gateway_floor.py, "
+                         "this server mode; repeatable): what no Python gateway on this machinery can beat")
     args = ap.parse_args()
     PROMPT["words"], PROMPT["fresh"] = args.prompt_tokens, args.fresh_prompts
 

@@ -18,6 +18,14 @@ cProfile adds its own cost per call: compare functions with each other, not with
 ``--stages`` replaces cProfile with wall-clock timers around the routing stages only (``STAGES``: no
 per-call profiler cost, so the numbers are real), the garbage collector's pauses (``gc.callbacks``)
 and the gateway thread's CPU per request.
+
+``--path`` splits each request's wall time inside the gateway at its hops (wall clock, no profiler):
+client bytes in → engine request written (*ingress*: parse, admit, annotate, decide, build the engine
+body), engine bytes in → client answer written (*egress*: check, relay), and client answer written →
+request task done (*after*: accounting the client no longer waits for). Ingress and egress are what a
+client waits for; *after* only costs CPU.
+
+    nice -n 10 .venv/bin/python scripts/profile_gateway.py --path [--stream] [--requests 3000]
 """
 
 from __future__ import annotations
@@ -146,6 +154,8 @@ def main() -> int:
     ap.add_argument("--fresh-prompts", action="store_true", help="a prompt never seen before for every request")
     ap.add_argument("--stages", action="store_true",
                     help="wall-clock timers around the routing stages and GC pauses instead of cProfile")
+    ap.add_argument("--path", action="store_true",
+                    help="wall time per request split at the gateway's hops (ingress, egress, after)")
     ap.add_argument("--chat", action="store_true",
                     help="/v1/chat/completions; with --prompt-tokens the words are split over 8 messages")
     args = ap.parse_args()
@@ -173,6 +183,8 @@ def main() -> int:
             body["prompt"] = prompt
         if args.stages:
             return run_stages(config, body, args)
+        if args.path:
+            return run_path(config, body, args)
         with GatewayThread(config) as gw:
             url = f"{gw.url}/v1/{'chat/completions' if args.chat else 'completions'}"
             run_client(url, args.warmup, body, "w" if args.fresh_prompts else "")
@@ -250,6 +262,79 @@ def run_stages(config: object, body: dict, args: argparse.Namespace) -> int:
     for gen, v in sorted(by_gen.items()):
         print(f"gc generation {gen}: {len(v) / n:.3f} per request, mean {statistics.mean(v) * 1e6:.0f} µs "
               f"-> {sum(v) / n * 1e6:.0f} µs per request")
+    return 0
+
+
+def install_path_marks(marks: list[tuple[str, int]]) -> None:
+    """Timestamp the hops of a request (one client connection, one request at a time)."""
+    from orchestrator.gateway import http_server, transport
+
+    def mark(cls: type, name: str, label: str, after: bool = False) -> None:
+        fn = getattr(cls, name)
+        if asyncio.iscoroutinefunction(fn):
+            async def marked_async(*a: object, **k: object) -> object:
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    marks.append((label, time.perf_counter_ns()))
+            setattr(cls, name, marked_async)
+            return
+
+        def marked(*a: object, **k: object) -> object:
+            if not after:
+                marks.append((label, time.perf_counter_ns()))
+            try:
+                return fn(*a, **k)
+            finally:
+                if after:
+                    marks.append((label, time.perf_counter_ns()))
+        setattr(cls, name, marked)
+
+    import asyncio
+    mark(http_server.HttpProtocol, "data_received", "client_in")
+    mark(transport._Conn, "data_received", "engine_in")
+    mark(http_server.HttpProtocol, "_flush", "client_out", after=True)
+    mark(http_server._Cycle, "run", "done")
+    fn = transport.FastTransport._exchange
+
+    async def exchange(self: object, key: object, head: bytes, body: bytes, *a: object) -> object:
+        marks.append(("engine_out", time.perf_counter_ns()))  # (the write follows at once, no await before it)
+        return await fn(self, key, head, body, *a)
+    transport.FastTransport._exchange = exchange  # type: ignore[method-assign]
+
+
+def run_path(config: object, body: dict, args: argparse.Namespace) -> int:
+    import statistics
+
+    marks: list[tuple[str, int]] = []
+    install_path_marks(marks)
+    with GatewayThread(config) as gw:  # type: ignore[arg-type]
+        url = f"{gw.url}/v1/{'chat/completions' if args.chat else 'completions'}"
+        run_client(url, args.warmup, body, "w" if args.fresh_prompts else "")
+        marks.clear()
+        run_client(url, args.requests, body, "p" if args.fresh_prompts else "")
+    parts: dict[str, list[float]] = {"ingress": [], "engine": [], "egress": [], "client waits (sum)": [], "after": []}
+    request: dict[str, int] = {}
+    for label, t in marks:
+        if label == "client_in" and "done" in request or not request:
+            request = {}
+        request.setdefault(label, t)
+        if label == "client_out":
+            request["client_out"] = t  # the last write (a stream writes many)
+        if label == "done" and all(k in request for k in ("client_in", "engine_out", "engine_in", "client_out")):
+            r = request
+            parts["ingress"].append(r["engine_out"] - r["client_in"])
+            parts["engine"].append(r["engine_in"] - r["engine_out"])
+            parts["egress"].append(r["client_out"] - r["engine_in"])
+            parts["client waits (sum)"].append(r["client_out"] - r["client_in"])
+            parts["after"].append(r["done"] - r["client_out"])
+    n = len(parts["ingress"])
+    print(f"{n} {'streamed' if args.stream else 'non-streamed'} requests, policy {args.policy}; wall µs per request "
+          f"at each hop (engine = from the engine request written to its first bytes in)\n")
+    print(f"{'hop':24s} {'p50 µs':>8} {'p90 µs':>8} {'mean µs':>8}")
+    for label, v in parts.items():
+        v = sorted(x / 1e3 for x in v)
+        print(f"{label:24s} {statistics.median(v):8.1f} {v[int(len(v) * 0.9)]:8.1f} {statistics.mean(v):8.1f}")
     return 0
 
 

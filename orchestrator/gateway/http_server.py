@@ -30,8 +30,10 @@ routes straight from the protocol"):
 * **direct dispatch**: when the app behind uvicorn's proxy-headers middleware offers ``hot_endpoint`` /
   ``serve_direct`` (``fastpath.GatewayApp``), a request for one of its hot routes is handed to
   ``serve_direct`` with this cycle's ``receive``/``send``, skipping that middleware and the app's ASGI
-  dispatch — only when the middleware would change nothing (no ``X-Forwarded-For``/``-Proto`` header);
-  the endpoint, its response and every byte written are the same as through ASGI;
+  dispatch; the middleware's rewrite of the client and scheme from ``X-Forwarded-For``/``-Proto`` (from a
+  trusted proxy) is applied by ``apply_forwarded`` with the middleware's own trusted hosts, so requests
+  behind a load balancer take this path too; the endpoint, its response and every byte written are the
+  same as through ASGI;
 * **``dyad.on_disconnect``** (``scope["extensions"]``): the app registers a callback that runs when the
   client leaves before the answer is complete, instead of a task waiting on ``receive``.
 
@@ -281,6 +283,8 @@ class HttpProtocol(asyncio.Protocol):
         self.config = config
         self.app = config.loaded_app
         self.direct = direct_app(self.app)
+        # uvicorn's proxy-headers middleware in front of the app: its rewrite, applied here to hot requests
+        self.trusted_proxies = self.app.trusted_hosts if isinstance(self.app, ProxyHeadersMiddleware) else None
         self.loop = _loop or asyncio.get_event_loop()
         self.parser = httptools.HttpRequestParser(self)
         try:  # answer the first of pipelined requests even when the client half-closed after sending them
@@ -504,8 +508,10 @@ class HttpProtocol(asyncio.Protocol):
         cycle = self.cycle = _Cycle(self, scope, version != "1.0" and parser.should_keep_alive(),
                                     self.expect_continue)
         direct = self.direct
-        if direct is not None and not self.forwarded:
-            cycle.direct = direct.hot_endpoint(method, scope["path"], root)
+        if direct is not None:
+            cycle.direct = endpoint = direct.hot_endpoint(method, scope["path"], root)
+            if endpoint is not None and self.forwarded and self.trusted_proxies is not None:
+                apply_forwarded(scope, self.trusted_proxies)  # (what the bypassed middleware would do)
         self._arm(self.body_timeout_s, "body")  # (disarmed when the message completes, usually at once)
         if self.active is None:
             self._start(cycle)
@@ -570,12 +576,41 @@ class HttpProtocol(asyncio.Protocol):
 def direct_app(app: Any) -> Any:
     """The app behind uvicorn's wrappers when it serves some requests without ASGI (``hot_endpoint`` and
     ``serve_direct``: ``fastpath.GatewayApp``), else None. Only uvicorn's proxy-headers middleware may
-    stand in between: the protocol bypasses it only for requests it would not change (no
-    X-Forwarded-For/-Proto header); any other wrapper (e.g. uvicorn's trace-level message logger) keeps
-    every request on the ASGI path."""
+    stand in between: the protocol bypasses it and applies its rewrite itself (``apply_forwarded``);
+    any other wrapper (e.g. uvicorn's trace-level message logger) keeps every request on the ASGI path."""
     if isinstance(app, ProxyHeadersMiddleware):
         app = app.app
     return app if hasattr(app, "hot_endpoint") and hasattr(app, "serve_direct") else None
+
+
+_SCHEMES = frozenset(("http", "https", "ws", "wss"))
+
+
+def apply_forwarded(scope: dict[str, Any], trusted: Any) -> None:
+    """Rewrite an HTTP ``scope`` from its X-Forwarded-Proto/-For headers as uvicorn's proxy-headers
+    middleware does, for a request the protocol serves without that middleware: only when the peer is
+    a trusted proxy (``trusted``: the middleware's own ``trusted_hosts``, so ``--forwarded-allow-ips``
+    means the same on both paths); the scheme from the last X-Forwarded-Proto if it is one of
+    http/https/ws/wss; the client from the X-Forwarded-For chain (all values, joined), as the
+    middleware picks it (the first address from the right that is not a trusted proxy)."""
+    peer = scope.get("client")
+    if (peer[0] if peer else None) not in trusted:
+        return
+    proto: bytes | None = None
+    chain: list[bytes] = []
+    for name, value in scope["headers"]:
+        if name == b"x-forwarded-proto":
+            proto = value
+        elif name == b"x-forwarded-for":
+            chain.append(value)
+    if proto is not None:
+        scheme = proto.decode("latin1").strip()
+        if scheme in _SCHEMES:
+            scope["scheme"] = scheme
+    if chain:
+        host, port = trusted.get_trusted_client_address(b", ".join(chain).decode("latin1"))
+        if host:
+            scope["client"] = (host, port)
 
 
 def http_protocol(header_timeout_s: float | None = None, body_timeout_s: float | None = None) -> type[HttpProtocol]:

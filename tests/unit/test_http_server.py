@@ -270,7 +270,7 @@ async def test_idle_keep_alive_connection_is_closed_and_a_new_request_moves_the_
 
 # --- the hot routes, served straight from the protocol (fastpath.GatewayApp.serve_direct) -----------------
 
-def _gateway_app() -> Any:
+def _gateway_app(trusted: str = "127.0.0.1") -> Any:
     from starlette.responses import JSONResponse
     from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
@@ -304,7 +304,7 @@ def _gateway_app() -> Any:
 
     app.add_exception_handler(ApiError, api_error)
     app.add_hot_route("/v1/completions", hot)
-    return App, ProxyHeadersMiddleware(app, trusted_hosts="127.0.0.1")
+    return App, ProxyHeadersMiddleware(app, trusted_hosts=trusted)
 
 
 async def test_hot_route_is_served_without_asgi_and_answers_as_through_it():
@@ -316,17 +316,49 @@ async def test_hot_route_is_served_without_asgi_and_answers_as_through_it():
     direct = orjson.loads(t.out.split(b"\r\n\r\n", 1)[1])
     assert direct == {"client": "127.0.0.1", "scheme": "http", "auth": "Bearer k", "body": "hi"}
     assert App.asgi_calls == 0
-    # X-Forwarded-For from a trusted peer: the proxy-headers middleware's path, as before
+    # X-Forwarded-For from a trusted peer: served directly too, rewritten as the middleware would
     t.out = b""
     proto.data_received(post("/v1/completions", b"hi", b"x-forwarded-for: 10.1.2.3\r\nx-forwarded-proto: https\r\n"))
     await settle()
     forwarded = orjson.loads(t.out.split(b"\r\n\r\n", 1)[1])
-    assert forwarded["client"] == "10.1.2.3" and forwarded["scheme"] == "https" and App.asgi_calls == 1
+    assert forwarded["client"] == "10.1.2.3" and forwarded["scheme"] == "https" and App.asgi_calls == 0
     # other paths: ASGI
     t.out = b""
     proto.data_received(post("/v1/other", b""))
     await settle()
-    assert t.out.startswith(b"HTTP/1.1 404") and App.asgi_calls == 2
+    assert t.out.startswith(b"HTTP/1.1 404") and App.asgi_calls == 1
+
+
+FORWARDED_CASES = [
+    b"",
+    b"x-forwarded-for: 10.1.2.3\r\n",
+    b"x-forwarded-proto: https\r\n",
+    b"x-forwarded-proto: ftp\r\nx-forwarded-for: 10.1.2.3:4444\r\n",  # not a scheme it takes; a port
+    b"x-forwarded-for: 203.0.113.7, 127.0.0.1\r\n",  # a chain ending in a trusted proxy
+    b"x-forwarded-for: 203.0.113.7\r\nx-forwarded-for: 198.51.100.2\r\n",  # repeated: joined in order
+    b"x-forwarded-proto: http\r\nx-forwarded-proto: wss\r\n",  # repeated: the last one counts
+    b"x-forwarded-for: \r\n",  # empty: the peer stays the client
+    b"x-forwarded-for: [2001:db8::1]:80\r\n",
+]
+
+
+@pytest.mark.parametrize("trusted", ["127.0.0.1", "10.0.0.1", "*", "127.0.0.0/8"])
+async def test_forwarded_headers_give_the_same_client_and_scheme_direct_and_through_the_middleware(trusted):
+    """The direct path applies uvicorn's proxy-headers rewrite itself (``apply_forwarded``): for every
+    trust setting (the peer here is 127.0.0.1: trusted, untrusted, everyone, a network) and header
+    combination, the endpoint sees what it sees through the middleware."""
+    for extra in FORWARDED_CASES:
+        seen = []
+        for direct in (True, False):
+            App, wrapped = _gateway_app(trusted)
+            proto, t, _ = connect(wrapped)
+            if not direct:
+                proto.direct = None  # every request through ASGI and the middleware
+            proto.data_received(post("/v1/completions", b"hi", extra))
+            await settle()
+            assert App.asgi_calls == (0 if direct else 1)
+            seen.append(orjson.loads(t.out.split(b"\r\n\r\n", 1)[1]))
+        assert seen[0] == seen[1], (trusted, extra)
 
 
 async def test_hot_route_errors_are_rendered_by_the_apps_handlers_and_late_ones_close():
