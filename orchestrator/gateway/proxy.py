@@ -482,12 +482,16 @@ class ProxyResponse:
         await relay.run(send, response, timer.on_bytes)  # ITL
 
     async def _whole(self, send: Any, response: httpx.Response, body: bytes) -> None:
-        self.mark_first_token()
+        if self._first_token_at is None:
+            self._first_token_at = time.perf_counter()
         self.status = response.status_code
         self.done = True
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": self._response_headers(response, str(len(body)).encode())})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+        # The router's bookkeeping after the answer has left (the client does not wait for it; nothing
+        # awaited in between: no other request decides first). The attempt can no longer be aborted.
+        self.mark_first_token()
 
     # --- accounting ----------------------------------------------------------------------------
 
