@@ -80,7 +80,7 @@ async def measure(targets: dict[str, tuple[int, int]], args: argparse.Namespace)
         body["prompt"] = " ".join(f"w{i % 997}x{i // 997}" for i in range(args.prompt_tokens - 1))
     conns, reqs = {}, {}
     for name, (port, _) in targets.items():
-        host, p, raw = encode_request(f"http://127.0.0.1:{port}/v1/completions", body)
+        host, p, raw = encode_request(f"http://127.0.0.1:{port}/v1/completions", body, args.extra_headers)
         conns[name], reqs[name] = RawConnection(host, p), raw
     fresh = iter(range(1 << 62))
 
@@ -89,7 +89,7 @@ async def measure(targets: dict[str, tuple[int, int]], args: argparse.Namespace)
         if not args.fresh_prompts:
             return reqs[name]
         return encode_request(f"http://127.0.0.1:{targets[name][0]}/v1/completions",
-                              {**body, "prompt": f"fresh{next(fresh)} {body['prompt']}"})[2]
+                              {**body, "prompt": f"fresh{next(fresh)} {body['prompt']}"}, args.extra_headers)[2]
     for _ in range(100):  # warm-up
         for name in targets:
             await conns[name].send(request_for(name))
@@ -120,13 +120,14 @@ async def measure(targets: dict[str, tuple[int, int]], args: argparse.Namespace)
     if args.concurrency:
         for name in names:
             out[name]["rps"] = await throughput(targets[name][0], {**body, "stream": False}, args.concurrency,
-                                                args.duration)
+                                                args.duration, args.extra_headers)
     return out
 
 
-async def throughput(port: int, body: dict, concurrency: int, duration_s: float) -> float:
+async def throughput(port: int, body: dict, concurrency: int, duration_s: float,
+                     headers: dict[str, str] | None = None) -> float:
     """Closed loop: ``concurrency`` connections each sending the next request as soon as one is answered."""
-    host, p, raw = encode_request(f"http://127.0.0.1:{port}/v1/completions", body)
+    host, p, raw = encode_request(f"http://127.0.0.1:{port}/v1/completions", body, headers)
     stop_at = time.perf_counter() + duration_s
     done = 0
 
@@ -158,8 +159,12 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true",
                     help="also run the floor targets (scripts/bench_gateway_floor.py: bare uvicorn ASGI and a bare "
                          "asyncio protocol, each forwarding through FastTransport with nothing else)")
+    ap.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
+                    help="an extra request header (repeatable), e.g. 'X-Forwarded-For: 203.0.113.9' as a load "
+                         "balancer in front would add")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
+    args.extra_headers = {k.strip(): v.strip() for k, v in (h.split(":", 1) for h in args.header)}
 
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="dyad-ab-") as tmp:
