@@ -159,6 +159,8 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true",
                     help="also run the floor targets (scripts/bench_gateway_floor.py: bare uvicorn ASGI and a bare "
                          "asyncio protocol, each forwarding through FastTransport with nothing else)")
+    ap.add_argument("--tokenizer", help="a directory with HF tokenizer files: the gateways tokenize with it "
+                                        "(models[].tokenizer) instead of the simulator's word tokenizer")
     ap.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
                     help="an extra request header (repeatable), e.g. 'X-Forwarded-For: 203.0.113.9' as a load "
                          "balancer in front would add")
@@ -185,7 +187,7 @@ def main() -> int:
                 port = free_port()
                 cfg = Path(tmp) / f"gw{i}.json"
                 cfg.write_text(json.dumps({
-                    "models": [{"name": "bench"}],
+                    "models": [{"name": "bench", **({"tokenizer": args.tokenizer} if args.tokenizer else {})}],
                     "workers": [{"id": "e0", "url": f"http://127.0.0.1:{eport}", "engine": "sim", "models": ["bench"]}],
                     "router": {"policy": policy}, "gateway": {"host": "127.0.0.1", "port": port}}))
                 gw = subprocess.Popen([PY, "-m", "orchestrator.cli", "serve", "--config", str(cfg)], cwd=tree,

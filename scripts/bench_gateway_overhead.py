@@ -55,7 +55,7 @@ def start_targets(ps: Processes, args: argparse.Namespace) -> dict[str, str]:
         gport = free_port()
         cfg = ps.logdir / f"dyad-{policy}.yaml"
         cfg.write_text(json.dumps({
-            "models": [{"name": MODEL}],
+            "models": [{"name": MODEL, **({"tokenizer": args.tokenizer} if args.tokenizer else {})}],
             "workers": [{"id": "e0", "url": engine, "engine": "sim", "models": [MODEL]}],
             "router": {"policy": policy},
             "gateway": {"host": "127.0.0.1", "port": gport},
@@ -208,11 +208,19 @@ def main() -> int:
                     help="prompt length in tokens (simulator tokenizer: words); 0 = a 9-word sentence")
     ap.add_argument("--fresh-prompts", action="store_true",
                     help="a new prompt for every latency request (nothing tokenized or cached before)")
+    ap.add_argument("--tokenizer", help="a directory with HF tokenizer files: Dyad tokenizes with it "
+                                        "(models[].tokenizer) instead of the simulator's word tokenizer; "
+                                        "--prompt-tokens then counts words, and the tokens are printed")
     ap.add_argument("--floor", action="append", default=[], choices=("protocol", "asgi-dyad", "asgi"),
                     help="also measure a Python proxy that only forwards bytes (scripts/bench_gateway_floor.py, "
                          "this server mode; repeatable): what no Python gateway on this machinery can beat")
     args = ap.parse_args()
     PROMPT["words"], PROMPT["fresh"] = args.prompt_tokens, args.fresh_prompts
+    if args.tokenizer and args.prompt_tokens:
+        from tokenizers import Tokenizer
+        words = " ".join(f"w{i % 997}x{i // 997}" for i in range(args.prompt_tokens))
+        n = len(Tokenizer.from_file(str(Path(args.tokenizer).expanduser() / "tokenizer.json")).encode(words).ids)
+        print(f"prompt: {args.prompt_tokens} words = {n} tokens of {args.tokenizer}", file=sys.stderr)
 
     with tempfile.TemporaryDirectory(prefix="dyad-overhead-") as tmp:
         ps = Processes(Path(tmp))

@@ -44,6 +44,12 @@ log = logging.getLogger("dyad.kv.tracker")
 
 TOUCH_INTERVAL_S = 1.0  # a matched prefix's recency is refreshed at most this often
 MAX_TOUCHED = 100_000
+# A request decided on its prompt's head records the head's blocks; one in HEAD_VERIFY_EVERY (and the first)
+# is also tokenized whole after the send, to check the head against it and record every block (a long prompt's
+# tokenization is milliseconds of CPU: doing it for every request would cost the CPU the head saved).
+HEAD_VERIFY_EVERY = 64
+MAX_TOKENIZE_LATER = 1_024  # sampled requests decided on their prompt's head, waiting to be routed ...
+MAX_TOKENIZE_LATER_CHARS = 32_000_000  # ... and the prompt characters they hold at most
 
 
 class PrefixTracker:
@@ -69,6 +75,10 @@ class PrefixTracker:
         self._hashers: dict[tuple[str, int, str | None], BlockHasher] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._touched: dict[tuple[str, int], float] = {}  # (worker, last matched block) → last touch
+        # request id → what ``_record_whole`` needs, for the sampled requests decided on their prompt's head
+        self._tokenize_later: dict[str, tuple[Any, ...]] = {}
+        self._head_decisions = 0
+        self._later_chars = 0  # the prompt characters those entries hold
         self.annotate_failures = 0
         self._started = False
         fleet.subscribe(self._on_fleet)
@@ -116,18 +126,26 @@ class PrefixTracker:
 
     async def _annotate(self, req: RouteRequest, body: dict[str, Any], endpoint: str,
                         candidates: Sequence[Worker], session_key: str | None) -> RouteRequest:
-        tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates)
-        if tok is None:
-            return _keyed(req, session_key)
         ns = self.namespace(req.model)
         bs = self.block_size_for(ns)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        block_hashes = tok.block_hashes(self.hasher(ns, bs, salt))
-        peers = req.peer_load
         if len(self.approx) or self.approx.shared:
             await self.approx.expire(self.clock.now())
-        started = time.perf_counter()
         ids_of = [w.id for w in candidates]
+        probe = self.tokenizer.head_probe(req.model, endpoint, body, candidates, bs)
+        if probe is not None:
+            new = await self._new_everywhere(req, probe[0], bs, self.hasher(ns, bs, salt), ids_of, session_key)
+            if new is not None:
+                self._head_decisions += 1
+                if self._head_decisions % HEAD_VERIFY_EVERY == 1:  # (the first one, then one in HEAD_VERIFY_EVERY)
+                    self._later_put(req.request_id, (endpoint, body, candidates, new.block_hashes, probe[0]), probe[1])
+                return new
+        tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates)
+        if tok is None:
+            return _keyed(req, session_key)
+        block_hashes = tok.block_hashes(self.hasher(ns, bs, salt))
+        peers = req.peer_load
+        started = time.perf_counter()
         if self.shared_load is not None:
             overlaps, peers = await asyncio.gather(
                 self.index.overlaps(block_hashes, self.tier_weights, ids_of),
@@ -140,12 +158,66 @@ class PrefixTracker:
         return req.annotated(token_ids=tok.ids, prompt_tokens=len(tok.ids), block_size=bs, block_hashes=block_hashes,
                              overlaps=overlaps, peer_load=peers, session_key=session_key)
 
+    async def _new_everywhere(self, req: RouteRequest, head: Sequence[int], bs: int, hasher: BlockHasher,
+                              ids_of: list[str], session_key: str | None) -> RouteRequest | None:
+        """``req`` annotated from the head of its prompt alone when no candidate's cache holds even the
+        head's first block (every overlap is 0, whatever the rest of the prompt is), else None (the whole
+        prompt is needed to measure the overlap). Its block hashes are the head's but its last block (a
+        word cut at the head's end may tokenize differently); no token ids, so the gateway estimates
+        the prompt's length (``gateway/annotate.py``).
+
+        What is recorded for it (approximate mode) is the head's blocks: a later request with the same
+        prompt finds them, is tokenized whole (its head is no longer new) and is credited the head's
+        blocks; its own record then holds every block. Workers with KV events report every block."""
+        safe = len(head) // bs - 1
+        if safe < 1:
+            return None
+        head_hashes = hasher.hash_blocks(head[: safe * bs])
+        started = time.perf_counter()
+        overlaps = await self.index.overlaps(head_hashes[:1], self.tier_weights, ids_of)
+        if self.metrics is not None:
+            child(self.metrics.index_lookup_seconds, self.index.backend).observe(time.perf_counter() - started)
+        if any(o.blocks for o in overlaps.values()):
+            return None
+        peers = await self.shared_load.peer_loads(ids_of) if self.shared_load is not None else req.peer_load
+        return req.annotated(token_ids=None, prompt_tokens=req.prompt_tokens, block_size=bs,
+                             block_hashes=head_hashes, overlaps={}, peer_load=peers, session_key=session_key)
+
+    def _later_put(self, request_id: str, later: tuple[Any, ...], size: int) -> None:
+        """Keep what ``_record_whole`` needs until the request is routed. Bounded (by entries and by the
+        prompts' characters): a request refused after annotation never comes back for its entry."""
+        self._tokenize_later[request_id] = (*later, size)
+        self._later_chars += size
+        while len(self._tokenize_later) > MAX_TOKENIZE_LATER or self._later_chars > MAX_TOKENIZE_LATER_CHARS:
+            self._later_chars -= self._tokenize_later.pop(next(iter(self._tokenize_later)))[-1]
+
+    async def _record_whole(self, req: RouteRequest, later: tuple[Any, ...], worker_ids: list[str]) -> None:
+        """After the send of a sampled request decided on its head: tokenize the whole prompt (on a
+        thread), check the head against it (``verify_head``), and record all its blocks where the
+        decision recorded the head's."""
+        endpoint, body, candidates, head_hashes, head, _ = later
+        tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates, off_loop=True)
+        if tok is None:
+            return
+        self.tokenizer.verify_head(req.model, head[: len(head_hashes) * req.block_size], tok.ids)
+        ns = self.namespace(req.model)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        whole = tok.block_hashes(self.hasher(ns, req.block_size, salt))
+        if whole[: len(head_hashes)] != list(head_hashes):
+            return  # (verify_head has turned head-first off: nothing recorded from a wrong head)
+        for wid in worker_ids:
+            await self.approx.record(wid, whole, self.clock.now())
+
     async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
         holders = [decision.worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
+        later = self._tokenize_later.pop(req.request_id, None) if self._tokenize_later else None
+        if later is not None:  # decided on its prompt's head and sampled: the whole prompt now, off the path
+            self._later_chars -= later[-1]
+            approximate = [w.id for w in holders if not self._gets_events(w)]
+            self._spawn(self._record_whole(req, later, approximate))
         if req.block_hashes:
             for w in holders:
-                if w.id in self.subscribers or (w.kv_events is not None
-                                                and (not self.ingest_events or self.shards is not None)):
+                if self._gets_events(w):
                     # Engines publish nothing on a cache hit: refresh the matched prefix's recency
                     # (at most once per TOUCH_INTERVAL_S per worker and prefix: a hot system prompt
                     # would otherwise be re-stored on every request).
@@ -157,6 +229,11 @@ class PrefixTracker:
         if self.shared_load is not None:
             uncached = max(0, req.prompt_tokens - decision.predicted_cached_tokens)
             self.shared_load.reserve_soon(req.request_id, decision.worker.id, uncached)
+
+    def _gets_events(self, w: Worker) -> bool:
+        """Does this gateway see ``w``'s cache through its KV events (else: approximate records)?"""
+        return w.id in self.subscribers or (w.kv_events is not None
+                                            and (not self.ingest_events or self.shards is not None))
 
     def _touch_due(self, worker_id: str, last_hash: int, now: float) -> bool:
         key = (worker_id, last_hash)

@@ -65,6 +65,23 @@ async def test_local_tokenization_equals_engine_tokenize(vllm_engine: VllmEngine
     assert await tok.token_ids(vllm_engine.model, "/v1/completions", {"prompt": PROMPT}) == engine_prompt
     assert await tok.token_ids(vllm_engine.model, "/v1/chat/completions", {"messages": MESSAGES}) == engine_chat
     assert tok.engine_calls == 0  # all local
+    # Head first (a long new prompt is routed on its head's tokens): the head's ids but its last block are
+    # the leading ids of what the engine computes for the whole prompt, completions and chat.
+    long_text = " ".join(f"{PROMPT} Part {i}:\n    def f{i}(x): return x * {i} # ünïcödé 模型" for i in range(8))
+    long_chat = [{"role": "system", "content": long_text}, {"role": "user", "content": "go"}]
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(f"{vllm_engine.url}/tokenize", json={"model": vllm_engine.model, "prompt": long_text})
+        engine_long = r.json()["tokens"]
+        r = await c.post(f"{vllm_engine.url}/tokenize", json={
+            "model": vllm_engine.model, "messages": long_chat, "add_generation_prompt": True,
+            "add_special_tokens": False})
+        engine_long_chat = r.json()["tokens"]
+    for endpoint, body, engine_ids in (("/v1/completions", {"prompt": long_text}, engine_long),
+                                       ("/v1/chat/completions", {"messages": long_chat}, engine_long_chat)):
+        probe = tok.head_probe(vllm_engine.model, endpoint, body, block_size=32)
+        assert probe is not None, endpoint
+        safe = (len(probe[0]) // 32 - 1) * 32
+        assert safe >= 32 and list(probe[0][:safe]) == engine_ids[:safe], endpoint
 
 
 async def test_engine_events_map_to_the_routers_hashes(vllm_engine: VllmEngine):

@@ -1,0 +1,222 @@
+"""Head-first tokenization: a long prompt that no cache holds is routed on the tokens of its head.
+
+Real (tiny) tokenizers trained here in milliseconds — a byte-level BPE (GPT-2 / Llama-3 style) and a
+Metaspace BPE (SentencePiece / Llama-2 style) — on mixed text: English, code, numbers, newlines and
+indentation, CJK and emoji. For both, on many texts, the head's ids without its last block are the
+leading ids of the whole prompt's (completions and chat, the template included). Then the tracker:
+a new long prompt is decided on its head (no token ids: the gateway estimates its length); a
+sampled one (the first, then one in ``HEAD_VERIFY_EVERY``) is tokenized whole after the send,
+checked and recorded whole; an unsampled one records its head, and the next request with that
+prompt is tokenized whole and teaches the index the rest. A tokenizer whose head does not match
+turns head-first off for its model and records nothing wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from orchestrator.config import load_config
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.kv import tokenization
+from orchestrator.kv.hashing import BlockHasher
+from orchestrator.kv.memory_index import MemoryPrefixIndex
+from orchestrator.kv.tokenization import RequestTokenizer, head_chars
+from orchestrator.kv.tracker import PrefixTracker
+from orchestrator.router.types import RouteDecision, RouteRequest
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+BS = 16
+WORDS = ("the prefix cache routes requests to workers while decode streams tokens back "
+         "def route(req): return min(workers, key=lambda w: w.load) # 3.14159 {x: [1, 2]} "
+         "模型 推理 缓存 路由 🙂 ünïcödé naïve café").split()
+
+
+def _corpus(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        out.append(rng.choice(WORDS))
+        r = rng.random()
+        out.append("\n    " if r < 0.05 else "\n" if r < 0.1 else "  " if r < 0.12 else " ")
+    return "".join(out)
+
+
+def _save(tok: Tokenizer, path) -> None:
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}"}))
+
+
+def byte_level_bpe(path) -> None:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_corpus(s, 400) for s in range(20)], trainer=trainer)
+    _save(tok, path)
+
+
+def metaspace_bpe(path) -> None:
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator([_corpus(s, 400) for s in range(20)], trainer=trainer)
+    _save(tok, path)
+
+
+@pytest.fixture(params=[byte_level_bpe, metaspace_bpe], ids=["byte-level", "metaspace"])
+def model_dir(request, tmp_path):
+    request.param(tmp_path)
+    return tmp_path
+
+
+def _tokenizer(model_dir) -> RequestTokenizer:
+    cfg = load_config({"models": [{"name": "m", "tokenizer": str(model_dir), "block_size": BS}]}, environ={})
+    return RequestTokenizer(cfg)
+
+
+def _leading(ids, bs=BS):
+    safe = len(ids) // bs - 1
+    return list(ids[: safe * bs])
+
+
+async def test_the_head_without_its_last_block_leads_the_whole_prompt(model_dir):
+    rt = _tokenizer(model_dir)
+    checked = 0
+    for seed in range(12):
+        text = _corpus(100 + seed, 6000)
+        body = {"prompt": text}
+        probe = rt.head_probe("m", COMPLETIONS, body, block_size=BS)
+        assert probe is not None and probe[1] == len(text)
+        whole = await rt.token_ids("m", COMPLETIONS, body)
+        head = _leading(probe[0])
+        assert len(head) >= BS and whole[: len(head)] == head
+        msgs = [{"role": "system", "content": _corpus(seed, 300)}, {"role": "user", "content": text}]
+        chat = {"messages": msgs}
+        probe = rt.head_probe("m", CHAT, chat, block_size=BS)
+        assert probe is not None
+        whole = await rt.token_ids("m", CHAT, chat)
+        head = _leading(probe[0])
+        assert len(head) >= BS and whole[: len(head)] == head
+        checked += 2
+    assert checked == 24 and rt.head_mismatches == 0
+
+
+async def test_short_cached_or_unsplittable_prompts_are_tokenized_whole(model_dir):
+    rt = _tokenizer(model_dir)
+    assert rt.head_probe("m", COMPLETIONS, {"prompt": _corpus(1, 50)}) is None  # short: cheap anyway
+    long = {"prompt": _corpus(2, 6000)}
+    await rt.token_ids("m", COMPLETIONS, long)
+    assert rt.head_probe("m", COMPLETIONS, long) is None  # in the token cache: exact and free
+    assert rt.head_probe("m", COMPLETIONS, {"prompt": "模型推理缓存" * 3000}) is None  # no whitespace to cut at
+    assert rt.head_probe("m", COMPLETIONS, {"prompt": [1, 2, 3] * 5000}) is None  # token ids
+    assert rt.head_probe("m", COMPLETIONS, {"prompt": ["a b " * 5000, "c"]}) is None  # batched
+
+
+def _tracker(model_dir):
+    cfg = load_config({"models": [{"name": "m", "tokenizer": str(model_dir), "block_size": BS}],
+                       "workers": [{"id": "a", "url": "http://127.0.0.1:1", "models": ["m"]},
+                                   {"id": "b", "url": "http://127.0.0.1:2", "models": ["m"]}]}, environ={})
+    fleet = FleetRegistry.from_config(cfg)
+    return PrefixTracker(cfg, fleet, MemoryPrefixIndex(), RequestTokenizer(cfg)), fleet
+
+
+async def _settle(tracker) -> None:
+    while tracker._background:
+        await asyncio.gather(*list(tracker._background))
+    tracker.approx.flush()
+
+
+async def test_a_new_long_prompt_is_decided_on_its_head_and_the_sampled_one_recorded_whole(model_dir):
+    tracker, fleet = _tracker(model_dir)
+    body = {"prompt": _corpus(7, 8000)}
+    req = await tracker.annotate(RouteRequest(request_id="r1", model="m", prompt_tokens=0), body, COMPLETIONS,
+                                 fleet.workers())
+    assert req.token_ids is None and req.overlaps == {}  # decided on the head: the gateway estimates the length
+    head_blocks = len(req.block_hashes)
+    assert 1 <= head_blocks < head_chars(BS) // BS
+    a = fleet.get("a")
+    await tracker.on_routed(req, RouteDecision(worker=a, policy="kv_aware", reason="test"), 1.0)
+    await _settle(tracker)
+    whole = await tracker.tokenizer.tokenize("m", COMPLETIONS, body)
+    hashes = whole.block_hashes(tracker.hasher("m", BS, None))
+    assert hashes[:head_blocks] == req.block_hashes and len(hashes) > 10 * head_blocks
+    # the same prompt again: tokenized (cache hit), every block found on the worker it went to
+    again = await tracker.annotate(RouteRequest(request_id="r2", model="m", prompt_tokens=0), body, COMPLETIONS,
+                                   fleet.workers())
+    assert again.token_ids is not None and again.overlaps["a"].blocks == len(hashes)
+    assert "b" not in again.overlaps or again.overlaps["b"].blocks == 0
+    # a prompt sharing only the first blocks: the whole prompt is tokenized to measure the overlap
+    shared = {"prompt": body["prompt"][:head_chars(BS) * 2] + " " + _corpus(8, 6000)}
+    third = await tracker.annotate(RouteRequest(request_id="r3", model="m", prompt_tokens=0), shared, COMPLETIONS,
+                                   fleet.workers())
+    assert third.token_ids is not None and 0 < third.overlaps["a"].blocks < len(hashes)
+    assert tracker.tokenizer.head_mismatches == 0 and tracker._tokenize_later == {}
+
+
+async def test_an_unsampled_new_prompt_records_its_head_and_the_next_one_learns_the_rest(model_dir):
+    tracker, fleet = _tracker(model_dir)
+    a = fleet.get("a")
+
+    async def route(rid, body):
+        req = await tracker.annotate(RouteRequest(request_id=rid, model="m", prompt_tokens=0), body, COMPLETIONS,
+                                     fleet.workers())
+        await tracker.on_routed(req, RouteDecision(worker=a, policy="kv_aware", reason="test"), 1.0)
+        await _settle(tracker)
+        return req
+
+    await route("first", {"prompt": _corpus(20, 8000)})  # the first head decision is sampled (verified)
+    body = {"prompt": _corpus(21, 8000)}
+    req = await route("r1", body)
+    assert req.token_ids is None and tracker._tokenize_later == {}  # not sampled: nothing tokenized after
+    again = await route("r2", body)  # its head is known now: tokenized whole, credited the head's blocks
+    assert again.token_ids is not None and again.overlaps["a"].blocks == len(req.block_hashes)
+    third = await route("r3", body)  # the second one's record holds every block
+    assert third.overlaps["a"].blocks == len(again.block_hashes) > len(req.block_hashes)
+
+
+async def test_a_head_that_tokenizes_differently_turns_head_first_off_and_records_nothing_from_it(model_dir):
+    tracker, fleet = _tracker(model_dir)
+    rt = tracker.tokenizer
+    real = rt.head_probe
+
+    def wrong_head(*a, **k):
+        found = real(*a, **k)
+        return None if found is None else ([i + 1 for i in found[0]], found[1])  # not the prompt's ids
+
+    rt.head_probe = wrong_head
+    body = {"prompt": _corpus(9, 8000)}
+    req = await tracker.annotate(RouteRequest(request_id="r1", model="m", prompt_tokens=0), body, COMPLETIONS,
+                                 fleet.workers())
+    assert req.token_ids is None
+    await tracker.on_routed(req, RouteDecision(worker=fleet.get("a"), policy="kv_aware", reason="test"), 1.0)
+    await _settle(tracker)
+    assert rt.head_mismatches == 1 and rt.head_first == {"m": False}
+    rt.head_probe = real
+    assert rt.head_probe("m", COMPLETIONS, {"prompt": _corpus(10, 8000)}) is None  # off for this model
+    whole = await rt.tokenize("m", COMPLETIONS, body)
+    first = BlockHasher("m", BS).hash_blocks(list(whole.ids[:BS]))
+    overlaps = await tracker.index.overlaps(first, tracker.tier_weights, ["a"])
+    assert not any(o.blocks for o in overlaps.values())  # the wrong head's blocks are not the prompt's
+
+
+def test_entries_for_requests_never_routed_are_bounded(model_dir, monkeypatch):
+    from orchestrator.kv import tracker as tracker_mod
+
+    tracker, _ = _tracker(model_dir)
+    monkeypatch.setattr(tracker_mod, "MAX_TOKENIZE_LATER", 3)
+    monkeypatch.setattr(tracker_mod, "MAX_TOKENIZE_LATER_CHARS", 25)
+    for i in range(5):
+        tracker._later_put(f"r{i}", ("e", {}, (), [], []), 10)
+    assert list(tracker._tokenize_later) == ["r3", "r4"] and tracker._later_chars == 20
+    assert tokenization.head_chars(16) == 512 and tokenization.head_chars(64) == 1024
