@@ -79,7 +79,7 @@ STAGES = [  # (module, attribute path) timed by --stages
     ("orchestrator.gateway.openai_routes", "_admitted"), ("orchestrator.gateway.openai_routes", "annotate"),
     ("orchestrator.gateway.annotate", "estimate_prompt_tokens"), ("orchestrator.gateway.request", "parse_json_object"),
     ("orchestrator.router.router", "Router.annotate"), ("orchestrator.router.router", "Router.decide"),
-    ("orchestrator.router.router", "Router.begin"), ("orchestrator.router.router", "Router.first_token"),
+    ("orchestrator.router.router", "Router.begin"), ("orchestrator.kv.tokenization", "RequestTokenizer.head_probe"), ("orchestrator.router.router", "Router.first_token"),
     ("orchestrator.kv.tracker", "PrefixTracker.on_routed"), ("orchestrator.kv.tokenization", "RequestTokenizer.tokenize"),
     ("orchestrator.kv.hashing", "BlockHasher.hash_blocks"), ("orchestrator.kv.approximate", "ApproximateRecorder.record"),
     ("orchestrator.kv.approximate", "ApproximateRecorder.flush"), ("orchestrator.kv.memory_index", "MemoryPrefixIndex.store_now"),
@@ -156,6 +156,8 @@ def main() -> int:
                     help="wall-clock timers around the routing stages and GC pauses instead of cProfile")
     ap.add_argument("--path", action="store_true",
                     help="wall time per request split at the gateway's hops (ingress, egress, after)")
+    ap.add_argument("--tokenizer", help="a directory with HF tokenizer files for the model (models[].tokenizer) "
+                                        "instead of the simulator's word tokenizer; --prompt-tokens then counts words")
     ap.add_argument("--chat", action="store_true",
                     help="/v1/chat/completions; with --prompt-tokens the words are split over 8 messages")
     args = ap.parse_args()
@@ -167,7 +169,7 @@ def main() -> int:
     try:
         assert wait_ready(f"http://127.0.0.1:{eport}/health", engine), "the simulated engine did not start"
         config = load_config({
-            "models": [{"name": "bench"}],
+            "models": [{"name": "bench", **({"tokenizer": args.tokenizer} if args.tokenizer else {})}],
             "workers": [{"id": "e0", "url": f"http://127.0.0.1:{eport}", "engine": "sim", "models": ["bench"]}],
             "router": {"policy": args.policy}, "gateway": {"host": "127.0.0.1"}}, environ={})
         prompt = "The quick brown fox jumps over the lazy dog"
