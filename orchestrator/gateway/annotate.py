@@ -50,7 +50,8 @@ async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, mo
     if tracker is None:
         return req
     out = await rt.router.annotate(req, body, endpoint)
-    if out.token_ids is None:  # not tokenized (no worker, odd content, tokenizer unavailable): estimated
+    if out.token_ids is None and not out.prompt_tokens:  # not tokenized (no worker, odd content, tokenizer
+        # unavailable): estimated. (A prompt routed on its head has a count extrapolated from it: kept.)
         out = out.annotated(token_ids=None, prompt_tokens=estimate_prompt_tokens(endpoint, body),
                             block_size=out.block_size, block_hashes=out.block_hashes, overlaps=out.overlaps,
                             peer_load=out.peer_load, session_key=out.session_key)

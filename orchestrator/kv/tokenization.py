@@ -313,7 +313,8 @@ class RequestTokenizer:
 
     def head_probe(self, model: str, endpoint: str, body: dict[str, Any], candidates: Sequence[Worker] = (),
                    block_size: int = 32) -> tuple[Sequence[int], int] | None:
-        """(token ids of the prompt's head, the prompt's length in characters) for a long prompt of a model with local HF tokenizer
+        """(token ids of the prompt's head, the whole prompt's tokens extrapolated from the head's tokens
+        per character: the model's own tokenizer on a sample of the same text) for a long prompt of a model with local HF tokenizer
         files that is not in the token cache; None otherwise (tokenize it all).
 
         The head is the rendered prompt (chat template included) up to the last whitespace before
@@ -344,7 +345,8 @@ class RequestTokenizer:
         cut = max(text.rfind(" ", 0, size), text.rfind("\n", 0, size))
         if cut < size // 2:  # no whitespace to cut at (e.g. CJK without spaces): tokenize it all
             return None
-        return local.tokenizer.encode(text[:cut], add_special_tokens=not chat).ids, len(text)
+        ids = local.tokenizer.encode(text[:cut], add_special_tokens=not chat).ids
+        return ids, max(len(ids), round(len(ids) * len(text) / cut))
 
     def verify_head(self, model: str, head: Sequence[int], whole: Sequence[int]) -> bool:
         """After the send: were ``head`` (the ids the decision used) the leading ids of the whole

@@ -49,7 +49,7 @@ MAX_TOUCHED = 100_000
 # tokenization is milliseconds of CPU: doing it for every request would cost the CPU the head saved).
 HEAD_VERIFY_EVERY = 64
 MAX_TOKENIZE_LATER = 1_024  # sampled requests decided on their prompt's head, waiting to be routed ...
-MAX_TOKENIZE_LATER_CHARS = 32_000_000  # ... and the prompt characters they hold at most
+MAX_TOKENIZE_LATER_TOKENS = 8_000_000  # ... and the (extrapolated) prompt tokens they hold at most
 
 
 class PrefixTracker:
@@ -78,7 +78,7 @@ class PrefixTracker:
         # request id → what ``_record_whole`` needs, for the sampled requests decided on their prompt's head
         self._tokenize_later: dict[str, tuple[Any, ...]] = {}
         self._head_decisions = 0
-        self._later_chars = 0  # the prompt characters those entries hold
+        self._later_tokens = 0  # the prompt tokens those entries hold (extrapolated from the heads)
         self.annotate_failures = 0
         self._started = False
         fleet.subscribe(self._on_fleet)
@@ -134,11 +134,12 @@ class PrefixTracker:
         ids_of = [w.id for w in candidates]
         probe = self.tokenizer.head_probe(req.model, endpoint, body, candidates, bs)
         if probe is not None:
-            new = await self._new_everywhere(req, probe[0], bs, self.hasher(ns, bs, salt), ids_of, session_key)
+            new = await self._new_everywhere(req, probe, bs, self.hasher(ns, bs, salt), ids_of, session_key)
             if new is not None:
                 self._head_decisions += 1
                 if self._head_decisions % HEAD_VERIFY_EVERY == 1:  # (the first one, then one in HEAD_VERIFY_EVERY)
-                    self._later_put(req.request_id, (endpoint, body, candidates, new.block_hashes, probe[0]), probe[1])
+                    self._later_put(req.request_id, (endpoint, body, candidates, new.block_hashes, probe[0]),
+                                    new.prompt_tokens)
                 return new
         tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates)
         if tok is None:
@@ -158,17 +159,18 @@ class PrefixTracker:
         return req.annotated(token_ids=tok.ids, prompt_tokens=len(tok.ids), block_size=bs, block_hashes=block_hashes,
                              overlaps=overlaps, peer_load=peers, session_key=session_key)
 
-    async def _new_everywhere(self, req: RouteRequest, head: Sequence[int], bs: int, hasher: BlockHasher,
-                              ids_of: list[str], session_key: str | None) -> RouteRequest | None:
+    async def _new_everywhere(self, req: RouteRequest, probe: tuple[Sequence[int], int], bs: int,
+                              hasher: BlockHasher, ids_of: list[str], session_key: str | None) -> RouteRequest | None:
         """``req`` annotated from the head of its prompt alone when no candidate's cache holds even the
         head's first block (every overlap is 0, whatever the rest of the prompt is), else None (the whole
         prompt is needed to measure the overlap). Its block hashes are the head's but its last block (a
-        word cut at the head's end may tokenize differently); no token ids, so the gateway estimates
-        the prompt's length (``gateway/annotate.py``).
+        word cut at the head's end may tokenize differently); no token ids; its length is the head's
+        tokens per character times the prompt's characters (``head_probe``).
 
         What is recorded for it (approximate mode) is the head's blocks: a later request with the same
         prompt finds them, is tokenized whole (its head is no longer new) and is credited the head's
         blocks; its own record then holds every block. Workers with KV events report every block."""
+        head, prompt_tokens = probe
         safe = len(head) // bs - 1
         if safe < 1:
             return None
@@ -180,16 +182,16 @@ class PrefixTracker:
         if any(o.blocks for o in overlaps.values()):
             return None
         peers = await self.shared_load.peer_loads(ids_of) if self.shared_load is not None else req.peer_load
-        return req.annotated(token_ids=None, prompt_tokens=req.prompt_tokens, block_size=bs,
+        return req.annotated(token_ids=None, prompt_tokens=prompt_tokens, block_size=bs,
                              block_hashes=head_hashes, overlaps={}, peer_load=peers, session_key=session_key)
 
     def _later_put(self, request_id: str, later: tuple[Any, ...], size: int) -> None:
         """Keep what ``_record_whole`` needs until the request is routed. Bounded (by entries and by the
-        prompts' characters): a request refused after annotation never comes back for its entry."""
+        prompts' tokens): a request refused after annotation never comes back for its entry."""
         self._tokenize_later[request_id] = (*later, size)
-        self._later_chars += size
-        while len(self._tokenize_later) > MAX_TOKENIZE_LATER or self._later_chars > MAX_TOKENIZE_LATER_CHARS:
-            self._later_chars -= self._tokenize_later.pop(next(iter(self._tokenize_later)))[-1]
+        self._later_tokens += size
+        while len(self._tokenize_later) > MAX_TOKENIZE_LATER or self._later_tokens > MAX_TOKENIZE_LATER_TOKENS:
+            self._later_tokens -= self._tokenize_later.pop(next(iter(self._tokenize_later)))[-1]
 
     async def _record_whole(self, req: RouteRequest, later: tuple[Any, ...], worker_ids: list[str]) -> None:
         """After the send of a sampled request decided on its head: tokenize the whole prompt (on a
@@ -212,7 +214,7 @@ class PrefixTracker:
         holders = [decision.worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
         later = self._tokenize_later.pop(req.request_id, None) if self._tokenize_later else None
         if later is not None:  # decided on its prompt's head and sampled: the whole prompt now, off the path
-            self._later_chars -= later[-1]
+            self._later_tokens -= later[-1]
             approximate = [w.id for w in holders if not self._gets_events(w)]
             self._spawn(self._record_whole(req, later, approximate))
         if req.block_hashes:

@@ -97,10 +97,11 @@ async def test_the_head_without_its_last_block_leads_the_whole_prompt(model_dir)
         text = _corpus(100 + seed, 6000)
         body = {"prompt": text}
         probe = rt.head_probe("m", COMPLETIONS, body, block_size=BS)
-        assert probe is not None and probe[1] == len(text)
+        assert probe is not None
         whole = await rt.token_ids("m", COMPLETIONS, body)
         head = _leading(probe[0])
         assert len(head) >= BS and whole[: len(head)] == head
+        assert 0.8 < probe[1] / len(whole) < 1.25  # the length extrapolated from the head's tokens per character
         msgs = [{"role": "system", "content": _corpus(seed, 300)}, {"role": "user", "content": text}]
         chat = {"messages": msgs}
         probe = rt.head_probe("m", CHAT, chat, block_size=BS)
@@ -142,7 +143,9 @@ async def test_a_new_long_prompt_is_decided_on_its_head_and_the_sampled_one_reco
     body = {"prompt": _corpus(7, 8000)}
     req = await tracker.annotate(RouteRequest(request_id="r1", model="m", prompt_tokens=0), body, COMPLETIONS,
                                  fleet.workers())
-    assert req.token_ids is None and req.overlaps == {}  # decided on the head: the gateway estimates the length
+    assert req.token_ids is None and req.overlaps == {}  # decided on the head
+    whole_ids = await tracker.tokenizer.token_ids("m", COMPLETIONS, dict(body))
+    assert 0.8 < req.prompt_tokens / len(whole_ids) < 1.25  # extrapolated from the head
     head_blocks = len(req.block_hashes)
     assert 1 <= head_blocks < head_chars(BS) // BS
     a = fleet.get("a")
@@ -215,8 +218,8 @@ def test_entries_for_requests_never_routed_are_bounded(model_dir, monkeypatch):
 
     tracker, _ = _tracker(model_dir)
     monkeypatch.setattr(tracker_mod, "MAX_TOKENIZE_LATER", 3)
-    monkeypatch.setattr(tracker_mod, "MAX_TOKENIZE_LATER_CHARS", 25)
+    monkeypatch.setattr(tracker_mod, "MAX_TOKENIZE_LATER_TOKENS", 25)
     for i in range(5):
         tracker._later_put(f"r{i}", ("e", {}, (), [], []), 10)
-    assert list(tracker._tokenize_later) == ["r3", "r4"] and tracker._later_chars == 20
+    assert list(tracker._tokenize_later) == ["r3", "r4"] and tracker._later_tokens == 20
     assert tokenization.head_chars(16) == 512 and tokenization.head_chars(64) == 1024
