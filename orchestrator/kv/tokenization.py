@@ -17,7 +17,9 @@ routing then falls back to load only for that request. Never raises on client in
 Results are cached (``TokenCache``: bounded LRU keyed by a 128-bit hash of the model and of what
 the template or tokenizer reads from the body), because clients resend the same prompts (retries,
 benchmarks, fixed few-shot prompts) and rendering a chat template + tokenizing an 8k-token prompt
-costs ~15 ms with HF tokenizer files.
+costs milliseconds with HF tokenizer files. A long prompt not in the cache is first tokenized only
+up to its head (``RequestTokenizer.head_probe``; the tracker routes on it when no cache holds even
+its first block: docs/prefix-index.md "Head first").
 """
 
 from __future__ import annotations
