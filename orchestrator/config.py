@@ -451,6 +451,10 @@ class PlannerConfig(_Section):
         "off", description="Load mode: start cold prefill workers only for a backlog that outlasts the start-up, "
                            "judged on arrivals seen now (observed) or the forecast; off = every confirmed "
                            "shortfall starts cold workers")
+    insurance: Literal["fixed", "proportional"] = Field(
+        "fixed", description="Capacity beyond the model's sizing: fixed (burst_window_s floor, standby_* warm "
+                             "workers) or proportional (once the load's rise within start_s + interval_s is "
+                             "measured, keep only what that rise needs, with those as bounds)")
     standby_wake_s: float = Field(
         1.0, ge=0, description="Seconds an activated standby worker takes to serve (a registry state change: "
                                "about one health interval)")

@@ -149,6 +149,15 @@ class PlannerSettings:
     # fast looks) or the forecast only ("forecast", lags a burst). Off by default: on Azure code x2 the starts
     # it saves are the ones the burst floor then holds for the next burst (docs/benchmarks.md, Issue 14)
     fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
+    insurance: str = "fixed"  # "fixed": the burst floor keeps the peak sizing for ``burst_window_s`` and
+    # ``standby_*`` warm workers are kept. "proportional": once the load's own rise within a re-start horizon is
+    # measured (``horizon_rise``), each role keeps only the insurance that rise calls for: the burst floor holds
+    # at most the horizon's largest sizing times that rise, and warm standby only what that capacity needs beyond
+    # the serving pool; ``burst_window_s`` and ``standby_*`` stay the bounds, and the insurance until the rise is
+    # known (docs/benchmarks.md, Issue 14, helper planner4)
+    rise_memory: int = 2880  # intervals of history ``insurance="proportional"`` measures the rise over (a day at
+    # 30-s intervals: every run measured here is shorter, so it is "all seen so far"; ``jump_memory``'s 20
+    # intervals forgot the two-peak day's first climb and the spiky day's spikes too soon: docs/benchmarks.md)
 
 
 @dataclass
@@ -242,6 +251,12 @@ class Planner:
         # per interval: (5-s peak arrival rate, peak decode streams) — the burst history of ``standby_auto``
         self._bursts: deque[tuple[float, float]] = deque(maxlen=max(2, self.settings.jump_memory + self.horizon_steps()))
         self._standby_sized: dict[Role, int] = dict.fromkeys(ROLES, 0)
+        # ``insurance="proportional"``: per interval, what each role's pool absorbed (5-s peak arrival rate, peak
+        # decode streams), the exact needs of the last re-start horizon, and what that insurance asks for
+        self._absorbed: deque[tuple[float, float]] = deque(maxlen=self.settings.rise_memory + 2 * self.horizon_steps())
+        self._recent: deque[tuple[float, dict[Role, float]]] = deque()
+        self._insured: dict[Role, float] | None = None
+        self._target: dict[Role, int] = {}
         self._spare: dict[Role, int] = {}  # serving workers kept beyond the model's sizing, this interval
         # per interval: [observed rate, the lead rate forecast after it] (``rise_factor``)
         self._leads: deque[list[float | None]] = deque(maxlen=max(2, self.settings.jump_memory + self.lead_steps() + 1))
@@ -330,7 +345,38 @@ class Planner:
         want = {r: max(fixed[r], self._standby_sized[r]) for r in ROLES} if s.standby_auto else fixed
         if s.standby_net_of_spare:
             want = {r: max(0, want[r] - self._spare.get(r, 0)) for r in ROLES}
+        if self._insured is not None:  # proportional: only what the measured rise needs beyond the serving pool
+            want = {r: min(want[r], max(0, math.ceil(self._insured[r] - 1e-9) - self._target.get(r, 0)))
+                    for r in ROLES}
         return want
+
+    def rise_known(self) -> bool:
+        """Enough complete re-start windows for ``horizon_rise``'s quantile to mean something: 1 / (1 - q)."""
+        q = self.settings.jump_quantile
+        windows = max(1, math.ceil(1.0 / max(1e-9, 1.0 - q) - 1e-9))
+        return len(self._absorbed) >= 2 * self.horizon_steps() + windows - 1
+
+    def horizon_rises(self) -> dict[Role, float]:
+        """``horizon_rise`` per role over this planner's history (``jump_quantile`` over ``rise_memory``)."""
+        s = self.settings
+        hist = list(self._absorbed)
+        m = self.horizon_steps()
+        return {r: horizon_rise([h[i] for h in hist], m, s.rise_memory, s.jump_quantile) for i, r in enumerate(ROLES)}
+
+    def _insure(self, exact: dict[Role, float], now: float, reasons: list[str]) -> None:
+        """``insurance="proportional"``: the capacity each role should hold (serving or warm) for the next
+        re-start horizon — the largest exact need of the last horizon times the rise the load showed within
+        a horizon (``horizon_rises``). None until that rise is measured (``rise_known``)."""
+        self._recent.append((now, dict(exact)))
+        while self._recent and self._recent[0][0] < now - self.horizon_s() + 1e-9:
+            self._recent.popleft()
+        if self.settings.insurance != "proportional" or not self.rise_known():
+            self._insured = None
+            return
+        rises = self.horizon_rises()
+        self._insured = {r: max(e[r] for _, e in self._recent) * rises[r] for r in ROLES}
+        reasons.append("insurance: the horizon's largest need x its measured rise ("
+                       + ", ".join(f"{r.value} {self._insured[r]:.2f} = x{rises[r]:.2f}" for r in ROLES) + ")")
 
     def burst_jumps(self) -> tuple[float, float]:
         """How far the load rose above what the burst floor held, in the recent past, as a factor:
@@ -516,6 +562,7 @@ class Planner:
         peak_d = max(peak_streams[Role.DECODE], streams_now[Role.DECODE])
         if obs is not None and obs.window_s > 0:
             self._bursts.append((obs.peak_rate if obs.peak_rate is not None else obs.request_rate, peak_d))
+            self._absorbed.append(self._bursts[-1])
         self._size_standby(planned, reasons)
         decode_saturated = counts[Role.DECODE] > 0 and peak_d >= 0.9 * counts[Role.DECODE] * self._decode_per_worker(planned)
         if sizing.infeasible:
@@ -525,6 +572,7 @@ class Planner:
                 f" / {s.limits.cost_budget:g} per hour" if s.limits.cost_budget is not None else "") + " caps the fleet")
         want = {Role.PREFILL: sizing.prefill, Role.DECODE: sizing.decode}
         exact = {Role.PREFILL: sizing.prefill_exact, Role.DECODE: sizing.decode_exact}
+        self._insure(exact, now, reasons)
         budget = s.limits.budget
         total = sum(counts.values())
         if s.fixed_fleet and total >= s.limits.min_prefill + s.limits.min_decode:
@@ -545,6 +593,7 @@ class Planner:
             if target[r] > counts[r]:
                 self._grown[r] = (now, exact[r])
         self._spare = {r: max(0, target[r] - sized[r.value]) for r in ROLES}
+        self._target = dict(target)
         changes = self._explain(target, counts, want, reasons)
         actions += self._actions(target, counts, fleet, now, standby)
         desired = {r.value: target[r] for r in ROLES}
@@ -773,6 +822,8 @@ class Planner:
         for r in ROLES:
             floored_role = r in FLOORED_ROLES and (r is Role.PREFILL or s.decode_floor)
             f = max(e[r] for _, e in self._sized) if floored_role else exact[r]
+            if self._insured is not None:  # proportional: the window's peak only as far as the measured rise asks
+                f = min(f, self._insured[r])
             if warming:
                 f = max(f, float(counts[r]))
             floor_exact[r] = max(exact[r], f)
@@ -918,6 +969,27 @@ class Planner:
                     pool[r].remove(w)
                     actions.append(Action("stop", r, w.id))
         return actions
+
+
+def horizon_rise(series: Sequence[float], steps: int, memory: int, q: float) -> float:
+    """How far a load rose within one re-start horizon beyond what the horizon before it held: for every
+    interval ``k`` whose next ``steps`` intervals are known, (the largest value of those) / (the largest of
+    the ``steps`` intervals ending at ``k``); the upper ``q`` quantile of the last ``memory`` of these
+    ratios, at least 1 (1 with none yet).
+
+    ``series`` holds one value per interval of what a role's pool must absorb (the 5-s peak arrival rate
+    for prefill, the peak decode streams in flight). Capacity held for the horizon's peak misses exactly
+    this rise: a worker started once the rise is seen serves a horizon later. A ratio, so it carries
+    over from a quiet hour to a busy one and scales the insurance with the load."""
+    m = max(1, steps)
+    ratios = []
+    for k in range(m - 1, len(series) - m):
+        held = max(series[k - m + 1:k + 1])
+        if held > 0:
+            ratios.append(max(1.0, max(series[k + 1:k + 1 + m]) / held))
+    if memory > 0:
+        ratios = ratios[-memory:]
+    return max(1.0, _quantile(ratios, q)) if ratios else 1.0
 
 
 def _quantile(xs: Sequence[float], q: float) -> float:

@@ -64,7 +64,7 @@ def settings_from_config(cfg: PlannerConfig) -> PlannerSettings:
         fixed_fleet=cfg.actuator == "role_change",
         standby_prefill=cfg.standby_prefill, standby_decode=cfg.standby_decode, standby_wake_s=cfg.standby_wake_s,
         standby_auto=cfg.standby_auto, standby_net_of_spare=cfg.standby_net_of_spare,
-        rise_quantile=cfg.rise_quantile, cold_backlog=cfg.cold_backlog)
+        rise_quantile=cfg.rise_quantile, cold_backlog=cfg.cold_backlog, insurance=cfg.insurance)
 
 
 # Shipped as package data: `dyad profile --sim gpu-like --out orchestrator/planner/profiles/gpu-like.json`
