@@ -452,7 +452,7 @@ class PlannerConfig(_Section):
                            "judged on arrivals seen now (observed) or the forecast; off = every confirmed "
                            "shortfall starts cold workers")
     insurance: Literal["fixed", "proportional"] = Field(
-        "fixed", description="Capacity beyond the model's sizing: fixed (burst_window_s floor, standby_* warm "
+        "proportional", description="Capacity beyond the model's sizing: fixed (burst_window_s floor, standby_* warm "
                              "workers) or proportional (once the load's rise within start_s + interval_s is "
                              "measured, keep only what that rise needs, with those as bounds)")
     standby_wake_s: float = Field(

@@ -22,6 +22,14 @@ What it plans for, and why (issue 14):
   It never scales in.
 - **Warm standby.** ``standby_prefill``/``standby_decode`` workers are kept started but out of
   rotation; growth activates them first (seconds) and cold starts refill the standby pool.
+- **Proportional insurance** (``insurance="proportional"``, the default). The burst floor and the
+  warm standby are insurance against load the serving pool cannot absorb before a worker started now
+  would serve (the re-start horizon ``start_s + interval_s``). Once the planner has measured how far
+  the load rose within such a horizon beyond what the horizon before it held (``horizon_rise``, per
+  role), it keeps only the capacity that the horizon's largest need times that rise asks for: the
+  floor at most that, the standby pool only what that needs beyond the serving pool. A ratio, so it
+  scales with the load; a calm load releases insurance, a load that has stepped up keeps it.
+  ``burst_window_s`` and ``standby_*`` stay the upper bounds and the insurance while the rise is unknown.
 
 Scale-in is always two steps: ``drain`` a worker (it finishes its requests, takes no new ones),
 then, once the fleet shows it idle, ``stop`` it, ``park`` it in standby or ``set_role`` it to the
@@ -149,7 +157,7 @@ class PlannerSettings:
     # fast looks) or the forecast only ("forecast", lags a burst). Off by default: on Azure code x2 the starts
     # it saves are the ones the burst floor then holds for the next burst (docs/benchmarks.md, Issue 14)
     fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
-    insurance: str = "fixed"  # "fixed": the burst floor keeps the peak sizing for ``burst_window_s`` and
+    insurance: str = "proportional"  # "fixed": the burst floor keeps the peak sizing for ``burst_window_s`` and
     # ``standby_*`` warm workers are kept. "proportional": once the load's own rise within a re-start horizon is
     # measured (``horizon_rise``), each role keeps only the insurance that rise calls for: the burst floor holds
     # at most the horizon's largest sizing times that rise, and warm standby only what that capacity needs beyond

@@ -92,11 +92,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "hysteresis) against the warm standby pool (default: PlannerSettings')")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
-    parser.add_argument("--insurance", choices=["fixed", "proportional"], default="fixed",
+    parser.add_argument("--insurance", choices=["fixed", "proportional"], default="proportional",
                         help="capacity beyond the model's sizing: fixed (the --burst-window floor and the "
-                             "--standby-* warm workers) or proportional (each role keeps the re-start horizon's "
-                             "peak sizing times the rise the load showed within a horizon recently; no warm "
-                             "standby)")
+                             "--standby-* warm workers) or proportional (once the load's rise within --start-s + "
+                             "--interval is measured, the floor and the warm standby keep only what the horizon's "
+                             "largest need times that rise asks for; --burst-window and --standby-* are the bounds)")
     parser.add_argument("--cold-backlog", choices=["off", "observed", "forecast"], default="off",
                         help="load mode: start cold prefill workers only for a backlog that outlasts the start-up, "
                              "judged on the arrivals seen now (observed) or the forecast (forecast); off = every "
@@ -176,7 +176,7 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         standby_auto=g(args, "standby_auto", False), standby_prefill=g(args, "standby_prefill", 1),
         standby_decode=g(args, "standby_decode", 1),
         standby_wake_s=g(args, "standby_wake_s", 5.0), cold_backlog=g(args, "cold_backlog", "off"),
-        insurance=g(args, "insurance", "fixed"))
+        insurance=g(args, "insurance", "proportional"))
     if g(args, "standby_net_of_spare", None) is not None:
         settings.standby_net_of_spare = args.standby_net_of_spare
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
