@@ -358,6 +358,19 @@ class Planner:
                     for r in ROLES}
         return want
 
+    def standby_wanted(self) -> dict[str, int]:
+        """The warm standby pool per role this planner keeps now (``standby_*`` net of the serving pool's
+        spare and, with proportional insurance, of what the measured rise does not need)."""
+        return {r.value: n for r, n in self._standby_want().items()}
+
+    def insurance_status(self) -> dict[str, Any]:
+        """What proportional insurance measured: the rise per role and the capacity it insures (None
+        while the rise is not known yet, when the fixed insurance applies)."""
+        known = self._insured is not None
+        return {"mode": self.settings.insurance, "rise_known": known,
+                "rise": {r.value: round(v, 3) for r, v in self.horizon_rises().items()} if known else None,
+                "insured": {r.value: round(v, 3) for r, v in self._insured.items()} if self._insured else None}
+
     def rise_known(self) -> bool:
         """Enough complete re-start windows for ``horizon_rise``'s quantile to mean something: 1 / (1 - q)."""
         q = self.settings.jump_quantile

@@ -200,8 +200,9 @@ class PlannerService:
         workers = [{"id": w.id, "role": w.role.value, "ready": w.state == "standby"}
                    for w in fleet if w.state == "standby" or w.standby]
         counts = {r: sum(1 for w in workers if w["role"] == r) for r in ("prefill", "decode")}
-        return {"wanted": {"prefill": s.standby_prefill, "decode": s.standby_decode}, "count": counts,
-                "workers": workers}
+        return {"wanted": {"prefill": s.standby_prefill, "decode": s.standby_decode},
+                "kept_now": self.planner.standby_wanted(), "insurance": self.planner.insurance_status(),
+                "count": counts, "workers": workers}
 
     def status(self) -> dict[str, Any]:
         s = self.planner.settings

@@ -35,6 +35,11 @@ def _obs(k: int, rate: float, peak: float) -> Observation:
                        peak_rate=peak)
 
 
+def dp_status(pl: Planner) -> tuple[dict[str, int], bool]:
+    """What ``/admin/planner`` shows of the standby pool and the insurance."""
+    return pl.standby_wanted(), pl.insurance_status()["rise_known"]
+
+
 def _stops(decision) -> set[str]:
     return {a.worker_id for a in decision.actions if a.kind == "stop"}
 
@@ -77,6 +82,8 @@ def test_a_calm_load_releases_the_warm_standby_that_the_serving_pools_slack_cove
     assert df.desired == dp.desired == {"prefill": 1, "decode": 1}
     assert not _stops(df)  # fixed: the 1 + 1 warm standby stays
     assert _stops(dp) == {"sp0", "sd0"}  # proportional: both idle standby workers are stopped
+    assert dp_status(prop) == ({"prefill": 0, "decode": 0}, True)
+    assert dp_status(fixed) == ({"prefill": 1, "decode": 1}, False)
     assert any(r.startswith("insurance:") for r in dp.reasons)
 
 
