@@ -51,17 +51,21 @@ async def until(pred, timeout=20.0):
         await asyncio.sleep(0.1)
 
 
+async def engine_tokens(engine: VllmEngine, prompt: str, messages: list) -> tuple[list[int], list[int]]:
+    """The engine's own /tokenize of a completions prompt and of a chat (its template, no extra specials)."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(f"{engine.url}/tokenize", json={"model": engine.model, "prompt": prompt})
+        as_prompt = r.json()["tokens"]
+        r = await c.post(f"{engine.url}/tokenize", json={
+            "model": engine.model, "messages": messages, "add_generation_prompt": True, "add_special_tokens": False})
+        return as_prompt, r.json()["tokens"]
+
+
 async def test_local_tokenization_equals_engine_tokenize(vllm_engine: VllmEngine):
     cfg = config_for(vllm_engine)
     tracker = build_prefix_tracker(cfg, FleetRegistry.from_config(cfg), DyadMetrics())
     tok = tracker.tokenizer
-    async with httpx.AsyncClient(timeout=60) as c:
-        r = await c.post(f"{vllm_engine.url}/tokenize", json={"model": vllm_engine.model, "prompt": PROMPT})
-        engine_prompt = r.json()["tokens"]
-        r = await c.post(f"{vllm_engine.url}/tokenize", json={
-            "model": vllm_engine.model, "messages": MESSAGES, "add_generation_prompt": True,
-            "add_special_tokens": False})
-        engine_chat = r.json()["tokens"]
+    engine_prompt, engine_chat = await engine_tokens(vllm_engine, PROMPT, MESSAGES)
     assert await tok.token_ids(vllm_engine.model, "/v1/completions", {"prompt": PROMPT}) == engine_prompt
     assert await tok.token_ids(vllm_engine.model, "/v1/chat/completions", {"messages": MESSAGES}) == engine_chat
     assert tok.engine_calls == 0  # all local
@@ -69,13 +73,7 @@ async def test_local_tokenization_equals_engine_tokenize(vllm_engine: VllmEngine
     # the leading ids of what the engine computes for the whole prompt, completions and chat.
     long_text = " ".join(f"{PROMPT} Part {i}:\n    def f{i}(x): return x * {i} # ünïcödé 模型" for i in range(8))
     long_chat = [{"role": "system", "content": long_text}, {"role": "user", "content": "go"}]
-    async with httpx.AsyncClient(timeout=60) as c:
-        r = await c.post(f"{vllm_engine.url}/tokenize", json={"model": vllm_engine.model, "prompt": long_text})
-        engine_long = r.json()["tokens"]
-        r = await c.post(f"{vllm_engine.url}/tokenize", json={
-            "model": vllm_engine.model, "messages": long_chat, "add_generation_prompt": True,
-            "add_special_tokens": False})
-        engine_long_chat = r.json()["tokens"]
+    engine_long, engine_long_chat = await engine_tokens(vllm_engine, long_text, long_chat)
     for endpoint, body, engine_ids in (("/v1/completions", {"prompt": long_text}, engine_long),
                                        ("/v1/chat/completions", {"messages": long_chat}, engine_long_chat)):
         probe = tok.head_probe(vllm_engine.model, endpoint, body, block_size=32)

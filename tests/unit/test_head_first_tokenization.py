@@ -95,21 +95,15 @@ async def test_the_head_without_its_last_block_leads_the_whole_prompt(model_dir)
     checked = 0
     for seed in range(12):
         text = _corpus(100 + seed, 6000)
-        body = {"prompt": text}
-        probe = rt.head_probe("m", COMPLETIONS, body, block_size=BS)
-        assert probe is not None
-        whole = await rt.token_ids("m", COMPLETIONS, body)
-        head = _leading(probe[0])
-        assert len(head) >= BS and whole[: len(head)] == head
-        assert 0.8 < probe[1] / len(whole) < 1.25  # the length extrapolated from the head's tokens per character
         msgs = [{"role": "system", "content": _corpus(seed, 300)}, {"role": "user", "content": text}]
-        chat = {"messages": msgs}
-        probe = rt.head_probe("m", CHAT, chat, block_size=BS)
-        assert probe is not None
-        whole = await rt.token_ids("m", CHAT, chat)
-        head = _leading(probe[0])
-        assert len(head) >= BS and whole[: len(head)] == head
-        checked += 2
+        for endpoint, body in ((COMPLETIONS, {"prompt": text}), (CHAT, {"messages": msgs})):
+            probe = rt.head_probe("m", endpoint, body, block_size=BS)
+            assert probe is not None
+            whole = await rt.token_ids("m", endpoint, body)
+            head = _leading(probe[0])
+            assert len(head) >= BS and whole[: len(head)] == head
+            assert 0.8 < probe[1] / len(whole) < 1.25  # the length extrapolated from the head's tokens per character
+            checked += 1
     assert checked == 24 and rt.head_mismatches == 0
 
 
