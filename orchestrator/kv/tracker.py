@@ -44,11 +44,15 @@ log = logging.getLogger("dyad.kv.tracker")
 
 TOUCH_INTERVAL_S = 1.0  # a matched prefix's recency is refreshed at most this often
 MAX_TOUCHED = 100_000
-# A request decided on its prompt's head records the head's blocks; one in HEAD_VERIFY_EVERY (and the first)
-# is also tokenized whole after the send, to check the head against it and record every block (a long prompt's
-# tokenization is milliseconds of CPU: doing it for every request would cost the CPU the head saved).
+# A request decided on its prompt's head records the head's blocks at once. After the send its whole prompt is
+# tokenized (one at a time, on a thread) and recorded whole when a worker it went to has no KV events (the
+# index learns the whole prompt only from the gateway then), and checked against the head; for workers with
+# events (they report every block) only the first such request and then one in HEAD_VERIFY_EVERY is, for the
+# check. At most HEAD_WHOLE_WAITING wait for the tokenizer: beyond that a request keeps its head's record
+# (counted in ``head_whole_dropped``): under a flood of new long prompts learning degrades, routing does not.
 HEAD_VERIFY_EVERY = 64
-MAX_TOKENIZE_LATER = 1_024  # sampled requests decided on their prompt's head, waiting to be routed ...
+HEAD_WHOLE_WAITING = 8
+MAX_TOKENIZE_LATER = 1_024  # requests decided on their prompt's head, waiting to be routed ...
 MAX_TOKENIZE_LATER_TOKENS = 8_000_000  # ... and the (extrapolated) prompt tokens they hold at most
 
 
@@ -75,9 +79,12 @@ class PrefixTracker:
         self._hashers: dict[tuple[str, int, str | None], BlockHasher] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._touched: dict[tuple[str, int], float] = {}  # (worker, last matched block) → last touch
-        # request id → what ``_record_whole`` needs, for the sampled requests decided on their prompt's head
+        # request id → what ``_record_whole`` needs, for requests decided on their prompt's head
         self._tokenize_later: dict[str, tuple[Any, ...]] = {}
         self._head_decisions = 0
+        self._whole_gate = asyncio.Semaphore(1)  # one whole-prompt tokenization at a time
+        self._whole_waiting = 0
+        self.head_whole_dropped = 0
         self._later_tokens = 0  # the prompt tokens those entries hold (extrapolated from the heads)
         self.annotate_failures = 0
         self._started = False
@@ -137,9 +144,9 @@ class PrefixTracker:
             new = await self._new_everywhere(req, probe, bs, self.hasher(ns, bs, salt), ids_of, session_key)
             if new is not None:
                 self._head_decisions += 1
-                if self._head_decisions % HEAD_VERIFY_EVERY == 1:  # (the first one, then one in HEAD_VERIFY_EVERY)
-                    self._later_put(req.request_id, (endpoint, body, candidates, new.block_hashes, probe[0]),
-                                    new.prompt_tokens)
+                verify = self._head_decisions % HEAD_VERIFY_EVERY == 1  # (the first, then one in HEAD_VERIFY_EVERY)
+                self._later_put(req.request_id, (endpoint, body, candidates, new.block_hashes, probe[0], verify),
+                                new.prompt_tokens)
                 return new
         tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates)
         if tok is None:
@@ -167,9 +174,9 @@ class PrefixTracker:
         word cut at the head's end may tokenize differently); no token ids; its length is the head's
         tokens per character times the prompt's characters (``head_probe``).
 
-        What is recorded for it (approximate mode) is the head's blocks: a later request with the same
-        prompt finds them, is tokenized whole (its head is no longer new) and is credited the head's
-        blocks; its own record then holds every block. Workers with KV events report every block."""
+        What is recorded for it (approximate mode) is the head's blocks at once, and every block once
+        its whole prompt is tokenized after the send (``_record_whole``). Workers with KV events report
+        every block themselves."""
         head, prompt_tokens = probe
         safe = len(head) // bs - 1
         if safe < 1:
@@ -194,11 +201,16 @@ class PrefixTracker:
             self._later_tokens -= self._tokenize_later.pop(next(iter(self._tokenize_later)))[-1]
 
     async def _record_whole(self, req: RouteRequest, later: tuple[Any, ...], worker_ids: list[str]) -> None:
-        """After the send of a sampled request decided on its head: tokenize the whole prompt (on a
-        thread), check the head against it (``verify_head``), and record all its blocks where the
-        decision recorded the head's."""
-        endpoint, body, candidates, head_hashes, head, _ = later
-        tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates, off_loop=True)
+        """After the send of a request decided on its head: tokenize the whole prompt (on a thread, one
+        at a time), check the head against it (``verify_head``), and record all its blocks for
+        ``worker_ids`` (the workers it went to that have no KV events)."""
+        endpoint, body, candidates, head_hashes, head, _, _ = later
+        self._whole_waiting += 1
+        try:
+            async with self._whole_gate:
+                tok = await self.tokenizer.tokenize(req.model, endpoint, body, candidates, off_loop=True)
+        finally:
+            self._whole_waiting -= 1
         if tok is None:
             return
         self.tokenizer.verify_head(req.model, head[: len(head_hashes) * req.block_size], tok.ids)
@@ -213,10 +225,14 @@ class PrefixTracker:
     async def on_routed(self, req: RouteRequest, decision: RouteDecision, now: float) -> None:
         holders = [decision.worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
         later = self._tokenize_later.pop(req.request_id, None) if self._tokenize_later else None
-        if later is not None:  # decided on its prompt's head and sampled: the whole prompt now, off the path
+        if later is not None:  # decided on its prompt's head: the whole prompt after the send, off the path
             self._later_tokens -= later[-1]
             approximate = [w.id for w in holders if not self._gets_events(w)]
-            self._spawn(self._record_whole(req, later, approximate))
+            if approximate or later[-2]:  # (recorded whole, or checked)
+                if self._whole_waiting < HEAD_WHOLE_WAITING:
+                    self._spawn(self._record_whole(req, later, approximate))
+                else:
+                    self.head_whole_dropped += 1
         if req.block_hashes:
             for w in holders:
                 if self._gets_events(w):

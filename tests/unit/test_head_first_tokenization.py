@@ -4,21 +4,18 @@ Real (tiny) tokenizers trained here in milliseconds — a byte-level BPE (GPT-2 
 Metaspace BPE (SentencePiece / Llama-2 style) — on mixed text: English, code, numbers, newlines and
 indentation, CJK and emoji. For both, on many texts, the head's ids without its last block are the
 leading ids of the whole prompt's (completions and chat, the template included). Then the tracker:
-a new long prompt is decided on its head (no token ids: the gateway estimates its length); a
-sampled one (the first, then one in ``HEAD_VERIFY_EVERY``) is tokenized whole after the send,
-checked and recorded whole; an unsampled one records its head, and the next request with that
-prompt is tokenized whole and teaches the index the rest. A tokenizer whose head does not match
-turns head-first off for its model and records nothing wrong.
+a new long prompt is decided on its head (no token ids; its length extrapolated from the head); in
+approximate mode it is tokenized whole after the send and recorded whole, so a prompt sharing its
+document finds all of it; past the tokenizer's queue it keeps its head's record and the next request
+with that prompt teaches the index the rest; for workers with KV events only the sampled check runs;
+a tokenizer whose head does not match turns head-first off for its model and records nothing wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from orchestrator.config import load_config
 from orchestrator.fleet.registry import FleetRegistry
@@ -28,52 +25,11 @@ from orchestrator.kv.memory_index import MemoryPrefixIndex
 from orchestrator.kv.tokenization import RequestTokenizer, head_chars
 from orchestrator.kv.tracker import PrefixTracker
 from orchestrator.router.types import RouteDecision, RouteRequest
+from tests.fixtures.trained_tokenizers import byte_level_bpe, corpus, metaspace_bpe
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 BS = 16
-WORDS = ("the prefix cache routes requests to workers while decode streams tokens back "
-         "def route(req): return min(workers, key=lambda w: w.load) # 3.14159 {x: [1, 2]} "
-         "模型 推理 缓存 路由 🙂 ünïcödé naïve café").split()
-
-
-def _corpus(seed: int, n: int) -> str:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        out.append(rng.choice(WORDS))
-        r = rng.random()
-        out.append("\n    " if r < 0.05 else "\n" if r < 0.1 else "  " if r < 0.12 else " ")
-    return "".join(out)
-
-
-def _save(tok: Tokenizer, path) -> None:
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}"}))
-
-
-def byte_level_bpe(path) -> None:
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([_corpus(s, 400) for s in range(20)], trainer=trainer)
-    _save(tok, path)
-
-
-def metaspace_bpe(path) -> None:
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
-    tok.train_from_iterator([_corpus(s, 400) for s in range(20)], trainer=trainer)
-    _save(tok, path)
-
-
 @pytest.fixture(params=[byte_level_bpe, metaspace_bpe], ids=["byte-level", "metaspace"])
 def model_dir(request, tmp_path):
     request.param(tmp_path)
@@ -94,8 +50,8 @@ async def test_the_head_without_its_last_block_leads_the_whole_prompt(model_dir)
     rt = _tokenizer(model_dir)
     checked = 0
     for seed in range(12):
-        text = _corpus(100 + seed, 6000)
-        msgs = [{"role": "system", "content": _corpus(seed, 300)}, {"role": "user", "content": text}]
+        text = corpus(100 + seed, 6000)
+        msgs = [{"role": "system", "content": corpus(seed, 300)}, {"role": "user", "content": text}]
         for endpoint, body in ((COMPLETIONS, {"prompt": text}), (CHAT, {"messages": msgs})):
             probe = rt.head_probe("m", endpoint, body, block_size=BS)
             assert probe is not None
@@ -109,8 +65,8 @@ async def test_the_head_without_its_last_block_leads_the_whole_prompt(model_dir)
 
 async def test_short_cached_or_unsplittable_prompts_are_tokenized_whole(model_dir):
     rt = _tokenizer(model_dir)
-    assert rt.head_probe("m", COMPLETIONS, {"prompt": _corpus(1, 50)}) is None  # short: cheap anyway
-    long = {"prompt": _corpus(2, 6000)}
+    assert rt.head_probe("m", COMPLETIONS, {"prompt": corpus(1, 50)}) is None  # short: cheap anyway
+    long = {"prompt": corpus(2, 6000)}
     await rt.token_ids("m", COMPLETIONS, long)
     assert rt.head_probe("m", COMPLETIONS, long) is None  # in the token cache: exact and free
     assert rt.head_probe("m", COMPLETIONS, {"prompt": "模型推理缓存" * 3000}) is None  # no whitespace to cut at
@@ -134,7 +90,7 @@ async def _settle(tracker) -> None:
 
 async def test_a_new_long_prompt_is_decided_on_its_head_and_the_sampled_one_recorded_whole(model_dir):
     tracker, fleet = _tracker(model_dir)
-    body = {"prompt": _corpus(7, 8000)}
+    body = {"prompt": corpus(7, 8000)}
     req = await tracker.annotate(RouteRequest(request_id="r1", model="m", prompt_tokens=0), body, COMPLETIONS,
                                  fleet.workers())
     assert req.token_ids is None and req.overlaps == {}  # decided on the head
@@ -154,32 +110,62 @@ async def test_a_new_long_prompt_is_decided_on_its_head_and_the_sampled_one_reco
     assert again.token_ids is not None and again.overlaps["a"].blocks == len(hashes)
     assert "b" not in again.overlaps or again.overlaps["b"].blocks == 0
     # a prompt sharing only the first blocks: the whole prompt is tokenized to measure the overlap
-    shared = {"prompt": body["prompt"][:head_chars(BS) * 2] + " " + _corpus(8, 6000)}
+    shared = {"prompt": body["prompt"][:head_chars(BS) * 2] + " " + corpus(8, 6000)}
     third = await tracker.annotate(RouteRequest(request_id="r3", model="m", prompt_tokens=0), shared, COMPLETIONS,
                                    fleet.workers())
     assert third.token_ids is not None and 0 < third.overlaps["a"].blocks < len(hashes)
     assert tracker.tokenizer.head_mismatches == 0 and tracker._tokenize_later == {}
 
 
-async def test_an_unsampled_new_prompt_records_its_head_and_the_next_one_learns_the_rest(model_dir):
+async def _route(tracker, fleet, rid, body, worker="a"):
+    req = await tracker.annotate(RouteRequest(request_id=rid, model="m", prompt_tokens=0), body, COMPLETIONS,
+                                 fleet.workers())
+    await tracker.on_routed(req, RouteDecision(worker=fleet.get(worker), policy="kv_aware", reason="test"), 1.0)
+    await _settle(tracker)
+    return req
+
+
+async def test_in_approximate_mode_every_new_prompt_is_recorded_whole_after_the_send(model_dir):
     tracker, fleet = _tracker(model_dir)
-    a = fleet.get("a")
+    doc = corpus(20, 8000)
+    first = await _route(tracker, fleet, "r1", {"prompt": doc + " first question"})
+    assert first.token_ids is None
+    second = await _route(tracker, fleet, "r2", {"prompt": corpus(21, 8000)})
+    assert second.token_ids is None and tracker._head_decisions == 2 and tracker.head_whole_dropped == 0
+    # a prompt sharing the first one's long document goes by the document's whole length, not its head's
+    follow = await _route(tracker, fleet, "r3", {"prompt": doc + " another question"})
+    assert follow.token_ids is not None
+    assert follow.overlaps["a"].blocks > 10 * len(first.block_hashes)
 
-    async def route(rid, body):
-        req = await tracker.annotate(RouteRequest(request_id=rid, model="m", prompt_tokens=0), body, COMPLETIONS,
-                                     fleet.workers())
-        await tracker.on_routed(req, RouteDecision(worker=a, policy="kv_aware", reason="test"), 1.0)
-        await _settle(tracker)
-        return req
 
-    await route("first", {"prompt": _corpus(20, 8000)})  # the first head decision is sampled (verified)
-    body = {"prompt": _corpus(21, 8000)}
-    req = await route("r1", body)
-    assert req.token_ids is None and tracker._tokenize_later == {}  # not sampled: nothing tokenized after
-    again = await route("r2", body)  # its head is known now: tokenized whole, credited the head's blocks
+async def test_past_the_tokenizer_queue_a_new_prompt_keeps_its_heads_record_and_the_next_one_learns_the_rest(
+        model_dir):
+    from orchestrator.kv.tracker import HEAD_WHOLE_WAITING
+
+    tracker, fleet = _tracker(model_dir)
+    await _route(tracker, fleet, "first", {"prompt": corpus(22, 8000)})
+    body = {"prompt": corpus(23, 8000)}
+    tracker._whole_waiting = HEAD_WHOLE_WAITING  # the tokenizer's queue is full: routing goes on, learning waits
+    req = await _route(tracker, fleet, "r1", body)
+    tracker._whole_waiting = 0
+    assert req.token_ids is None and tracker.head_whole_dropped == 1
+    again = await _route(tracker, fleet, "r2", body)  # its head is known: tokenized whole, credited the head
     assert again.token_ids is not None and again.overlaps["a"].blocks == len(req.block_hashes)
-    third = await route("r3", body)  # the second one's record holds every block
+    third = await _route(tracker, fleet, "r3", body)  # the second one's record holds every block
     assert third.overlaps["a"].blocks == len(again.block_hashes) > len(req.block_hashes)
+
+
+async def test_workers_with_kv_events_get_no_whole_tokenization_but_the_sampled_check(model_dir):
+    tracker, fleet = _tracker(model_dir)
+    tracker.subscribers["a"] = object()  # (as if subscribed to a's KV events: it reports every block itself)
+    await _route(tracker, fleet, "first", {"prompt": corpus(24, 8000)})  # the first: checked
+    body = {"prompt": corpus(25, 8000)}
+    req = await tracker.annotate(RouteRequest(request_id="r1", model="m", prompt_tokens=0), body, COMPLETIONS,
+                                 fleet.workers())
+    await tracker.on_routed(req, RouteDecision(worker=fleet.get("a"), policy="kv_aware", reason="test"), 1.0)
+    assert req.token_ids is None and not tracker._background  # nothing tokenized after the send
+    assert tracker.tokenizer.cache.key("m", False, body) not in tracker.tokenizer.cache
+    tracker.subscribers.clear()
 
 
 async def test_a_head_that_tokenizes_differently_turns_head_first_off_and_records_nothing_from_it(model_dir):
@@ -192,7 +178,7 @@ async def test_a_head_that_tokenizes_differently_turns_head_first_off_and_record
         return None if found is None else ([i + 1 for i in found[0]], found[1])  # not the prompt's ids
 
     rt.head_probe = wrong_head
-    body = {"prompt": _corpus(9, 8000)}
+    body = {"prompt": corpus(9, 8000)}
     req = await tracker.annotate(RouteRequest(request_id="r1", model="m", prompt_tokens=0), body, COMPLETIONS,
                                  fleet.workers())
     assert req.token_ids is None
@@ -200,7 +186,7 @@ async def test_a_head_that_tokenizes_differently_turns_head_first_off_and_record
     await _settle(tracker)
     assert rt.head_mismatches == 1 and rt.head_first == {"m": False}
     rt.head_probe = real
-    assert rt.head_probe("m", COMPLETIONS, {"prompt": _corpus(10, 8000)}) is None  # off for this model
+    assert rt.head_probe("m", COMPLETIONS, {"prompt": corpus(10, 8000)}) is None  # off for this model
     whole = await rt.tokenize("m", COMPLETIONS, body)
     first = BlockHasher("m", BS).hash_blocks(list(whole.ids[:BS]))
     overlaps = await tracker.index.overlaps(first, tracker.tier_weights, ["a"])
