@@ -228,11 +228,16 @@ class PrefixTracker:
         if later is not None:  # decided on its prompt's head: the whole prompt after the send, off the path
             self._later_tokens -= later[-1]
             approximate = [w.id for w in holders if not self._gets_events(w)]
+            outcome = "head"
             if approximate or later[-2]:  # (recorded whole, or checked)
                 if self._whole_waiting < HEAD_WHOLE_WAITING:
                     self._spawn(self._record_whole(req, later, approximate))
+                    outcome = "whole"
                 else:
                     self.head_whole_dropped += 1
+                    outcome = "dropped"
+            if self.metrics is not None:
+                child(self.metrics.head_first, outcome).inc()
         if req.block_hashes:
             for w in holders:
                 if self._gets_events(w):

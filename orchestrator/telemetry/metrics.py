@@ -118,6 +118,11 @@ class DyadMetrics:
                                     ["backend"], registry=r)
         self.index_lookup_seconds = Histogram("dyad_index_lookup_seconds", "Prefix index overlap lookup time",
                                               ["backend"], buckets=DECISION_BUCKETS, registry=r)
+        self.head_first = Counter("dyad_head_first_total",
+                                  "Long new prompts routed on the tokens of their head (docs/prefix-index.md); "
+                                  "outcome: whole (tokenized whole after the send), dropped (the tokenizer's "
+                                  "queue was full: only the head recorded), head (workers with KV events: not "
+                                  "needed)", ["outcome"], registry=r)
         self.index_mirror_only = Gauge("dyad_index_mirror_only",
                                        "1 while this replica answers prefix lookups from its local mirror because "
                                        "the shared index (redis / redis_cluster) is unreachable or resyncing",

@@ -81,3 +81,4 @@ def test_new_long_prompts_are_routed_on_their_head_and_the_index_learns_them_who
         n = len(gw.call(tok.tokenize(MODEL, "/v1/completions", {"prompt": other})).ids) // BS
         until(lambda: blocks(w2) >= n)
     assert tracker._head_decisions == 2 and tracker.head_whole_dropped == 0 and tok.head_mismatches == 0
+    assert gw.runtime.metrics.registry.get_sample_value("dyad_head_first_total", {"outcome": "whole"}) == 2
