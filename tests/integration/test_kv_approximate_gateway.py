@@ -15,25 +15,16 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from orchestrator.config import load_config
 from orchestrator.kv.tracker import PrefixTracker
 from orchestrator.sim.server import SimEngineThread
-from tests.fixtures.sim_gateway import gateway_over
+from tests.fixtures.sim_gateway import kv_aware_pair
 
 MODEL = "sim-model"
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    engines = [SimEngineThread(model=MODEL, profile="cpu-tiny", seed=i).start() for i in range(2)]
-    workers = [{"id": f"sim-{i}", "url": e.url, "engine": "sim", "models": [MODEL]} for i, e in enumerate(engines)]
-    cfg = load_config({
-        "models": [{"name": MODEL, "block_size": 32}],
-        "workers": workers,
-        "router": {"policy": "kv_aware", "debug_headers": True, "seed": 5},
-        "health": {"interval_s": 1.0},
-    }, environ={})
-    with gateway_over(cfg, engines) as running:
+    with kv_aware_pair({"name": MODEL, "block_size": 32}, seed=5) as running:
         yield running
 
 

@@ -16,10 +16,8 @@ import time
 import httpx
 import pytest
 
-from orchestrator.config import load_config
 from orchestrator.kv.tracker import PrefixTracker
-from orchestrator.sim.server import SimEngineThread
-from tests.fixtures.sim_gateway import gateway_over
+from tests.fixtures.sim_gateway import kv_aware_pair
 from tests.fixtures.trained_tokenizers import byte_level_bpe, corpus
 
 MODEL = "sim-model"
@@ -30,15 +28,7 @@ BS = 16
 def fleet(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tokenizer")
     byte_level_bpe(model_dir)
-    engines = [SimEngineThread(model=MODEL, profile="cpu-tiny", seed=i).start() for i in range(2)]
-    workers = [{"id": f"sim-{i}", "url": e.url, "engine": "sim", "models": [MODEL]} for i, e in enumerate(engines)]
-    cfg = load_config({
-        "models": [{"name": MODEL, "block_size": BS, "tokenizer": str(model_dir)}],
-        "workers": workers,
-        "router": {"policy": "kv_aware", "debug_headers": True, "seed": 3},
-        "health": {"interval_s": 1.0},
-    }, environ={})
-    with gateway_over(cfg, engines) as running:
+    with kv_aware_pair({"name": MODEL, "block_size": BS, "tokenizer": str(model_dir)}, seed=3) as running:
         yield running
 
 
