@@ -101,9 +101,14 @@ def pd(vllm_pd_engines: PdEngines):
     # abandoned for a local prefill on the decode engine (mode "fallback"): that is how the
     # hand-off test failed under load with 20 s here. The hand-off tests assert the gateway
     # did not fall back; the bound is a liveness limit, as long as the client's timeout.
+    # The same holds for the stall watchdog: with scraping off it cannot see the decode engine
+    # working (no generated-token counter), so a non-streamed answer has to arrive within the
+    # 15-s default after the prefill leg. A fresh clone's CI run (load average ~20) once took
+    # 29 s there and the request was pulled as stalled (a 503 instead of the hand-off).
     with vllm_gateway([prefill, decode], policy="least_load", worker_ids=["prefill", "decode"],
                       roles=["prefill", "decode"], model={"block_size": 32},
                       gateway={"admin_token": ADMIN}, health={"interval_s": 0.5, "timeout_s": 2.0}, scrape=None,
+                      resilience={"stall_timeout_s": 120},
                       disagg={"min_prefill_tokens": 64, "prefill_timeout_s": 120}) as gw:
         yield gw, prefill, decode
 
