@@ -316,12 +316,12 @@ class RequestTokenizer:
     def head_probe(self, model: str, endpoint: str, body: dict[str, Any], candidates: Sequence[Worker] = (),
                    block_size: int = 32) -> tuple[Sequence[int], int] | None:
         """(token ids of the prompt's head, the whole prompt's tokens extrapolated from the head's tokens
-        per character: the model's own tokenizer on a sample of the same text) for a long prompt of a model with local HF tokenizer
-        files that is not in the token cache; None otherwise (tokenize it all).
+        per character) for a long prompt of a model with local HF tokenizer files that is not in the
+        token cache; None otherwise (tokenize it all).
 
         The head is the rendered prompt (chat template included) up to the last whitespace before
-        ``head_chars(block_size)``: merges of the tokenizers Dyad reads (byte-level BPE, SentencePiece-style BPE)
-        do not cross whitespace, so these ids are the leading ids of the whole prompt's, except
+        ``head_chars(block_size)``: merges of the tokenizers Dyad reads (byte-level BPE,
+        SentencePiece-style BPE) do not cross whitespace, so these ids are the leading ids of the whole prompt's, except
         possibly the last word's: the caller drops the head's last block. ``verify_head`` checks
         that against the whole prompt's ids after the send, and a mismatch turns this off for the
         model. About 0.1 ms instead of milliseconds for a long prompt."""
