@@ -10,6 +10,8 @@ wrong; Dyad does the same so that a handful of bad requests cannot open every br
 * **request-caused** — an engine 4xx (the worker is fine: it answered), the same 5xx status on a second
   worker (the request is what fails), a first-byte timeout while the worker kept serving others. These
   go back to the client once and count against nobody.
+* **busy** — a 429 (the engine, or a proxy in front of it, sheds load): the request is tried on another
+  worker like a 5xx, and the same 429 everywhere goes back to the client; it counts against nobody.
 
 A 5xx is therefore judged only when the next try's result is known: ``FiveXxJudge`` holds it until then.
 A 5xx with no second opinion possible (the last try, or no other worker) counts against the worker:
@@ -26,8 +28,9 @@ import orjson
 from orchestrator.errors import UpstreamError
 from orchestrator.gateway.responses import engine_error_body
 
-RETRY_STATUSES = frozenset({500, 502, 503, 504})  # answered before any byte: another worker may do better
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})  # answered before any byte: another worker may do better
 UNAVAILABLE_STATUSES = frozenset({502, 503})  # the engine says it cannot serve: counts against its health
+BUSY_STATUSES = frozenset({429})  # the engine is busy, not broken: tried elsewhere, never held against it
 
 
 def engine_error(status: int, raw: bytes) -> UpstreamError:

@@ -56,7 +56,6 @@ DONE_EVENT = b"data: [DONE]\n\n"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _CHAT_CONTINUABLE = frozenset({EngineKind.VLLM, EngineKind.SIM})
 # How a server-sent event may start (data, comment, event, id, retry); anything else is not SSE.
-_SSE_STARTS = frozenset({b"d", b":", b"e", b"i", b"r"})
 MAX_PENDING_EVENT = 1 << 20  # an incomplete event longer than this is not SSE either
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
@@ -446,29 +445,41 @@ class StreamRelay:
         idle_timer = IdleTimer(loop, expire, first_wait, idle)
         try:
             async for chunk in chunks:
+                if recorder.done:  # bytes after the stream's end: it is complete, they are not relayed
+                    break
                 idle_timer.pause()  # a slow client is not an idle engine
                 # (this response's first token — for OpenAI chunks its first bytes —, or a continuation's)
                 if first and self.protocol.first_token(chunk):
                     p.mark_first_token()
                     first = False
-                out = recorder.split(chunk) if rewriter is None else rewriter.feed(recorder.split(chunk))
-                if out:
-                    if out[:1] not in _SSE_STARTS:
-                        return "garbage", f"the engine sent bytes that are not server-sent events: {out[:60]!r}"
-                    if b'"usage"' in out:
-                        out = self._take_usage(out) if self.protocol.continuable \
-                            else self.protocol.take_usage(out, p)
-                    if self.held is not None:  # events before the first token wait for it (stream_protocol)
+                out = recorder.split(chunk)
+                if not out:
+                    if len(recorder.pending) > MAX_PENDING_EVENT:
+                        return "garbage", f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
+                    idle_timer.resume(idle if not first else first_wait)
+                    continue
+                # (what is not the protocol, and anything after its end, never reaches the client)
+                out, problem, beyond_end = self.protocol.screen(out)
+                if rewriter is not None and out:
+                    out = rewriter.feed(out)
+                if out and b'"usage"' in out:
+                    out = self._take_usage(out) if self.protocol.continuable else self.protocol.take_usage(out, p)
+                if self.held is not None:  # events before the first token wait for it (stream_protocol)
+                    if problem is not None:
+                        out = b""  # (nothing has reached the client: the stream starts over elsewhere)
+                    else:
                         self.held.append(out)
                         if first:
                             idle_timer.resume(first_wait)
                             continue
                         out, self.held = b"".join(self.held), None
+                if out:
                     self.events += out.count(b"data:")
-                    if out:
-                        await self._emit(send, out)
-                elif len(recorder.pending) > MAX_PENDING_EVENT:
-                    return "garbage", f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
+                    await self._emit(send, out)
+                if problem is not None:
+                    return "garbage", f"the engine sent {problem}"
+                if beyond_end:  # (the engine kept sending after its end: the stream is complete)
+                    break
                 idle_timer.resume(idle if not first else first_wait)
         except httpx.HTTPError as e:
             return "reset", f"{type(e).__name__}: {e}"

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _PASS_HEADERS = (b"content-type", b"content-encoding")
 _JITTER = random.Random()
+_CHOICE_ANSWERS = frozenset({"/v1/chat/completions", "/v1/completions"})  # answers that carry ``choices``
 WATCH_AFTER_S = 0.02  # the client watcher starts this late: a disconnect is seen within 20 ms more
 ON_DISCONNECT = "dyad.on_disconnect"  # scope["extensions"][ON_DISCONNECT](callback or None): see http_server.py
 _NO_EXTENSIONS: dict[str, Any] = {}
@@ -412,6 +413,8 @@ class ProxyResponse:
         now = rt.clock.now()
         for wid, status in self._judge.settle(request_caused):
             rt.metrics.upstream_errors.labels(wid, f"http_{status}").inc()
+            if status in classify.BUSY_STATUSES:
+                continue
             rt.breakers.record_failure(wid, now)
             w = rt.fleet.get(wid)
             if w is not None and status in classify.UNAVAILABLE_STATUSES:
@@ -428,16 +431,12 @@ class ProxyResponse:
             if not isinstance(obj, dict):
                 raise ValueError("not an object")
         except (orjson.JSONDecodeError, ValueError):
-            snippet = body[:80].decode("utf-8", "replace")
-            attempt.worker_failed("garbage", f"answered a body that is not a JSON object: {snippet!r}")
-            self._settle_5xx(request_caused=False)
-            self.error_class = "bad_engine_answer"
-            raise _Retry(UpstreamError(502, f"The engine ({attempt.worker_id}) answered HTTP {status} with a body "
-                                            f"that is not JSON ({len(body)} bytes, starting {snippet!r}).",
-                                       code="bad_engine_answer")) from None
+            self._bad_answer(attempt, status, body, "is not JSON", "not a JSON object")
         bad = classify.error_in_answer(obj)
         if bad is not None:
             return self._error_status(attempt, bad[0], orjson.dumps({"error": bad[1]}), last_try)
+        if self.call.endpoint in _CHOICE_ANSWERS and not isinstance(obj.get("choices"), list):
+            self._bad_answer(attempt, status, body, "has no choices", "a JSON object without choices")
         self._settle_5xx(request_caused=False)
         usage = obj.get("usage")
         self.usage = usage if isinstance(usage, dict) else None
@@ -445,6 +444,16 @@ class ProxyResponse:
             self.relayed_tokens = sum(estimate_text_tokens(_answer_text(c)) for c in obj.get("choices") or ()
                                       if isinstance(c, dict))
         return body
+
+    def _bad_answer(self, attempt: Attempt, status: int, body: bytes, what: str, detail: str) -> None:
+        """A 200 whose body is not an answer (garbage): the worker's fault; another worker may do better."""
+        snippet = body[:80].decode("utf-8", "replace")
+        attempt.worker_failed("garbage", f"answered {detail}: {snippet!r}")
+        self._settle_5xx(request_caused=False)
+        self.error_class = "bad_engine_answer"
+        raise _Retry(UpstreamError(502, f"The engine ({attempt.worker_id}) answered HTTP {status} with a body that "
+                                        f"{what} ({len(body)} bytes, starting {snippet!r}).",
+                                   code="bad_engine_answer")) from None
 
     def _not_sse(self, attempt: Attempt, raw: bytes, last_try: bool) -> None:
         """A stream request answered with something other than server-sent events."""

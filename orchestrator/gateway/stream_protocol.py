@@ -35,6 +35,39 @@ _FIRST_TOKEN_HINTS = (b".delta\n", b'.delta"', b"event: response.completed", b"e
                       b"event: response.incomplete", b"event: error", b'"type":"error"')
 
 
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
+
+
+def bad_event(event: bytes) -> str | None:
+    """What is wrong with one whole SSE event (no trailing blank line) for a JSON stream: a line that is
+    no SSE field, or data that is not a JSON object (``[DONE]`` aside); None for a good event. A
+    client's SDK parses every ``data:`` payload as JSON, so one bad event breaks its stream."""
+    if event.startswith(b"data: {") and b"\n" not in event:  # (the usual event: one JSON data line)
+        try:
+            orjson.loads(event[6:])
+        except orjson.JSONDecodeError:
+            return f"an event whose data is not JSON: {event[:60]!r}"
+        return None
+    data = []
+    for line in event.split(b"\n"):
+        if line and not line.startswith(_SSE_FIELDS):  # (an empty line only separates events)
+            return f"bytes that are not server-sent events: {line[:60]!r}"
+        if line.startswith(b"data:"):
+            data.append(line[5:].strip())
+    if not data:
+        return None  # a comment or an event name alone (keep-alive)
+    payload = b"\n".join(data)
+    if payload == b"[DONE]":
+        return None
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        return f"an event whose data is not a JSON object: {event[:60]!r}"
+    return None
+
+
 def sse_fields(event: bytes) -> tuple[bytes | None, bytes | None]:
     """(event name, data payload) of one whole SSE event (``data`` lines joined by newlines)."""
     name = None
@@ -65,6 +98,29 @@ class StreamProtocol:
         """True when ``out`` (whole events, as relayed) holds the stream's honest end."""
         raise NotImplementedError
 
+    def screen(self, out: bytes) -> tuple[bytes, str | None, bool]:
+        """``out`` (whole events as the engine sent them) cut to what may reach the client: (the events
+        before the first bad one, what is wrong with that one or None, whether the cut removed events
+        after the stream's end). Nothing after the honest end reaches the client (``end_event``)."""
+        start, n = 0, len(out)
+        while start < n:
+            end = out.find(b"\n\n", start)
+            if end < 0:  # (``SseRecorder.split`` hands over whole events only)
+                end = n
+            event = out[start:end]
+            if event:
+                problem = bad_event(event)
+                if problem is not None:
+                    return out[:start], problem, False
+                if self.end_event(event):
+                    return out[:end + 2], None, end + 2 < n
+            start = end + 2
+        return out, None, False
+
+    def end_event(self, event: bytes) -> bool:
+        """True for the event that ends a complete stream (nothing after it is relayed)."""
+        return False
+
     def error_ending(self, message: str, code: str, sent: list[bytes]) -> bytes:
         """The bytes that end a stream which cannot complete; ``sent`` is what the client has received."""
         raise NotImplementedError
@@ -84,7 +140,10 @@ class OpenAIChunks(StreamProtocol):
     continuable = True
 
     def ended(self, out: bytes) -> bool:
-        return out.endswith(DONE_EVENT)
+        return out.endswith(DONE_EVENT) or out.endswith(b"data:[DONE]\n\n")
+
+    def end_event(self, event: bytes) -> bool:
+        return event == b"data: [DONE]" or event == b"data:[DONE]"
 
     def error_ending(self, message: str, code: str, sent: list[bytes]) -> bytes:
         err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
@@ -122,6 +181,14 @@ class ResponsesEvents(StreamProtocol):
             if name in RESPONSE_TERMINALS:
                 return True
         return False
+
+    def end_event(self, event: bytes) -> bool:
+        if not any(t in event for t in _TERMINAL_HINTS):
+            return False
+        name, data = sse_fields(event)
+        if name is None and data is not None:
+            name = _data_type(data)
+        return name in RESPONSE_TERMINALS
 
     def take_usage(self, out: bytes, proxy: Any) -> bytes:
         for event in out.split(b"\n\n"):

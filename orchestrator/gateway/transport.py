@@ -81,11 +81,27 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         self._deadline.cancel()
         self.pool._forget(self)
+        if not self.complete and exc is None and self._ends_at_close():
+            self.complete = True  # a body delimited by the connection's close (HTTP/1.1 §6.3, rule 8)
+            self._wake()
         if not self.complete:
             if not self.got_bytes:
                 self._fail(httpx.RemoteProtocolError("server disconnected without sending a response"))
             else:
                 self._fail(httpx.ReadError(f"connection to the engine lost mid-response: {exc or 'closed'}"))
+
+    def _ends_at_close(self) -> bool:
+        """The response's headers are in and its body has no length of its own (neither Content-Length
+        nor chunked): the body is everything until the engine closes the connection."""
+        if self.headers_done is None or not self.headers_done.done() or self.error is not None:
+            return False
+        if self.status in (204, 304) or 100 <= self.status < 200:
+            return False
+        for name, value in self.headers:
+            name = name.lower()
+            if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower()):
+                return False
+        return True
 
     # --- httptools callbacks -------------------------------------------------------------------
 

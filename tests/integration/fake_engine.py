@@ -8,7 +8,10 @@ request that hangs while ``/health`` answers, a 500 for one kind of request only
 receives is recorded (``bodies``), so tests can check what the gateway forwarded.
 
 ``mode`` (settable while running): ok | eof | reset | json_error_200 | garbage | error_event | hang |
-status | poison (500 when the prompt contains ``POISON``, else ok). ``status`` answers ``status_code``.
+status | poison (500 when the prompt contains ``POISON``, else ok) | bad_event (a stream event whose
+data is not JSON, after one good token) | after_done (events after ``data: [DONE]``) | no_choices (a
+200 JSON object without ``choices``) | close_delimited (a well-formed answer whose body ends where the
+engine closes the connection: no Content-Length, not chunked). ``status`` answers ``status_code``.
 """
 
 from __future__ import annotations
@@ -108,6 +111,21 @@ class FakeEngine:
                 if mode == "garbage" and not body.get("stream"):
                     self._send(200, b"<html>502 upstream garbage</html>", "text/html")
                     return
+                if mode == "no_choices" and not body.get("stream"):
+                    self._send(200, json.dumps({"id": "cmpl-fake", "object": "text_completion"}).encode())
+                    return
+                if mode == "close_delimited":
+                    self.close_connection = True
+                    self.send_response(200)
+                    self.send_header("content-type", "text/event-stream" if body.get("stream") else "application/json")
+                    self.send_header("connection", "close")
+                    self.end_headers()
+                    if not body.get("stream"):
+                        self.wfile.write(json.dumps(self._completion(chat, body, engine.tokens)).encode())
+                        return
+                    self._chunk = self.wfile.write  # (events written as they are: no chunk framing)
+                    self._stream(chat, body, engine.tokens, "ok", head=False)
+                    return
                 if mode == "json_error_200":
                     self._send(200, json.dumps({"error": {"message": "engine failed quietly", "type": "InternalError",
                                                           "param": None, "code": 500}}).encode())
@@ -145,11 +163,12 @@ class FakeEngine:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                 self.wfile.flush()
 
-            def _stream(self, chat: bool, body: dict[str, Any], n: int, mode: str) -> None:
-                self.send_response(200)
-                self.send_header("content-type", "text/event-stream")
-                self.send_header("transfer-encoding", "chunked")
-                self.end_headers()
+            def _stream(self, chat: bool, body: dict[str, Any], n: int, mode: str, head: bool = True) -> None:
+                if head:
+                    self.send_response(200)
+                    self.send_header("content-type", "text/event-stream")
+                    self.send_header("transfer-encoding", "chunked")
+                    self.end_headers()
                 if mode == "garbage":
                     self._chunk(b"this is not server-sent events\n\nnor is this\n\n")
                     self._chunk(b"")
@@ -166,6 +185,8 @@ class FakeEngine:
                         {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}).encode()
                                 + b"\n\n")
                 cut = 2 if mode in ("eof", "reset") else n
+                if mode == "bad_event":
+                    cut = 1
                 for i in range(min(n, cut)):
                     piece = f"w{i} "
                     choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
@@ -179,6 +200,11 @@ class FakeEngine:
                 if mode == "eof":
                     self._chunk(b"")  # a clean end of the HTTP body, without data: [DONE]
                     return
+                if mode == "bad_event":  # then a well-formed rest: only the one event is bad
+                    self._chunk(b"data: {this is not json\n\n")
+                    self._chunk(b"data: [DONE]\n\n")
+                    self._chunk(b"")
+                    return
                 if mode == "reset":
                     self.close_connection = True
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
@@ -190,6 +216,11 @@ class FakeEngine:
                                                         "usage": {"prompt_tokens": 7, "completion_tokens": n,
                                                                   "total_tokens": 7 + n}}).encode() + b"\n\n")
                 self._chunk(b"data: [DONE]\n\n")
+                if mode == "after_done":
+                    self._chunk(b"data: " + json.dumps({"id": "c", "object": obj, "created": 1, "choices": [
+                        {"index": 0, "text": "AFTER", "delta": {"content": "AFTER"}, "finish_reason": None}]}).encode()
+                                + b"\n\n")
+                    self._chunk(b"not even server-sent events\n\n")
                 self._chunk(b"")
 
         return Handler

@@ -175,6 +175,78 @@ def test_garbage_instead_of_json_is_retried_elsewhere_then_a_clear_502():
         assert "not JSON" in r.json()["error"]["message"] and r.json()["error"]["code"] == "bad_engine_answer"
 
 
+def _only_protocol(r: httpx.Response) -> list:
+    """The client's events, each checked to be what an SDK parses: JSON objects or [DONE], nothing else."""
+    for line in r.text.split("\n"):
+        assert not line or line.startswith("data: "), f"not an SSE data line reached the client: {line!r}"
+    return events(r)  # (raises on any data line that is not JSON)
+
+
+def test_a_stream_event_that_is_not_json_never_reaches_the_client_and_breaks_the_stream():
+    with gateway(engines("bad_event")) as gw:
+        r = complete(gw, stream=True)
+        ev = _only_protocol(r)
+        assert ev[-1] == "[DONE]" and ev[-2]["error"]["code"] == "upstream_stream_failed", r.text
+        assert "not JSON" in ev[-2]["error"]["message"]
+        assert ev[0]["choices"][0]["text"] == "w0 "  # the good event before the bad one was relayed
+    bad, good = engines("bad_event", "ok")
+    with gateway([bad, good]) as gw:
+        r = complete(gw, stream=True)
+        ev = _only_protocol(r)
+        assert ev[-1] == "[DONE]" and not any("error" in e for e in ev if isinstance(e, dict)), r.text
+        assert "".join(e["choices"][0]["text"] for e in ev if isinstance(e, dict)) == "w0 w0 w1 w2 w3 "
+        assert good.bodies[0]["prompt"] == "hellow0 " and good.bodies[0]["max_tokens"] == 4  # continued
+        assert breakers(gw).get("w1") != "open"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_nothing_the_engine_sends_after_done_reaches_the_client(chat):
+    with gateway(engines("after_done")) as gw:
+        r = complete(gw, stream=True, chat=chat)
+        ev = _only_protocol(r)
+        assert ev[-1] == "[DONE]" and ev.count("[DONE]") == 1, r.text
+        assert "AFTER" not in r.text and not any("error" in e for e in ev if isinstance(e, dict))
+
+
+def test_a_200_without_choices_is_retried_elsewhere_then_a_clear_502():
+    bad, good = engines("no_choices", "ok")
+    with gateway([bad, good]) as gw:
+        for _ in range(3):
+            r = complete(gw)
+            assert r.status_code == 200 and r.json()["choices"], r.text
+    with gateway(engines("no_choices")) as gw:
+        r = complete(gw)
+        assert r.status_code == 502, r.text
+        assert "no choices" in r.json()["error"]["message"] and r.json()["error"]["code"] == "bad_engine_answer"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_429_is_tried_on_another_worker_and_held_against_nobody(stream):
+    busy, good = engines("status", "ok", status_code=429)
+    with gateway([busy, good], resilience={"breaker_failure_threshold": 1}) as gw:
+        for _ in range(4):
+            r = complete(gw, stream=stream)
+            assert r.status_code == 200, r.text
+        assert len(busy.bodies) >= 1  # round robin sent it some: each was taken elsewhere
+        assert breakers(gw) == {}  # busy is not broken: no breaker opened on one failure
+    with gateway(engines("status", status_code=429)) as gw:
+        r = complete(gw, stream=stream)
+        assert r.status_code == 429 and r.json()["error"]["message"] == "fake engine says 429"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_body_ended_by_the_engine_closing_the_connection_is_a_complete_answer(stream):
+    with gateway(engines("close_delimited")) as gw:
+        for _ in range(2):  # (the second on a fresh connection: the first was closed)
+            r = complete(gw, stream=stream)
+            assert r.status_code == 200, r.text
+            if stream:
+                ev = _only_protocol(r)
+                assert ev[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in ev[:-1]) == "w0 w1 w2 w3 w4 "
+            else:
+                assert r.json()["choices"][0]["text"] == "w0 w1 w2 w3 w4"
+
+
 # --- 6. hung engines -------------------------------------------------------------------------------
 
 def test_a_hung_engine_loses_its_requests_and_its_traffic_while_health_answers():

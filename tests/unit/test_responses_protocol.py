@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from orchestrator.errors import InvalidRequest
 from orchestrator.gateway import responses_api
@@ -108,3 +110,50 @@ def test_response_id_of_answers():
     assert responses_api.response_id_in(b'{"id":"x","object":"chat.completion"}', stream=False) is None
     assert responses_api.response_id_in(ev("response.created", 0, response={"id": "resp_2"}), stream=True) == "resp_2"
     assert responses_api.response_id_in(b"event: response.created\ndata: {\"res", stream=True) is None
+
+
+# --- what reaches the client of an engine's events (StreamProtocol.screen) --------------------------
+
+CHUNK = b'data: {"id":"c","choices":[{"index":0,"text":"a"}]}\n\n'
+
+
+@pytest.mark.parametrize("bad", [b"data: {not json\n\n", b"data: 42\n\n", b"data: \"text\"\n\n",
+                                 b"hello world\n\n", b"data: {\"a\":1}\nnonsense\n\n"])
+def test_an_event_that_is_not_the_protocol_cuts_the_stream_before_it(bad):
+    out, problem, beyond = OpenAIChunks().screen(CHUNK + bad + CHUNK)
+    assert out == CHUNK and problem is not None and not beyond
+
+
+@pytest.mark.parametrize("good", [b": keep-alive\n\n", b"event: message\ndata: {\"a\": 1}\n\n", b"id: 7\n\n",
+                                  b"data: {\"a\":\ndata: 1}\n\n", b"retry: 10\n\n"])
+def test_every_sse_field_and_multi_line_json_data_pass(good):
+    assert OpenAIChunks().screen(CHUNK + good) == (CHUNK + good, None, False)
+
+
+@pytest.mark.parametrize("done", [b"data: [DONE]\n\n", b"data:[DONE]\n\n"])
+def test_nothing_after_done_is_relayed(done):
+    p = OpenAIChunks()
+    out, problem, beyond = p.screen(CHUNK + done + CHUNK + b"junk\n\n")
+    assert (out, problem, beyond) == (CHUNK + done, None, True) and p.ended(out)
+    assert p.screen(CHUNK + done) == (CHUNK + done, None, False)
+
+
+def test_nothing_after_a_responses_terminal_event_is_relayed():
+    p = ResponsesEvents()
+    head = ev("response.output_text.delta", 1, delta="hi") + ev("response.completed", 2, response={"id": "r"})
+    assert p.screen(head + ev("response.output_text.delta", 3, delta="late")) == (head, None, True)
+    text_about_it = ev("response.output_text.delta", 1, delta="event: response.completed")
+    assert p.screen(text_about_it + text_about_it) == (text_about_it + text_about_it, None, False)
+
+
+@given(st.lists(st.one_of(st.just(CHUNK), st.binary(max_size=40).map(lambda b: b.replace(b"\n\n", b"\n") + b"\n\n")),
+                max_size=6))
+def test_what_passes_the_screen_is_whole_json_events_only(events):
+    out, problem, _ = OpenAIChunks().screen(b"".join(events))
+    assert b"".join(events).startswith(out)
+    for event in out.split(b"\n\n")[:-1]:
+        data = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+        assert all(not line or line.startswith((b"data:", b"event:", b"id:", b"retry:", b":"))
+                   for line in event.split(b"\n"))
+        if data and b"\n".join(data) != b"[DONE]":
+            assert isinstance(json.loads(b"\n".join(data)), dict)
