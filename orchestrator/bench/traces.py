@@ -198,7 +198,7 @@ def _unique_ids(index: int, n: int) -> list[int]:
     return [x % VOCAB_SIZE for x in raw]
 
 
-def _open_text(path: str | Path):
+def open_text(path: str | Path):
     p = Path(path)
     if p.suffix == ".gz":
         return gzip.open(p, "rt", encoding="utf-8")
@@ -225,13 +225,14 @@ def load_mooncake(path: str | Path, *, scale_len: float = 1.0, scale_output: flo
     block = max(1, round(block_tokens * scale_len))
     synth = BlockSynthesizer(block, seed=seed)
     reqs: list[TraceRequest] = []
-    with _open_text(path) as f:
-        for line in f:
+    with open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
-            row = json.loads(line)
-            hash_ids = tuple(int(h) for h in row["hash_ids"])
+            row = _json_row(path, lineno, line, ("timestamp", "input_length", "output_length"))
+            # (without hash_ids — a length-only trace — every prompt is its own: no prefix is shared)
+            hash_ids = tuple(int(h) for h in row.get("hash_ids") or ())
             in_len = int(row["input_length"])
             if scale_len != 1.0:
                 # Scale the last (partial) block in proportion, keep full blocks full.
@@ -241,37 +242,83 @@ def load_mooncake(path: str | Path, *, scale_len: float = 1.0, scale_output: flo
             reqs.append(TraceRequest(
                 index=len(reqs), arrival_s=float(row["timestamp"]) / 1000.0 * time_scale, input_len=in_len,
                 output_len=max(1, _scaled(int(row["output_length"]), out_factor)), hash_ids=hash_ids,
-                synthesizer=synth))
+                synthesizer=synth if hash_ids else None))
             if limit is not None and len(reqs) >= limit:
                 break
     return _sorted(reqs)
 
 
+def _json_row(path: str | Path, lineno: int, line: str, required: Sequence[str]) -> dict[str, Any]:
+    """One JSONL row, or a ValueError naming the file, the line and what is wrong with it."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}, line {lineno}: not JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}, line {lineno}: a JSON object per line expected")
+    missing = [k for k in required if k not in row]
+    if missing:
+        raise ValueError(f"{path}, line {lineno}: no {', '.join(missing)} (has {', '.join(sorted(row)) or 'nothing'})")
+    return row
+
+
 def _parse_azure_time(s: str) -> float:
+    """Seconds of a CSV timestamp: a number of seconds (BurstGPT) or a date and time (Azure, with or
+    without fractional seconds beyond microseconds and a UTC offset)."""
     s = s.strip()
+    try:
+        return float(s)
+    except ValueError:
+        pass
     if "." in s:
         head, frac = s.split(".", 1)
-        s = f"{head}.{frac[:6]}"
+        digits = len(frac) - len(frac.lstrip("0123456789"))
+        s = f"{head}.{frac[:min(digits, 6)]}{frac[digits:]}"
     return datetime.fromisoformat(s).timestamp()
+
+
+# Column names of the CSV traces (compared without case, spaces or underscores): Azure's LLM inference
+# traces (2023, 2024), BurstGPT, and plain names.
+CSV_TIME = ("timestamp", "time", "arrivaltime", "arrival")
+CSV_INPUT = ("contexttokens", "requesttokens", "inputlength", "inputtokens", "prompttokens", "promptlength")
+CSV_OUTPUT = ("generatedtokens", "responsetokens", "outputlength", "outputtokens", "completiontokens")
+
+
+def _csv_columns(path: str | Path, header: Sequence[str]) -> tuple[str, str, str]:
+    norm = {h.lower().replace(" ", "").replace("_", ""): h for h in header}
+    picked = []
+    for what, names in (("arrival time", CSV_TIME), ("prompt length", CSV_INPUT), ("output length", CSV_OUTPUT)):
+        col = next((norm[n] for n in names if n in norm), None)
+        if col is None:
+            raise ValueError(f"{path}: no {what} column (one of {', '.join(names)}; the header has "
+                             f"{', '.join(header)})")
+        picked.append(col)
+    return picked[0], picked[1], picked[2]
 
 
 def load_azure(path: str | Path, *, scale_len: float = 1.0, scale_output: float | None = None,
                time_scale: float = 1.0, limit: int | None = None) -> list[TraceRequest]:
-    """Azure LLM inference CSV. Arrivals are relative to the first row. Prompts get unshared words."""
+    """A CSV trace: Azure LLM inference (``TIMESTAMP,ContextTokens,GeneratedTokens``), BurstGPT
+    (``Timestamp`` in seconds, ``Request tokens``, ``Response tokens``) or the same under plain names
+    (``CSV_TIME``/``CSV_INPUT``/``CSV_OUTPUT``). Arrivals are relative to the earliest row. Prompts get
+    unshared words (these traces carry no prefix information)."""
     out_factor = scale_len if scale_output is None else scale_output
     reqs: list[TraceRequest] = []
-    t0: float | None = None
-    with _open_text(path) as f:
-        for row in csv.DictReader(f):
-            t = _parse_azure_time(row["TIMESTAMP"])
-            t0 = t if t0 is None else t0
-            reqs.append(TraceRequest(
-                index=len(reqs), arrival_s=(t - t0) * time_scale,
-                input_len=_scaled(int(row["ContextTokens"]), scale_len),
-                output_len=max(1, _scaled(int(row["GeneratedTokens"]), out_factor))))
+    with open_text(path) as f:
+        reader = csv.DictReader(f)
+        t_col, in_col, out_col = _csv_columns(path, reader.fieldnames or [])
+        for lineno, row in enumerate(reader, 2):
+            try:
+                t = _parse_azure_time(row[t_col])
+                in_len, out_len = int(float(row[in_col])), int(float(row[out_col]))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}, line {lineno}: {e}") from None
+            reqs.append(TraceRequest(index=len(reqs), arrival_s=t, input_len=_scaled(in_len, scale_len),
+                                     output_len=max(1, _scaled(out_len, out_factor))))
             if limit is not None and len(reqs) >= limit:
                 break
-    return _sorted(reqs)
+    t0 = min((r.arrival_s for r in reqs), default=0.0)
+    return _sorted([replace(r, arrival_s=(r.arrival_s - t0) * time_scale) for r in reqs])
 
 
 def load_aibrix(path: str | Path, *, time_scale: float = 1.0, limit: int | None = None,
@@ -279,12 +326,12 @@ def load_aibrix(path: str | Path, *, time_scale: float = 1.0, limit: int | None 
     """AIBrix workload JSONL: several requests per timestamp, with real prompt text."""
     reqs: list[TraceRequest] = []
     t0: float | None = None
-    with _open_text(path) as f:
-        for line in f:
+    with open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
-            row = json.loads(line)
+            row = _json_row(path, lineno, line, ("timestamp", "requests"))
             t = float(row["timestamp"]) / 1000.0
             t0 = t if t0 is None else t0
             for r in row["requests"]:
@@ -314,12 +361,10 @@ def load_sharegpt(path: str | Path, *, session_rate: float = 1.0, think_time_s: 
         max_conversations = limit  # every conversation yields >= 1 request
     reqs: list[TraceRequest] = []
     conv = 0
-    with _open_text(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            row = json.loads(line)
+    with open_text(path) as f:
+        for lineno, row in _sharegpt_rows(path, f):
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, {lineno}: a conversation object expected")
             turns = [(_ROLE.get(str(m.get("from", "")).lower()), str(m.get("value", "")))
                      for m in row.get("conversations", [])]
             turns = [(r, v) for r, v in turns if r is not None and v.strip()]
@@ -345,6 +390,35 @@ def load_sharegpt(path: str | Path, *, session_rate: float = 1.0, think_time_s: 
                 break
     out = _sorted(reqs)
     return out[:limit] if limit is not None else out
+
+
+def _sharegpt_rows(path: str | Path, f: Any) -> Iterable[tuple[str, Any]]:
+    """ShareGPT conversations from JSONL (one per line) or from one JSON array (the dataset's own
+    ``.json`` files), each with where it is (for errors)."""
+    head = f.read(1)
+    while head and head.isspace():
+        head = f.read(1)
+    if head == "[":
+        try:
+            rows = json.loads(head + f.read())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+        yield from ((f"item {i}", row) for i, row in enumerate(rows))
+        return
+    for lineno, line in enumerate(_chain_first(head, f), 1):
+        line = line.strip()
+        if line:
+            try:
+                yield f"line {lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {lineno}: not JSON ({e.msg})") from None
+
+
+def _chain_first(head: str, f: Any) -> Iterable[str]:
+    """The lines of ``f`` with the characters already read (``head``) put back in front."""
+    first = f.readline()
+    yield head + first
+    yield from f
 
 
 def _sorted(reqs: list[TraceRequest]) -> list[TraceRequest]:

@@ -23,15 +23,16 @@ from orchestrator.sim.virtual_time import FleetSpec, SimRequest, VirtualFleet, r
 
 
 def detect_format(path: str) -> str:
-    p = Path(path)
-    if p.suffix == ".csv":
-        return "azure"
-    if p.name.endswith(".gz"):
-        return "sharegpt"
-    with p.open() as f:
-        first = f.readline()
-    if '"hash_ids"' in first:
-        return "mooncake"
+    """The trace format from the file's name and first line (``--format auto``)."""
+    from orchestrator.bench.traces import open_text
+
+    name = Path(path).name.lower()
+    if name.endswith((".csv", ".csv.gz")):
+        return "azure"  # (any CSV of arrival time + lengths: traces.load_azure)
+    with open_text(path) as f:
+        first = f.readline(1 << 20)
+    if '"hash_ids"' in first or ('"input_length"' in first and '"timestamp"' in first):
+        return "mooncake"  # (Mooncake's traces, or any JSONL of timestamp + input/output lengths)
     if '"requests"' in first:
         return "aibrix"
     return "sharegpt"
@@ -66,7 +67,7 @@ def load_requests(path: str, fmt: str = "auto", *, speed: float = 1.0, scale_len
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="trace file (Mooncake/AIBrix JSONL, Azure CSV, ShareGPT)")
+    parser.add_argument("--trace", required=True, help="trace file: Mooncake JSONL (or any JSONL of timestamp ms, input_length, output_length), AIBrix JSONL, a CSV of arrival time + prompt and output lengths (Azure, BurstGPT), ShareGPT (JSONL or the JSON array)")
     parser.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "aibrix", "sharegpt"])
     parser.add_argument("--profile", default="gpu-like", help="engine profile: gpu-like, cpu-tiny or a JSON file")
     parser.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier (2 = twice as fast)")

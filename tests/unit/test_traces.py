@@ -151,3 +151,55 @@ def test_ideal_hit_ratio_with_finite_pooled_cache_evicts_lru() -> None:
     assert ideal_prefix_hit_ratio(reqs) == pytest.approx(1024 / 3072)
     assert ideal_prefix_hit_ratio(reqs, capacity_blocks=4) == pytest.approx(1024 / 3072)
     assert ideal_prefix_hit_ratio(reqs, capacity_blocks=2) == 0.0  # (1, 2) evicted by (3, 4)
+
+
+# --- traces the project was not built on: other public CSVs, length-only JSONL, the ShareGPT array ---
+
+def test_burstgpt_and_azure_2024_csvs_load_by_their_column_names(tmp_path: Path) -> None:
+    burst = tmp_path / "BurstGPT_1.csv"
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "5.0,ChatGPT,472,18,490,Conversation log\n3.5,GPT-4,1200,0,1200,API log\n")
+    reqs = load_azure(burst)
+    assert [(r.arrival_s, r.input_len, r.output_len) for r in reqs] == [(0.0, 1200, 1), (1.5, 472, 18)]
+    az24 = tmp_path / "AzureLLMInferenceTrace_conv_1week.csv"
+    az24.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2024-05-10 00:00:00.009930+00:00,2162,5\n2024-05-10 00:00:02.509930+00:00,1190,96\n")
+    assert [r.arrival_s for r in load_azure(az24)] == pytest.approx([0.0, 2.5])
+
+
+def test_a_csv_without_a_length_column_is_refused_naming_what_it_has(tmp_path: Path) -> None:
+    p = tmp_path / "t.csv"
+    p.write_text("when,tokens\n1,2\n")
+    with pytest.raises(ValueError, match=r"no arrival time column .* the header has when, tokens"):
+        load_azure(p)
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,12,x\n")
+    with pytest.raises(ValueError, match="line 2"):
+        load_azure(p)
+
+
+def test_a_length_only_jsonl_loads_as_mooncake_with_nothing_shared(tmp_path: Path) -> None:
+    from orchestrator.sim.virtual_cli import detect_format, load_requests
+
+    p = tmp_path / "mine.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 100, "output_length": 10}\n'
+                 '{"timestamp": 500, "input_length": 100, "output_length": 3}\n')
+    assert detect_format(str(p)) == "mooncake"
+    reqs = load_requests(str(p))
+    assert [(r.arrival, r.isl, r.osl) for r in reqs] == [(0.0, 100, 10), (0.5, 100, 3)]
+    a, b = load_trace(p, "mooncake")
+    assert a.render_prompt() != b.render_prompt() and len(a.render_prompt().split()) == 100
+    p.write_text('{"timestamp": 0, "input_length": 100, "output_length": 10}\n{"timestamp": 5}\n')
+    with pytest.raises(ValueError, match="line 2: no input_length, output_length"):
+        load_trace(p, "mooncake")
+
+
+def test_sharegpt_as_one_json_array_like_the_datasets_own_files(tmp_path: Path) -> None:
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "hello there"},
+                                                  {"from": "gpt", "value": "hi you"}]} for i in range(3)]
+    p = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    p.write_text(json.dumps(convs, indent=2))
+    lines = tmp_path / "sg.jsonl"
+    lines.write_text("\n".join(json.dumps(c) for c in convs))
+    assert [(r.arrival_s, r.messages) for r in load_sharegpt(p)] == \
+        [(r.arrival_s, r.messages) for r in load_sharegpt(lines)]
+    assert len(load_sharegpt(p)) == 3
