@@ -111,6 +111,7 @@ async def test_move_a_worker_decode_to_prefill_and_back_under_load_without_failu
             assert len(split) >= 4  # requests now prefill on b and decode on a
             assert all(x[2] == "a" for x in split)
             assert external(a.url) > ext_a  # a really pulled KV from b over NIXL
+            assert not load.failures, load.failures
 
             r = await admin.post(f"{gw.url}/admin/workers/b/role", json={"role": "decode", "wait": True})
             assert r.status_code == 200, r.text
@@ -119,6 +120,7 @@ async def test_move_a_worker_decode_to_prefill_and_back_under_load_without_failu
             # the split phase's decodes for a moment, so the first requests can all go to b.
             await load.until(back_at + 6)
             await load.until_served({"a", "b"}, since=back_at)
+            assert not load.failures, load.failures  # (what failed, before what it did to the counts below)
             assert {x[1] for x in load.results[back_at + 2:]} == {None}
             assert {x[2] for x in load.results[back_at:]} == {"a", "b"}
 
