@@ -102,7 +102,14 @@ class StreamProtocol:
         """``out`` (whole events as the engine sent them) cut to what may reach the client: (the events
         before the first bad one, what is wrong with that one or None, whether the cut removed events
         after the stream's end). Nothing after the honest end reaches the client (``end_event``)."""
-        start, n = 0, len(out)
+        n = len(out)
+        if out.startswith(b"data: {") and out.find(b"\n") == n - 2:  # (the usual chunk: one JSON event)
+            try:
+                orjson.loads(memoryview(out)[6:-2])
+                return out, None, False
+            except orjson.JSONDecodeError:
+                return b"", f"an event whose data is not JSON: {out[:60]!r}", False
+        start = 0
         while start < n:
             end = out.find(b"\n\n", start)
             if end < 0:  # (``SseRecorder.split`` hands over whole events only)
