@@ -41,7 +41,10 @@ def both(vllm_pd_engines: PdEngines):
     a, b = engines_or_fail(vllm_pd_engines.get, "both")
     with vllm_gateway([a, b], policy="least_load", worker_ids=["a", "b"], roles=["decode", "decode"],
                       model={"block_size": 32}, gateway={"admin_token": ADMIN}, health={"interval_s": 0.5},
-                      disagg={"min_prefill_tokens": 64, "prefill_timeout_s": 20}) as gw:
+                      # the prefill step's bound is a liveness limit, as in test_pd_vllm.py: a run with the
+                      # machine's load average at ~18 saw two ~400-token prefill steps on b take over 20 s
+                      # (then those requests fell back to a local prefill and the split count came up short)
+                      disagg={"min_prefill_tokens": 64, "prefill_timeout_s": 120}) as gw:
         yield gw, a, b
 
 
