@@ -78,8 +78,11 @@ class SseRecorder:
         self.protocol = protocol or OpenAIChunks()  # stream_protocol.py: what ends this stream
 
     def split(self, chunk: bytes) -> bytes:
-        """The complete events in ``pending + chunk``; keeps the incomplete tail."""
+        """The complete events in ``pending + chunk``; keeps the incomplete tail. Lines ended with CRLF
+        (allowed by SSE, and some servers' default) are relayed ended with LF."""
         data = self.pending + chunk if self.pending else chunk
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")  # (a CR at the end stays pending for its LF)
         cut = data.rfind(b"\n\n")
         if cut < 0:
             self.pending = data

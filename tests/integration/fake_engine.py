@@ -10,7 +10,7 @@ receives is recorded (``bodies``), so tests can check what the gateway forwarded
 ``mode`` (settable while running): ok | eof | reset | json_error_200 | garbage | error_event | hang |
 status | poison (500 when the prompt contains ``POISON``, else ok) | bad_event (a stream event whose
 data is not JSON, after one good token) | after_done (events after ``data: [DONE]``) | no_choices (a
-200 JSON object without ``choices``) | close_delimited (a well-formed answer whose body ends where the
+200 JSON object without ``choices``) | crlf (a stream whose lines end with CRLF, as SSE allows) | close_delimited (a well-formed answer whose body ends where the
 engine closes the connection: no Content-Length, not chunked). ``status`` answers ``status_code``.
 """
 
@@ -160,6 +160,8 @@ class FakeEngine:
                 return out
 
             def _chunk(self, data: bytes) -> None:
+                if engine.mode == "crlf":
+                    data = data.replace(b"\n", b"\r\n")
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                 self.wfile.flush()
 

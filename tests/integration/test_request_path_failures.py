@@ -234,6 +234,17 @@ def test_an_engine_429_is_tried_on_another_worker_and_held_against_nobody(stream
         assert r.status_code == 429 and r.json()["error"]["message"] == "fake engine says 429"
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_with_crlf_line_ends_is_relayed_whole(chat):
+    with gateway(engines("crlf")) as gw:
+        r = complete(gw, stream=True, chat=chat)
+        ev = _only_protocol(r)
+        assert ev[-1] == "[DONE]" and not any("error" in e for e in ev if isinstance(e, dict)), r.text
+        text = "".join((e["choices"][0].get("delta", {}).get("content") or "") if chat else e["choices"][0]["text"]
+                       for e in ev if isinstance(e, dict) and e.get("choices"))
+        assert text == "w0 w1 w2 w3 w4 "
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_body_ended_by_the_engine_closing_the_connection_is_a_complete_answer(stream):
     with gateway(engines("close_delimited")) as gw:
