@@ -380,6 +380,7 @@ class StreamRelay:
             worker = self._end_attempt(*failure)
             # (closed before a continuation opens: from its attempt on, every await is in _pump)
             await response.aclose()
+            self.recorder.pending = b""  # the broken engine's unfinished event is never relayed
             ending, next_response, rewriter = await self._recover(worker, failure[1])
             if next_response is None:
                 if ending:
