@@ -98,3 +98,26 @@ def test_every_answer_shape_ends_honestly(mode):
                     assert outcome == "error" and r.status_code == int(mode[7:]), where
                 elif not beside_good:  # (nothing to fall back on: the fault shows, honestly)
                     assert outcome != "ok", where
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_answer_shape_of_a_pd_leg_ends_honestly(mode):
+    """Under P/D: the shape from the prefill engine (a good decode engine beside it) never reaches the
+    client — the decode engine prefills locally — unless the request itself is refused (4xx); from the
+    decode engine (a good prefill engine beside it) it ends honestly, as from an engine alone."""
+    disagg = {"enabled": True, "min_prefill_tokens": 1, "connector": "nixl"}
+    for raw_role, stream in (("prefill", True), ("decode", False), ("decode", True)):
+        raw = RawEngine(mode)
+        good = FakeEngine("ok", tokens=2).start()
+        fleet, roles = ([raw, good], ["prefill", "decode"]) if raw_role == "prefill" else ([good, raw], ["prefill", "decode"])
+        with gateway(fleet, roles, disagg=disagg, gateway={"first_byte_timeout_s": 5, "request_timeout_s": 10},
+                     resilience={"stream_idle_timeout_s": 5, "stall_timeout_s": 5}) as gw:
+            r = ask(gw, raw, chat=stream, stream=stream)
+        where = f"{mode} raw {raw_role} stream={stream}: {r.text[:300]}"
+        outcome, _ = check_stream(r, stream) if stream else (check_whole(r), None)
+        if mode in ("status_400", "status_404"):
+            assert outcome == "error" and r.status_code == int(mode[7:]), where
+        elif raw_role == "prefill" or mode in WELL_FORMED:
+            assert outcome == "ok", where
+        else:
+            assert outcome != "ok", where
