@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _PASS_HEADERS = (b"content-type", b"content-encoding")
 _JITTER = random.Random()
-_CHOICE_ANSWERS = frozenset({"/v1/chat/completions", "/v1/completions"})  # answers that carry ``choices``
+# what an answer to each generation endpoint must carry (a list): without it, it is no answer
+_ANSWER_LISTS = {"/v1/chat/completions": "choices", "/v1/completions": "choices", "/v1/responses": "output"}
 WATCH_AFTER_S = 0.02  # the client watcher starts this late: a disconnect is seen within 20 ms more
 ON_DISCONNECT = "dyad.on_disconnect"  # scope["extensions"][ON_DISCONNECT](callback or None): see http_server.py
 _NO_EXTENSIONS: dict[str, Any] = {}
@@ -435,8 +436,9 @@ class ProxyResponse:
         bad = classify.error_in_answer(obj)
         if bad is not None:
             return self._error_status(attempt, bad[0], orjson.dumps({"error": bad[1]}), last_try)
-        if self.call.endpoint in _CHOICE_ANSWERS and not isinstance(obj.get("choices"), list):
-            self._bad_answer(attempt, status, body, "has no choices", "a JSON object without choices")
+        need = _ANSWER_LISTS.get(self.call.endpoint)
+        if need is not None and not isinstance(obj.get(need), list):
+            self._bad_answer(attempt, status, body, f"has no {need}", f"a JSON object without {need}")
         self._settle_5xx(request_caused=False)
         usage = obj.get("usage")
         self.usage = usage if isinstance(usage, dict) else None

@@ -121,3 +121,23 @@ def test_every_answer_shape_of_a_pd_leg_ends_honestly(mode):
             assert outcome == "ok", where
         else:
             assert outcome != "ok", where
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_answer_shape_passes_for_a_responses_answer(mode):
+    """/v1/responses answered with chat/completions shapes (or worse): never a 200 answer without
+    ``output``; a stream ends with the Responses protocol's own terminal event."""
+    for stream in (False, True):
+        raw = RawEngine(mode)
+        with gateway([raw], gateway={"first_byte_timeout_s": 5, "request_timeout_s": 10},
+                     resilience={"stream_idle_timeout_s": 5, "stall_timeout_s": 5}) as gw:
+            r = httpx.post(f"{gw.url}/v1/responses", timeout=60,
+                           json={"model": MODEL, "input": "hi", "stream": stream, "max_output_tokens": 2})
+        where = f"{mode} stream={stream}: {r.text[:300]}"
+        if r.status_code != 200:
+            assert check_whole(r) == "error", where
+            continue
+        assert stream and r.headers["content-type"].startswith("text/event-stream"), where
+        events = [block for block in r.text.split("\n\n") if block]
+        assert events[-1].startswith("event: response.failed\n"), where
+        assert json.loads(events[-1].split("\ndata: ", 1)[1])["response"]["status"] == "failed", where
