@@ -55,7 +55,6 @@ DONE_EVENT = b"data: [DONE]\n\n"
 # Defaults the engine applies when max_tokens is absent (OpenAI and vLLM: 16 for completions).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _CHAT_CONTINUABLE = frozenset({EngineKind.VLLM, EngineKind.SIM})
-# How a server-sent event may start (data, comment, event, id, retry); anything else is not SSE.
 MAX_PENDING_EVENT = 1 << 20  # an incomplete event longer than this is not SSE either
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
