@@ -11,9 +11,10 @@ than latency on a shared 2-core machine. ``--concurrency N`` adds a closed-loop 
 
     .venv/bin/python scripts/bench_gateway_ab.py 34a6f56 HEAD [--stream] [--rounds 15] [--concurrency 32]
 
-Pass ``.`` as a revision for the working tree as it is, and ``REV@POLICY`` (e.g. ``main@round_robin``) to run
-that revision with another routing policy than ``--policy`` (e.g. kv_aware's cost over round_robin for two
-revisions in one run).
+Pass ``.`` as a revision for the working tree as it is, a directory path (with a ``/``) for that source tree
+as it is (e.g. a copy with modules compiled in place by ``scripts/build_native.py``), and ``REV@POLICY``
+(e.g. ``main@round_robin``) to run that revision with another routing policy than ``--policy`` (e.g.
+kv_aware's cost over round_robin for two revisions in one run).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def wait_ready(url: str, proc: subprocess.Popen) -> None:
 def export(rev: str, into: Path) -> Path:
     if rev == ".":
         return ROOT
+    if os.sep in rev and Path(rev).is_dir():  # a source tree as it is (e.g. one with compiled modules built in)
+        return Path(rev).resolve()
     into.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
@@ -146,7 +149,8 @@ async def throughput(port: int, body: dict, concurrency: int, duration_s: float,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("revisions", nargs="+", help="git revisions to compare ('.' = the working tree)")
+    ap.add_argument("revisions", nargs="+", help="git revisions to compare ('.' = the working tree; a path "
+                                                "with a '/' = that source tree as it is)")
     ap.add_argument("--stream", action="store_true", help="streamed requests (8 tokens)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--per-round", type=int, default=200)
