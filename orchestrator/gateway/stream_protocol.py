@@ -152,6 +152,11 @@ class OpenAIChunks(StreamProtocol):
     def end_event(self, event: bytes) -> bool:
         return event == b"data: [DONE]" or event == b"data:[DONE]"
 
+    def screen(self, out: bytes) -> tuple[bytes, str | None, bool]:
+        if out == DONE_EVENT:  # (the end of every stream, alone in its chunk)
+            return out, None, False
+        return super().screen(out)
+
     def error_ending(self, message: str, code: str, sent: list[bytes]) -> bytes:
         err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
         return b"data: " + orjson.dumps(err) + b"\n\n" + DONE_EVENT
