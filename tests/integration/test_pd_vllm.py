@@ -51,15 +51,16 @@ def external(url: str) -> float:
 # What can make a hand-off not happen, each a counter: the gateway fell back to a local prefill
 # (prefill step failed or timed out) or prefilled locally; NIXL failed (handshake, transfer,
 # notification) or the producer's KV lease expired before the consumer read it (the consumer then
-# recomputes: ``kv_load_failure_policy: recompute``).
-NIXL_FAILURES = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total",
-                 "vllm:nixl_num_kv_expired_reqs_total")
+# recomputes: ``kv_load_failure_policy: recompute``, and reads fewer external tokens than the prompt —
+# which is what ``assert_handed_off`` checks; the lease counter alone is reported, see there).
+NIXL_FAILURES = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total")
+LEASE_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 
 
 def handoff_counters(gw_url: str, prefill_url: str, decode_url: str) -> dict[str, float]:
     out = {f"gateway {mode}": pd_mode_count(gw_url, mode) for mode in ("disaggregated", "fallback", "local")}
     for side, url in (("prefill", prefill_url), ("decode", decode_url)):
-        for name in NIXL_FAILURES:
+        for name in (*NIXL_FAILURES, LEASE_EXPIRED):
             out[f"{side} {name}"] = engine_counter(url, name)
     out["decode external_kv_transfer tokens"] = external(decode_url)
     out["decode local_compute tokens"] = engine_counter(decode_url, "vllm:prompt_tokens_by_source_total",
@@ -81,9 +82,15 @@ def assert_handed_off(gw, prefill, decode, before: dict[str, float], prompt_toke
     print(f"hand-off: {changed}")  # shown with -rA: how long the prefill step took under this run's load
     assert changed.get("gateway disaggregated") == 1 and "gateway fallback" not in changed, (
         f"the gateway did not hand the request off (prefill step failed or timed out?): {changed}")
-    assert not any(k.endswith(NIXL_FAILURES) for k in changed), f"NIXL failed or the KV lease expired: {changed}"
+    assert not any(k.endswith(NIXL_FAILURES) for k in changed), f"NIXL failed: {changed}"
     assert changed.get("decode external_kv_transfer tokens") == prompt_tokens, (
         f"the decode engine did not read all {prompt_tokens} prompt tokens over NIXL: {changed}")
+    # The prefill engine's lease on the blocks may run out on a starved CPU although the decode engine
+    # read every one of them (checked just above): the first hand-off's NIXL handshake was seen to wait
+    # ~2 minutes, until the lease ran out, on a fresh-clone run. That is the engines' timing, not the
+    # hand-off Dyad drives; it is printed, not failed on.
+    if any(k.endswith(LEASE_EXPIRED) for k in changed):
+        print(f"note: the prefill engine's KV lease ran out during a hand-off that completed: {changed}")
 
 
 def pd_mode_count(gateway_url: str, mode: str) -> float:
@@ -112,7 +119,13 @@ def pd(vllm_pd_engines: PdEngines):
     # 29 s there and the request was pulled as stalled (a 503 instead of the hand-off).
     with vllm_gateway([prefill, decode], policy="least_load", worker_ids=["prefill", "decode"],
                       roles=["prefill", "decode"], model={"block_size": 32},
-                      gateway={"admin_token": ADMIN}, health={"interval_s": 0.5, "timeout_s": 2.0}, scrape=None,
+                      # A NIXL engine on CPU can leave /health unanswered for minutes while it does its first
+                      # handshake with the other engine (a fresh-clone run: ~150 of ~640 probes answered in 5
+                      # minutes, and the decode worker was taken out of rotation mid-test, a 503). These tests
+                      # are about the hand-off: health does not pull a slow engine here (a killed one still
+                      # fails over at once on the refused connection, as the last test checks).
+                      gateway={"admin_token": ADMIN}, health={"interval_s": 0.5, "timeout_s": 5.0,
+                                                              "failure_threshold": 1000}, scrape=None,
                       resilience={"stall_timeout_s": 120},
                       disagg={"min_prefill_tokens": 64, "prefill_timeout_s": 120}) as gw:
         yield gw, prefill, decode
@@ -153,7 +166,7 @@ def test_nixl_chat_stream_matches_aggregated(pd):
     text, usage = "", None
     with httpx.stream("POST", f"{gw.url}/v1/chat/completions", timeout=CLIENT_TIMEOUT,
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, r.read()
         assert r.headers["x-dyad-prefill-worker"] == "prefill"
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
