@@ -62,8 +62,18 @@ def check_stream(r: httpx.Response, chat: bool) -> tuple[str, str]:
     return ("error_event" if errors else "ok"), text
 
 
+def healthy(gw) -> None:
+    """Wait until the gateway's first health round has every worker in rotation (on a loaded machine
+    the first probe can be late, and a request before it finds no worker)."""
+    deadline = time.monotonic() + 30
+    while not all(w.health_ok for w in gw.runtime.fleet.workers()):
+        assert time.monotonic() < deadline, [(w.id, w.health_ok) for w in gw.runtime.fleet.workers()]
+        time.sleep(0.02)
+
+
 def ask(gw, raw: RawEngine, chat: bool, stream: bool) -> httpx.Response:
     """One request the raw engine answers (round robin: the good worker may take the first)."""
+    healthy(gw)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = {"model": MODEL, "max_tokens": 2, "stream": stream,
             **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
@@ -131,6 +141,7 @@ def test_no_answer_shape_passes_for_a_responses_answer(mode):
         raw = RawEngine(mode)
         with gateway([raw], gateway={"first_byte_timeout_s": 5, "request_timeout_s": 10},
                      resilience={"stream_idle_timeout_s": 5, "stall_timeout_s": 5}) as gw:
+            healthy(gw)
             r = httpx.post(f"{gw.url}/v1/responses", timeout=60,
                            json={"model": MODEL, "input": "hi", "stream": stream, "max_output_tokens": 2})
         where = f"{mode} stream={stream}: {r.text[:300]}"

@@ -66,7 +66,9 @@ def test_chat_stream_chunks_and_include_usage(client):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     content = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
-    assert len(content) == 3
+    # three tokens (one word each), in up to three chunks: a loaded machine was seen to get two of them
+    # in one chunk (the engine sends what a step produced when it falls behind, as vLLM does)
+    assert 1 <= len(content) <= 3 and len("".join(content).split()) == 3, content
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     prompt_len = client.post("/tokenize", json={"messages": body["messages"]}).json()["count"]
