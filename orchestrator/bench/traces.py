@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import itertools
 import json
 import math
 import random
@@ -405,20 +406,13 @@ def _sharegpt_rows(path: str | Path, f: Any) -> Iterable[tuple[str, Any]]:
             raise ValueError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
         yield from ((f"item {i}", row) for i, row in enumerate(rows))
         return
-    for lineno, line in enumerate(_chain_first(head, f), 1):
+    for lineno, line in enumerate(itertools.chain([head + f.readline()], f), 1):
         line = line.strip()
         if line:
             try:
                 yield f"line {lineno}", json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}, line {lineno}: not JSON ({e.msg})") from None
-
-
-def _chain_first(head: str, f: Any) -> Iterable[str]:
-    """The lines of ``f`` with the characters already read (``head``) put back in front."""
-    first = f.readline()
-    yield head + first
-    yield from f
 
 
 def _sorted(reqs: list[TraceRequest]) -> list[TraceRequest]:

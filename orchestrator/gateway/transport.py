@@ -93,7 +93,7 @@ class _Conn(asyncio.Protocol):
     def _ends_at_close(self) -> bool:
         """The response's headers are in and its body has no length of its own (neither Content-Length
         nor chunked): the body is everything until the engine closes the connection."""
-        if self.headers_done is None or not self.headers_done.done() or self.error is not None:
+        if not self.headers_done.done() or self.error is not None:
             return False
         if self.status in (204, 304) or 100 <= self.status < 200:
             return False
