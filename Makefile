@@ -20,9 +20,15 @@ demo: $(BIN)/dyad
 	$(BIN)/dyad demo
 
 # Everything: unit, integration (servers, simulator, Redis, Prometheus, real vLLM), ops, fuzz.
+# Two phases: everything but real vLLM on three pytest workers (those tests mostly wait on servers and
+# clocks, so three share two cores well; a file stays on one worker), then the real-vLLM tier alone and
+# in order (its engines take a core each; they start once per configuration). Both phases always run;
+# the target fails if either did.
+TEST_WORKERS ?= 3
 test: $(BIN)/dyad
 	bash scripts/setup_test_deps.sh
-	@$(PYTEST) --durations=10
+	@failed=0; $(PYTEST) -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --durations=10 || failed=1; \
+	$(PYTEST) -m vllm --durations=10 || failed=1; exit $$failed
 
 # The unit tier only: no sockets, no subprocesses, no servers (tests/unit/conftest.py enforces it).
 test-fast: $(BIN)/dyad

@@ -7,7 +7,8 @@ Two real engines (tests/fixtures/vllm.py), one in-process gateway. Load comes fr
 - an engine SIGKILLed under non-streaming load: zero client errors.
 Redis killed and restarted under load is tests/integration/test_redis_replicas.py (two `dyad serve`
 processes on a real redis-server). Tests that kill run last; the killed engine is restarted on its
-port by the next user of the pool.
+port by the next user of the pool (one restart in the whole tier: the mid-stream kill's engine, for the
+kill under load).
 """
 
 from __future__ import annotations

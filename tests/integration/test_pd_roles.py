@@ -40,11 +40,17 @@ def external(url: str) -> float:
 def both(vllm_pd_engines: PdEngines):
     a, b = engines_or_fail(vllm_pd_engines.get, "both")
     with vllm_gateway([a, b], policy="least_load", worker_ids=["a", "b"], roles=["decode", "decode"],
-                      model={"block_size": 32}, gateway={"admin_token": ADMIN}, health={"interval_s": 0.5},
+                      model={"block_size": 32}, gateway={"admin_token": ADMIN},
                       # the prefill step's bound is a liveness limit, as in test_pd_vllm.py: a run with the
                       # machine's load average at ~18 saw two ~400-token prefill steps on b take over 20 s
                       # (then those requests fell back to a local prefill and the split count came up short)
-                      disagg={"min_prefill_tokens": 64, "prefill_timeout_s": 120}) as gw:
+                      disagg={"min_prefill_tokens": 64, "prefill_timeout_s": 120},
+                      # and, as there, neither health nor the stall watchdog pulls an engine busy with its
+                      # first NIXL hand-off (docs/engines.md: minutes on CPU, /health mostly unanswered):
+                      # a run at load average ~30 saw a's first pull from b wait 16.7 s, called a stall,
+                      # and the request had no other decode worker. This test is about the role change.
+                      health={"interval_s": 0.5, "timeout_s": 5.0, "failure_threshold": 1000},
+                      resilience={"stall_timeout_s": 120}) as gw:
         yield gw, a, b
 
 
