@@ -41,11 +41,13 @@ from orchestrator.errors import NoHealthyWorker
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
+from orchestrator.gateway.transport import AnswerTooLarge, raw_headers, read_all, send_post
 from orchestrator.router.types import RouteDecision
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.metrics import DyadMetrics
 
 log = logging.getLogger(__name__)
+PREFILL_ANSWER_BYTES = 4 << 20  # a prefill step's answer is read up to this (one token + hand-off fields)
 T = TypeVar("T")
 
 # Modes counted in dyad_pd_requests_total{mode}.
@@ -165,8 +167,15 @@ class PdExecutor:
         prefill.inflight += 1
         try:
             async with asyncio.timeout(self.config.prefill_timeout_s):
-                return await self.http.post(prefill.url + call.endpoint, content=orjson.dumps(body),
-                                            headers=engine_headers(call, prefill))
+                r = await send_post(self.http, prefill.url + call.endpoint, orjson.dumps(body),
+                                    engine_headers(call, prefill))
+                try:  # (read whole, bounded: a prefill answer is one token and the hand-off's parameters)
+                    content = await read_all(r, PREFILL_ANSWER_BYTES)
+                finally:
+                    await r.aclose()
+                return httpx.Response(r.status_code, content=content, headers=raw_headers(r))
+        except AnswerTooLarge as e:
+            raise _PrefillFailed(f"answered more than {e.limit} bytes") from None
         except TimeoutError:
             raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s") \
                 from None

@@ -23,7 +23,7 @@ import orjson
 
 from adapters.base import EngineAdapter, EngineKind
 from orchestrator.fleet.worker import Worker
-from orchestrator.gateway.transport import send_post
+from orchestrator.gateway.transport import MalformedAnswer, send_post
 from orchestrator.router.types import RouteDecision
 from orchestrator.telemetry import tracing
 
@@ -42,7 +42,8 @@ class UpstreamCall:
 
 
 class AttemptFailed(Exception):
-    """No response from ``worker``. ``kind``: connect | timeout | protocol.
+    """No usable response from ``worker``. ``kind``: connect | timeout | protocol (the connection went
+    away) | malformed (an answer that is not readable HTTP/1.1: the engine's fault, yet it is up).
 
     ``reachable`` is False when the worker itself looks down (take it out of rotation now).
     """
@@ -61,7 +62,8 @@ class Executor(Protocol):
 
 
 def engine_headers(call: UpstreamCall, worker: Worker) -> dict[str, str]:
-    headers = {"content-type": "application/json", "x-request-id": call.request_id}
+    # (identity: the gateway reads and checks every answer; a compressed one is refused, proxy.py)
+    headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": call.request_id}
     if worker.api_key:
         headers["authorization"] = f"Bearer {worker.api_key}"
     if call.headers:
@@ -83,6 +85,9 @@ async def send_to_worker(http: httpx.AsyncClient, worker: Worker, path: str, bod
                             reachable=False) from e
     except httpx.TimeoutException as e:
         raise AttemptFailed(worker, "timeout", f"no response from {worker.url} in time ({type(e).__name__})",
+                            reachable=True) from e
+    except MalformedAnswer as e:
+        raise AttemptFailed(worker, "malformed", f"{worker.url} answered malformed HTTP/1.1: {e}",
                             reachable=True) from e
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
         # The connection died before any response: the engine went away mid-request.

@@ -10,6 +10,12 @@ longest wait for headers or between body chunks, pool unused: connections are un
 as ``httpx.ConnectError`` / ``ConnectTimeout`` / ``ReadTimeout`` / ``ReadError`` /
 ``RemoteProtocolError``. A keep-alive connection that the engine closed while idle is retried
 once on a fresh connection (nothing of the request can have been processed: no response byte came).
+
+What an engine sends is bounded and kept to its own exchange: interim ``1xx`` answers are skipped
+(the final answer follows), a status line + headers past ``MAX_HEADER_BYTES`` fail the exchange, a
+whole body is read up to a limit (``read_all``), and a connection is reused only when nothing arrived
+beyond its answer: bytes after the answer, or on an idle pooled connection, close it (they would
+otherwise be taken for the answer to the next request sent on it).
 """
 
 from __future__ import annotations
@@ -25,8 +31,14 @@ import httpx
 from orchestrator.gateway.lazy_deadline import LazyDeadline
 
 _READ_HIGH_WATER = 1 << 20  # pause reading from the engine when this much body is unconsumed
+MAX_HEADER_BYTES = 64 * 1024  # an engine's status line + headers beyond this are no HTTP answer worth reading
 _HEADERS_TIMEOUT = "timed out waiting for the engine's response headers"
 _BODY_TIMEOUT = "timed out waiting for the engine's response body"
+
+
+class MalformedAnswer(httpx.RemoteProtocolError):
+    """The engine answered, but not in HTTP/1.1 that can be read (bad status line, framing, oversized
+    headers, an upgrade): its fault, not a connection that went away."""
 
 
 def _expire(waiter: asyncio.Future[None], message: str) -> None:
@@ -58,7 +70,10 @@ class _Conn(asyncio.Protocol):
         self.buffered = 0
         self.complete = False
         self.keep_alive = False
+        self.busy = False  # a request was written and its answer is not yet released (``_put_idle``)
         self.got_bytes = False
+        self.head_bytes = 0  # status line + headers received (bounded: MAX_HEADER_BYTES)
+        self.interim = False  # parsing a 1xx interim answer (skipped: the final answer follows)
         self.error: Exception | None = None
         self.wakeup: asyncio.Future[None] | None = None
         self.paused = False
@@ -69,13 +84,26 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if not self.busy or self.complete:
+            # Bytes nobody asked for (on an idle pooled connection) or past the end of the answer: they
+            # would be read as the answer to the next request sent here. The connection is not reused.
+            self.keep_alive = False
+            if not self.busy:
+                self.close()
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(httpx.RemoteProtocolError("unexpected protocol upgrade from the engine"))
+            self._fail(MalformedAnswer("an unexpected protocol upgrade"))
         except httptools.HttpParserError as e:
-            self._fail(httpx.RemoteProtocolError(f"malformed HTTP response from the engine: {e}"))
+            if self.complete:  # (bytes after the answer: ``on_message_begin`` refused a second message)
+                self.keep_alive = False
+            elif self.head_bytes > MAX_HEADER_BYTES:
+                self._fail(MalformedAnswer(
+                    f"its status line and headers exceed {MAX_HEADER_BYTES} bytes"))
+            else:
+                self._fail(MalformedAnswer(f"unreadable HTTP ({e})"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -105,11 +133,30 @@ class _Conn(asyncio.Protocol):
 
     # --- httptools callbacks -------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: refused (``data_received``), never read as ours
+            raise ValueError("bytes after the end of the answer")
+
+    def on_status(self, status: bytes) -> None:
+        self._count_head(len(status))
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
         self.headers.append((name, value))
 
+    def _count_head(self, n: int) -> None:
+        self.head_bytes += n
+        if self.head_bytes > MAX_HEADER_BYTES:
+            raise ValueError(f"response headers larger than {MAX_HEADER_BYTES} bytes")
+
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # an interim answer (100 Continue, 103 Early Hints...)
+            self.interim = True
+            self.headers = []
+            self.head_bytes = 0
+            return
+        self.status = status
         if not self.headers_done.done():
             self.headers_done.set_result(None)
 
@@ -122,6 +169,9 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:  # the final answer is still to come
+            self.interim = False
+            return
         self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is done
         self.complete = True
         self._wake()
@@ -294,6 +344,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             if conn.closed:
                 continue
             assert conn.transport is not None
+            conn.busy = True
             conn.transport.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 conn.transport.write(body)
@@ -424,9 +475,19 @@ async def send_post(http: httpx.AsyncClient, url: str, content: bytes, headers: 
     return await http.send(request, stream=True)
 
 
-async def read_all(response: httpx.Response) -> bytes:
+class AnswerTooLarge(Exception):
+    """A body read whole (``read_all``) is longer than the limit it was read with; its connection is closed."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the answer is longer than {limit} bytes")
+        self.limit = limit
+
+
+async def read_all(response: httpx.Response, limit: int | None = None) -> bytes:
     """The whole (raw) body of a response that ``FastTransport`` opened, read from the connection
-    directly (no ``aiter_raw`` layers); other responses are read with ``aiter_raw``. Errors are httpx's."""
+    directly (no ``aiter_raw`` layers); other responses are read with ``aiter_raw``. Errors are httpx's;
+    a body longer than ``limit`` bytes raises ``AnswerTooLarge`` (the response is closed: the
+    engine sees the gateway leave) once that much has been read."""
     stream = response.stream
     if isinstance(stream, _Body) and not response.is_stream_consumed:
         response.is_stream_consumed = True
@@ -438,16 +499,43 @@ async def read_all(response: httpx.Response) -> bytes:
         rest = await conn.next_chunk(timeout)
         if rest is None:
             stream._release()
+            if limit is not None and len(first) > limit:
+                raise AnswerTooLarge(limit)
             return first
         chunks = [first, rest]
+        size = len(first) + len(rest)
         while (chunk := await conn.next_chunk(timeout)) is not None:
             chunks.append(chunk)
+            size += len(chunk)
+            if limit is not None and size > limit:
+                stream._release()  # (unfinished: the connection is closed)
+                raise AnswerTooLarge(limit)
         stream._release()
+        if limit is not None and size > limit:
+            raise AnswerTooLarge(limit)
         return b"".join(chunks)
     if response.is_stream_consumed:
-        return response.content  # built from bytes (httpx.MockTransport, tests)
-    chunks = [chunk async for chunk in response.aiter_raw()]
+        body = response.content  # built from bytes (httpx.MockTransport, tests)
+        if limit is not None and len(body) > limit:
+            raise AnswerTooLarge(limit)
+        return body
+    chunks = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        chunks.append(chunk)
+        size += len(chunk)
+        if limit is not None and size > limit:
+            await response.aclose()
+            raise AnswerTooLarge(limit)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def discard_connection(response: httpx.Response) -> None:
+    """``response``'s connection is closed rather than reused when released: its engine answered
+    something the gateway refused, so its framing is not to be trusted for the next request."""
+    stream = response.stream
+    if isinstance(stream, _Body):
+        stream.conn.keep_alive = False
 
 
 def raw_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
