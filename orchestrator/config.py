@@ -250,6 +250,10 @@ class GatewayConfig(_Section):
     host: str = Field("127.0.0.1", description="Listen address")
     port: int = Field(8000, ge=0, le=65535, description="Listen port (0 = any free port)")
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1, description="Larger request bodies get 413")
+    max_answer_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Longest non-streamed answer read from an engine; a longer one is "
+                                               "cut off and the client gets 502 naming this limit (a stream is "
+                                               "relayed event by event, each event at most 1 MiB)")
     api_keys: list[str] = Field(default_factory=list, description="Client keys; empty = no client auth")
     admin_token: str | None = Field(None, description="Bearer token for /admin/*; unset = admin API disabled")
     connect_timeout_s: float = Field(5.0, gt=0, description="Connecting to an engine")
@@ -504,7 +508,7 @@ class ResilienceConfig(_Section):
     ``shutdown.py``). Timeouts: ``gateway.connect_timeout_s`` bounds connecting to an engine,
     ``gateway.first_byte_timeout_s`` the wait for its first byte (and, for a stream, for its first
     chunk), ``gateway.request_timeout_s`` a whole non-streamed request; a stream is bounded by
-    ``stream_idle_timeout_s`` between chunks and, only if set, by ``stream_timeout_s`` in total."""
+    ``stream_idle_timeout_s`` between data events and, only if set, by ``stream_timeout_s`` in total."""
 
     backoff_base_s: float = Field(0.05, ge=0, description="First retry waits 0.5-1x this; doubles per retry "
                                                           "(0 = retry at once)")
@@ -518,7 +522,8 @@ class ResilienceConfig(_Section):
     breaker_success_threshold: int = Field(2, ge=1, description="Successful probes that close a half-open breaker")
     breaker_half_open_probes: int = Field(1, ge=1, description="Requests at a time on a half-open worker")
     stream_idle_timeout_s: float = Field(
-        60.0, gt=0, description="Longest silence between two chunks of a stream before it counts as failed")
+        60.0, gt=0, description="Longest wait between two data events of a stream before it counts as failed "
+                                "(bytes that never finish an event, and comments alone, are no progress)")
     stream_timeout_s: float | None = Field(
         None, gt=0, description="Cap on a whole stream (None = none: long generations are fine while chunks flow)")
     stream_failover: bool = Field(

@@ -34,7 +34,7 @@ from orchestrator.gateway.executor import AttemptFailed, UpstreamCall
 from orchestrator.gateway.failover import StreamRelay
 from orchestrator.gateway.responses import send_error
 from orchestrator.gateway.stream_timing import TokenTimer
-from orchestrator.gateway.transport import header, raw_headers, read_all
+from orchestrator.gateway.transport import AnswerTooLarge, discard_connection, header, raw_headers, read_all
 from orchestrator.router.estimate import estimate_text_tokens
 from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry import tracing
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from orchestrator.gateway.runtime import GatewayRuntime
 
 log = logging.getLogger(__name__)
-_PASS_HEADERS = (b"content-type", b"content-encoding")
+_PASS_HEADERS = (b"content-type",)  # (the gateway asks engines for identity encoding: it reads every answer)
 _JITTER = random.Random()
 # what an answer to each generation endpoint must carry (a list): without it, it is no answer
 _ANSWER_LISTS = {"/v1/chat/completions": "choices", "/v1/completions": "choices", "/v1/responses": "output"}
@@ -321,25 +321,32 @@ class ProxyResponse:
             executor = rt.executor_for(attempt.decision) if call.generation else rt.executor
             response = attempt.response = await executor.open(call, attempt.decision)
             status = response.status_code
-            if status >= 400:
-                raw = await response.aread()
-                await response.aclose()
-                return self._error_status(attempt, status, raw, last_try)
-            if not call.stream:
-                try:
-                    body = await read_all(response)
-                    attempt.abortable = False
-                except httpx.HTTPError as e:
+            try:
+                if status >= 400:
+                    raw = await self._read_bounded(response)
+                    return self._error_status(attempt, status, raw, last_try)
+                encoding = header(response, b"content-encoding")
+                if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
+                    discard_connection(response)
                     await response.aclose()
-                    attempt.worker_failed("protocol", f"answer broke off: {type(e).__name__}", down=True)
-                    raise _Retry(NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
-                                                 reason=f"the answer from {worker.id} broke off")) from None
-                return self._check_json(attempt, status, body, response, last_try)
-            ctype = header(response, b"content-type") or b""
-            if b"event-stream" not in ctype:
-                raw = await self._read_bounded(response)
+                    return self._unreadable(attempt, status, encoding)
+                if not call.stream:
+                    try:
+                        body = await read_all(response, rt.config.gateway.max_answer_bytes)
+                    except AnswerTooLarge as e:
+                        return self._too_large(attempt, e.limit)
+                    attempt.abortable = False
+                    return self._check_json(attempt, status, body, response, last_try)
+                ctype = header(response, b"content-type") or b""
+                if b"event-stream" not in ctype:
+                    discard_connection(response)
+                    raw = await self._read_bounded(response)
+                    return self._not_sse(attempt, raw, last_try)
+            except httpx.HTTPError as e:  # the engine failed while its answer was read (before any byte was relayed)
                 await response.aclose()
-                return self._not_sse(attempt, raw, last_try)
+                attempt.worker_failed("protocol", f"answer broke off: {type(e).__name__}: {e}", down=True)
+                raise _Retry(UpstreamError(502, f"The answer from the engine ({worker.id}) broke off: "
+                                                f"{type(e).__name__}: {e}.", code="upstream_broke_off")) from None
             self._settle_5xx(request_caused=False)  # another worker streams it: held 5xx were the workers'
             return None
         except AttemptFailed as e:
@@ -350,6 +357,9 @@ class ProxyResponse:
                 self.error_class = "timeout"
                 raise GatewayTimeout(f"{e} (gateway.first_byte_timeout_s)", code="upstream_timeout") from None
             attempt.worker_failed(e.kind, str(e), down=not e.reachable)
+            if e.kind == "malformed":  # it answered, wrongly: a bad gateway, not an unavailable one
+                self.error_class = "bad_engine_answer"
+                raise _Retry(UpstreamError(502, f"The engine ({worker.id}): {e}.", code="bad_engine_answer")) from None
             raise _Retry(NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
                                          reason=f"{worker.id}: {e}")) from None
         except asyncio.CancelledError:
@@ -372,12 +382,35 @@ class ProxyResponse:
 
     @staticmethod
     async def _read_bounded(response: httpx.Response) -> bytes:
-        out = b""
-        async for chunk in response.aiter_raw():
-            out += chunk
-            if len(out) > MAX_ERROR_BODY:
-                break
-        return out
+        """An error or non-answer body, its first ``MAX_ERROR_BODY`` bytes (the rest is not read: the
+        connection is closed); the response is closed."""
+        try:
+            return await read_all(response, MAX_ERROR_BODY)
+        except AnswerTooLarge:
+            return b""  # (its start is not kept: a cut JSON body would read as garbage; the status still speaks)
+        finally:
+            await response.aclose()
+
+    def _too_large(self, attempt: Attempt, limit: int) -> None:
+        """A non-streamed answer longer than ``gateway.max_answer_bytes``: no retry (the same request would
+        produce as much elsewhere), held against nobody."""
+        attempt.request_failed()
+        self._settle_5xx(request_caused=False)
+        self.error_class = "answer_too_large"
+        raise UpstreamError(502, f"The engine's answer ({attempt.worker_id}) is longer than {limit} bytes "
+                                 "(gateway.max_answer_bytes); ask for less (max_tokens, n, logprobs) or stream it.",
+                            code="answer_too_large")
+
+    def _unreadable(self, attempt: Attempt, status: int, encoding: bytes) -> None:
+        """An answer in a content encoding the gateway did not ask for (it asks for identity): it cannot be
+        checked, so it is not relayed; the worker's fault (another worker may do better)."""
+        name = encoding[:40].decode("latin-1")
+        attempt.worker_failed("garbage", f"answered with Content-Encoding {name!r}")
+        self._settle_5xx(request_caused=False)
+        self.error_class = "bad_engine_answer"
+        raise _Retry(UpstreamError(502, f"The engine ({attempt.worker_id}) answered HTTP {status} with Content-Encoding "
+                                        f"{name!r}; the gateway asks engines for identity encoding (uncompressed) "
+                                        "so that it can check every answer.", code="bad_engine_answer"))
 
     def _error_status(self, attempt: Attempt, status: int, raw: bytes, last_try: bool) -> bytes | None:
         """An engine error answer: 4xx back to the client (the worker is fine); a 5xx is held for a
@@ -424,9 +457,6 @@ class ProxyResponse:
     def _check_json(self, attempt: Attempt, status: int, body: bytes, response: httpx.Response,
                     last_try: bool) -> bytes:
         """A non-streamed answer must be a JSON object; a 200 carrying an error is that error."""
-        if header(response, b"content-encoding"):
-            self._settle_5xx(request_caused=False)
-            return body  # compressed: relayed as is (never asked for by the gateway)
         try:
             obj = orjson.loads(body)
             if not isinstance(obj, dict):
@@ -437,8 +467,12 @@ class ProxyResponse:
         if bad is not None:
             return self._error_status(attempt, bad[0], orjson.dumps({"error": bad[1]}), last_try)
         need = _ANSWER_LISTS.get(self.call.endpoint)
-        if need is not None and not isinstance(obj.get(need), list):
-            self._bad_answer(attempt, status, body, f"has no {need}", f"a JSON object without {need}")
+        if need is not None:
+            answer = obj.get(need)
+            if not isinstance(answer, list):
+                self._bad_answer(attempt, status, body, f"has no {need}", f"a JSON object without {need}")
+            if need == "choices" and not answer:  # (an empty output may be a response with nothing to say)
+                self._bad_answer(attempt, status, body, "has no choice in choices", "an empty choices list")
         self._settle_5xx(request_caused=False)
         usage = obj.get("usage")
         self.usage = usage if isinstance(usage, dict) else None
@@ -448,7 +482,8 @@ class ProxyResponse:
         return body
 
     def _bad_answer(self, attempt: Attempt, status: int, body: bytes, what: str, detail: str) -> None:
-        """A 200 whose body is not an answer (garbage): the worker's fault; another worker may do better."""
+        """A 200 whose body is not an answer (garbage): the worker's fault; another worker may do better.
+        (Its connection was released already: a whole answer read to its end leaves nothing behind.)"""
         snippet = body[:80].decode("utf-8", "replace")
         attempt.worker_failed("garbage", f"answered {detail}: {snippet!r}")
         self._settle_5xx(request_caused=False)

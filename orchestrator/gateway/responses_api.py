@@ -493,7 +493,7 @@ class _Counted:
 def engine_headers(worker: Worker, request_id: str) -> dict[str, str]:
     from orchestrator.telemetry import tracing
 
-    headers = {"x-request-id": request_id}
+    headers = {"x-request-id": request_id, "accept-encoding": "identity"}
     if worker.api_key:
         headers["authorization"] = f"Bearer {worker.api_key}"
     return tracing.inject(headers)
