@@ -3,8 +3,8 @@
 Once a stream's first byte has reached the client the status (200) cannot change, and a stream that
 just stops is a silent truncation the client may take for a complete answer. So the relay keeps what
 the client has been sent (whole SSE events only: an event split across engine chunks is held back
-until it is complete), and when the upstream breaks — connection lost, or silent for longer than
-``resilience.stream_idle_timeout_s`` — it:
+until it is complete), and when the upstream breaks — connection lost, or no event with data for longer
+than ``resilience.stream_idle_timeout_s`` (dribbled bytes and comments are no progress) — it:
 
 1. rebuilds the request as a *continuation*: completions get the text sent so far appended to the
    prompt; chat gets an assistant message with the partial content and ``continue_final_message:
@@ -68,20 +68,27 @@ def error_event(message: str, code: str | int = "upstream_stream_failed", type_:
 class SseRecorder:
     """Forwards whole SSE events only and remembers every byte forwarded (for a continuation)."""
 
-    __slots__ = ("pending", "sent", "done", "protocol")
+    __slots__ = ("pending", "sent", "done", "protocol", "cr_end")
 
     def __init__(self, protocol: StreamProtocol | None = None) -> None:
         self.pending = b""
+        self.cr_end = False  # the last chunk ended with CR: an LF starting the next one is part of that line end
         self.sent: list[bytes] = []
         self.done = False  # saw the protocol's honest end (data: [DONE] for OpenAI chunks)
         self.protocol = protocol or OpenAIChunks()  # stream_protocol.py: what ends this stream
 
     def split(self, chunk: bytes) -> bytes:
-        """The complete events in ``pending + chunk``; keeps the incomplete tail. Lines ended with CRLF
-        (allowed by SSE, and some servers' default) are relayed ended with LF."""
+        """The complete events in ``pending + chunk``; keeps the incomplete tail. Lines ended with CRLF or
+        a lone CR (both allowed by SSE besides LF) are relayed ended with LF: a CR ends its line at once,
+        and an LF right after it (in the next chunk too) belongs to it."""
+        if self.cr_end:
+            self.cr_end = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        if b"\r" in chunk:
+            self.cr_end = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         data = self.pending + chunk if self.pending else chunk
-        if b"\r" in data:
-            data = data.replace(b"\r\n", b"\n")  # (a CR at the end stays pending for its LF)
         cut = data.rfind(b"\n\n")
         if cut < 0:
             self.pending = data
@@ -314,6 +321,11 @@ class IdleTimer:
     def pause(self) -> None:
         self._paused = True
 
+    def unpause(self) -> None:
+        """End a pause without counting it as progress: the idle period keeps its start (when the pause
+        outlasted it, the check comes at the next re-arm, at most one idle period later)."""
+        self._paused = False
+
     def resume(self, idle: float) -> None:
         self._idle = idle
         self._due = due = self._loop.time() + idle
@@ -380,6 +392,7 @@ class StreamRelay:
             # (closed before a continuation opens: from its attempt on, every await is in _pump)
             await response.aclose()
             self.recorder.pending = b""  # the broken engine's unfinished event is never relayed
+            self.recorder.cr_end = False
             ending, next_response, rewriter = await self._recover(worker, failure[1])
             if next_response is None:
                 if ending:
@@ -450,7 +463,6 @@ class StreamRelay:
             async for chunk in chunks:
                 if recorder.done:  # bytes after the stream's end: it is complete, they are not relayed
                     break
-                idle_timer.pause()  # a slow client is not an idle engine
                 # (this response's first token — for OpenAI chunks its first bytes —, or a continuation's)
                 if first and self.protocol.first_token(chunk):
                     p.mark_first_token()
@@ -459,8 +471,10 @@ class StreamRelay:
                 if not out:
                     if len(recorder.pending) > MAX_PENDING_EVENT:
                         return "garbage", f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
-                    idle_timer.resume(idle if not first else first_wait)
-                    continue
+                    continue  # (bytes of an unfinished event are no progress: the idle clock runs on)
+                # Only an event with data is progress: bytes dribbled without an event end, or comments
+                # alone, never hold the stream open past its idle timeout.
+                progress = b"data:" in out
                 # (what is not the protocol, and anything after its end, never reaches the client)
                 out, problem, beyond_end = self.protocol.screen(out)
                 if rewriter is not None and out:
@@ -473,24 +487,29 @@ class StreamRelay:
                     else:
                         self.held.append(out)
                         if first:
-                            idle_timer.resume(first_wait)
+                            if progress:
+                                idle_timer.resume(first_wait)
                             continue
                         out, self.held = b"".join(self.held), None
                 if out:
                     self.events += out.count(b"data:")
+                    idle_timer.pause()  # a slow client is not an idle engine
                     await self._emit(send, out)
+                    if not progress:
+                        idle_timer.unpause()
                 if problem is not None:
                     return "garbage", f"the engine sent {problem}"
                 if beyond_end:  # (the engine kept sending after its end: the stream is complete)
                     break
-                idle_timer.resume(idle if not first else first_wait)
+                if progress:
+                    idle_timer.resume(idle if not first else first_wait)
         except httpx.HTTPError as e:
             return "reset", f"{type(e).__name__}: {e}"
         except asyncio.CancelledError:
             if went_idle:
                 task.uncancel()
                 if task.cancelling() == 0:  # nothing else cancelled the task: the engine went quiet
-                    return "idle", f"no data from the engine for {first_wait if not recorder.sent else idle:g} s"
+                    return "idle", f"no data event from the engine for {first_wait if not recorder.sent else idle:g} s"
             if not aborted_by_gateway(p.attempt):
                 raise
             return "aborted", p.attempt.aborted if p.attempt is not None and p.attempt.aborted else "aborted"
@@ -583,6 +602,7 @@ class StreamRelay:
         self.failovers += 1
         self.held = []
         self.recorder.pending = b""
+        self.recorder.cr_end = False
         try:
             next_attempt, _ = await p.open_attempt(retry=True)
         except ApiError as e:

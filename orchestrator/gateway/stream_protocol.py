@@ -36,6 +36,7 @@ _FIRST_TOKEN_HINTS = (b".delta\n", b'.delta"', b"event: response.completed", b"e
 
 
 _SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
+_NO_CHOICE = "a stream that ended without any choice (every event had an empty choices list)"
 
 
 def bad_event(event: bytes) -> str | None:
@@ -142,9 +143,16 @@ class StreamProtocol:
 
 
 class OpenAIChunks(StreamProtocol):
+    """OpenAI chunks. A stream must carry at least one choice (or the engine's error) before its
+    ``[DONE]``: one whose events all have ``choices: []`` is an empty answer, not a complete one (its
+    ``[DONE]`` is not relayed; the relay fails it like any bad event)."""
+
     name = "openai_chunks"
     end_marker = "data: [DONE]"
     continuable = True
+
+    def __init__(self) -> None:
+        self.answered = False  # an event with a choice (or an error) was screened
 
     def ended(self, out: bytes) -> bool:
         return out.endswith(DONE_EVENT) or out.endswith(b"data:[DONE]\n\n")
@@ -154,8 +162,32 @@ class OpenAIChunks(StreamProtocol):
 
     def screen(self, out: bytes) -> tuple[bytes, str | None, bool]:
         if out == DONE_EVENT:  # (the end of every stream, alone in its chunk)
+            return (out, None, False) if self.answered else (b"", _NO_CHOICE, False)
+        n = len(out)
+        if out.startswith(b"data: {") and out.find(b"\n") == n - 2:  # (the usual chunk: one JSON event)
+            try:
+                obj = orjson.loads(memoryview(out)[6:-2])
+            except orjson.JSONDecodeError:
+                return b"", f"an event whose data is not JSON: {out[:60]!r}", False
+            if not self.answered and isinstance(obj, dict) and (obj.get("choices") or "error" in obj):
+                self.answered = True
             return out, None, False
-        return super().screen(out)
+        good, problem, beyond_end = super().screen(out)
+        if self.answered:
+            return good, problem, beyond_end
+        start = 0
+        while start < len(good):  # (until the first choice: then ``answered`` skips this)
+            end = good.find(b"\n\n", start)
+            end = len(good) if end < 0 else end
+            _, data = sse_fields(good[start:end])
+            if data == b"[DONE]":
+                return good[:start], _NO_CHOICE, False
+            obj = _loads(data)
+            if obj is not None and (obj.get("choices") or "error" in obj):
+                self.answered = True
+                break
+            start = end + 2
+        return good, problem, beyond_end
 
     def error_ending(self, message: str, code: str, sent: list[bytes]) -> bytes:
         err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}

@@ -261,6 +261,6 @@ def test_a_stream_whose_engine_goes_silent_ends_on_the_idle_timeout():
         staller.join(60)
     assert r.status_code == 200 and events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
-    assert "no data from the engine for 2 s" in err["message"], err
+    assert "no data event from the engine for 2 s" in err["message"], err
     tokens = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
     assert 3 <= len(tokens) < 200  # what came before the silence reached the client; the rest never came
