@@ -544,6 +544,9 @@ class ResilienceConfig(_Section):
         10.0, gt=0, description="A client must send its request headers within this (slowloris guard)")
     body_timeout_s: float = Field(
         30.0, gt=0, description="A client must send its whole request body within this after the headers")
+    client_write_timeout_s: float = Field(
+        120.0, gt=0, description="A client that takes no byte of its answer for this long (it stopped reading) is "
+                                 "disconnected and its request cancelled, the engine's with it")
 
 
 class AccessLogConfig(_Section):

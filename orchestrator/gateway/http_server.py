@@ -9,7 +9,9 @@ in one class, because per request it is the largest cost left after the gateway'
 
 * **one write per event-loop step** towards the client: a non-streamed answer's head and body leave
   in one ``send`` (on loopback each write wakes the client, often for half an answer);
-* **slow clients** (slowloris): the complete header block must arrive within ``header_timeout_s``
+* **slow clients** (slowloris): a client that takes no byte of its answer for ``write_timeout_s`` (its
+  socket buffer stays full) is disconnected, which cancels its request and the engine's; the complete
+  header block must arrive within ``header_timeout_s``
   of a connection's (or a keep-alive request's) first moment, and the complete body within
   ``body_timeout_s`` of the headers; otherwise ``408`` (OpenAI error shape) and the connection is
   closed; a request task waiting for the body sees a disconnect. httptools puts no bound on a
@@ -52,6 +54,7 @@ from typing import Any
 
 import httptools
 import orjson
+from starlette.requests import ClientDisconnect
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
@@ -142,6 +145,8 @@ class _Cycle:
             else:
                 result = await app(self.scope, self.receive, self.send)
         except BaseException as exc:
+            if self.disconnected and not self.started and isinstance(exc, ClientDisconnect):
+                return  # the client left, or its body timed out (answered 408): its doing, not the app's failure
             _logger.error("Exception in ASGI application\n", exc_info=exc)
             if not self.started:
                 await self._send_500()
@@ -275,6 +280,7 @@ class HttpProtocol(asyncio.Protocol):
 
     header_timeout_s: float | None = None
     body_timeout_s: float | None = None
+    write_timeout_s: float | None = None  # a client that takes no byte of the answer for this long is gone
 
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -308,6 +314,7 @@ class HttpProtocol(asyncio.Protocol):
         self.active: _Cycle | None = None  # the request being answered
         self.reading_paused = False
         self.writable: asyncio.Future[None] | None = None  # set while the transport's buffer is full
+        self._write_stall: asyncio.TimerHandle | None = None  # ends the connection if it stays full (write_timeout_s)
         self._pending: list[bytes] | None = None  # writes of this event-loop step
         # One deadline at a time (header, body or keep-alive idle) on one lazily moved timer: setting a
         # deadline costs no timer operation (three per request else).
@@ -335,6 +342,9 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
         self._deadline.cancel()
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
         for cycle in (self.active, self.cycle, *self.pipeline):
             if cycle is not None:
                 if not cycle.complete:
@@ -366,8 +376,22 @@ class HttpProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.writable is None:
             self.writable = self.loop.create_future()
+            if self.write_timeout_s is not None:
+                self._write_stall = self.loop.call_later(self.write_timeout_s, self._write_stalled)
+
+    def _write_stalled(self) -> None:
+        """The client took no byte of the answer for ``write_timeout_s``: it is treated as gone (its request
+        is cancelled and the engine's with it), so a client that stops reading cannot hold an engine slot
+        and the gateway's buffers forever."""
+        self._write_stall = None
+        if self.writable is not None and not self.transport.is_closing():
+            _logger.info("closing a connection whose client read nothing for %g s", self.write_timeout_s)
+            self.transport.abort()
 
     def resume_writing(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
         writable = self.writable
         if writable is not None:
             self.writable = None
@@ -613,7 +637,9 @@ def apply_forwarded(scope: dict[str, Any], trusted: Any) -> None:
             scope["client"] = (host, port)
 
 
-def http_protocol(header_timeout_s: float | None = None, body_timeout_s: float | None = None) -> type[HttpProtocol]:
+def http_protocol(header_timeout_s: float | None = None, body_timeout_s: float | None = None,
+                  write_timeout_s: float | None = None) -> type[HttpProtocol]:
     """The protocol class for ``uvicorn.Config(http=...)``, with the slow-client timeouts (None: no bound)."""
     return type("DyadHttpProtocol", (HttpProtocol,),
-                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
+                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
+                 "write_timeout_s": write_timeout_s})

@@ -69,7 +69,8 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning",
         # the gateway's own connection protocol (http_server.py): one write per step towards the client,
         # header/body timeouts against slow clients when ``resilience`` is given
         options["http"] = http_protocol(resilience.header_timeout_s if resilience else None,
-                                        resilience.body_timeout_s if resilience else None)
+                                        resilience.body_timeout_s if resilience else None,
+                                        resilience.client_write_timeout_s if resilience else None)
     if gateway is not None and gateway.max_connections is not None:
         base = options["http"]
         if isinstance(base, str):  # uvicorn's name for its protocol class
