@@ -9,20 +9,29 @@ next to it must hide from the client completely.
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import threading
+import time
 from typing import Any
 
 MODES = ("truncated", "close_before_headers", "bad_json_event", "bad_chunk_size", "status_429", "status_503",
          "status_400", "status_404", "empty_200", "array_200", "string_200", "no_choices_200",
          "stream_answered_whole", "close_delimited", "after_done", "html", "bad_status_line",
-         "no_done_after_finish", "comment_events", "crlf")
-# answers a good worker next to it must make invisible (tried there, or continued there)
-WORKER_FAULTS = frozenset(MODES) - {"status_400", "status_404", "close_delimited", "after_done",
-                                    "no_done_after_finish", "comment_events", "crlf"}
+         "no_done_after_finish", "comment_events", "crlf", "lone_cr", "interim_1xx", "trailers", "gzip",
+         "huge_headers", "empty_choices", "short_length")
 # well-formed answers, merely unusual: served whole by the engine itself
-WELL_FORMED = frozenset({"close_delimited", "after_done", "no_done_after_finish", "comment_events", "crlf"})
+WELL_FORMED = frozenset({"close_delimited", "after_done", "no_done_after_finish", "comment_events", "crlf",
+                         "lone_cr", "interim_1xx", "trailers"})
+# answers a good worker next to it must make invisible (tried there, or continued there)
+WORKER_FAULTS = frozenset(MODES) - {"status_400", "status_404"} - WELL_FORMED
+# more shapes, for the tests that need their own bounds (test_request_path_failures.py): "good" (a plain
+# answer), "unsolicited" (a good answer, then a second answer nobody asked for), "huge_body" (a JSON answer of
+# HUGE bytes), "huge_error" (a 500 of HUGE bytes), "dribble" (a stream that sends one byte at a time and never
+# ends its event), "keepalive_only" (a stream that sends comments and never data), "flood" (a stream of 256 MiB sent
+# as fast as the gateway takes it)
+HUGE = 4 << 20
 
 
 def _chunk(data: bytes) -> bytes:
@@ -60,6 +69,8 @@ class RawEngine:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.generations = 0  # generation requests answered (in any way)
+        self.flood_sent = 0  # bytes of "flood" answers the gateway took
+        self.flood_closed = False  # the gateway closed a "flood" answer's connection before its end
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
@@ -116,6 +127,77 @@ class RawEngine:
             return True
 
         good = _event(_piece(chat, "a ")) + _event(_piece(chat, "b", "stop"))  # (the answer: "a b")
+        whole_good = json.dumps(_whole(chat)).encode()
+        if m in ("good", "unsolicited"):
+            if stream:
+                conn.sendall(STREAM_HEAD + _chunk(good + b"data: [DONE]\n\n") + _chunk(b""))
+            else:
+                whole(200, whole_good)
+            if m == "unsolicited":  # (on the connection, idle in the gateway's pool by now)
+                time.sleep(0.2)
+                whole(200, json.dumps({**_whole(chat), "id": "UNSOLICITED"}).encode())
+            return True
+        if m == "huge_body":
+            return whole(200, json.dumps({**_whole(chat), "pad": "x" * HUGE}).encode())
+        if m == "huge_error":
+            return whole(500, json.dumps({"error": {"message": "x" * HUGE, "type": "X", "code": 500}}).encode())
+        if m == "flood":  # a long answer as fast as the socket takes it (64 KiB events, 256 MiB in all)
+            event = _chunk(_event(_piece(chat, "x" * 65536)))
+            try:
+                conn.sendall(STREAM_HEAD)
+                for _ in range(4096):
+                    conn.sendall(event)
+                    self.flood_sent += len(event)
+            except OSError:
+                self.flood_closed = True
+            return False
+        if m in ("dribble", "keepalive_only"):
+            conn.sendall(STREAM_HEAD + _chunk(_event(_piece(chat, "a "))))
+            try:
+                for _ in range(600):  # (a minute at most: the gateway is expected to leave long before)
+                    conn.sendall(_chunk(b"x" if m == "dribble" else b": keep-alive\n\n"))
+                    time.sleep(0.1)
+            except OSError:
+                pass
+            return False
+        if m == "interim_1xx":  # interim answers first (skipped by HTTP clients), then the answer itself
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            time.sleep(0.05)
+            conn.sendall(b"HTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n")
+            time.sleep(0.05)
+            if not stream:
+                return whole(200, whole_good)
+            conn.sendall(STREAM_HEAD + _chunk(good) + _chunk(b"data: [DONE]\n\n") + _chunk(b""))
+            return True
+        if m == "trailers":  # a chunked body ended with trailer fields
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\ntrailer: x-t\r\n\r\n%s"
+                         b"0\r\nx-t: done\r\n\r\n" % (b"text/event-stream" if stream else b"application/json",
+                                                      _chunk(good + b"data: [DONE]\n\n" if stream else whole_good)))
+            return True
+        if m == "gzip":  # compressed although the gateway asked for identity
+            body = gzip.compress(good + b"data: [DONE]\n\n" if stream else whole_good)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n%s"
+                         % (b"text/event-stream" if stream else b"application/json", len(body), body))
+            return True
+        if m == "huge_headers":
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\n")
+                for i in range(4096):  # 16 MiB of headers, unless the gateway leaves first
+                    conn.sendall(b"x-h%d: %s\r\n" % (i, b"v" * 4096))
+            except OSError:
+                pass
+            return False
+        if m == "empty_choices":  # events (or an answer) without any choice
+            if not stream:
+                return whole(200, json.dumps({**_whole(chat), "choices": []}).encode())
+            empty = _event({"id": "raw", "object": "chat.completion.chunk", "created": 1, "choices": []})
+            conn.sendall(STREAM_HEAD + _chunk(empty) + _chunk(empty + b"data: [DONE]\n\n") + _chunk(b""))
+            return True
+        if m == "short_length":  # Content-Length shorter than the body: the rest is left on the connection
+            body = good + b"data: [DONE]\n\n" if stream else whole_good
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                         % (b"text/event-stream" if stream else b"application/json", len(body) - 40, body))
+            return True
         if m == "truncated":
             if stream:
                 conn.sendall(STREAM_HEAD + _chunk(_event(_piece(chat, "a "))) + b"20\r\ndata: {")
@@ -172,6 +254,7 @@ class RawEngine:
             "no_done_after_finish": ([first, last], b"\n\n"),
             "comment_events": ([b": keep-alive", first, b": ping", b"event: message\n" + last, done], b"\n\n"),
             "crlf": ([first, last, done], b"\r\n\r\n"),
+            "lone_cr": ([first, last, done], b"\r\r"),  # (SSE allows a lone CR)
         }[m]
         conn.sendall(STREAM_HEAD + b"".join(_chunk(e + sep) for e in events) + _chunk(b""))
         return True

@@ -23,7 +23,7 @@ import pytest
 
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.raw_engine import MODES, WELL_FORMED, WORKER_FAULTS, RawEngine
-from tests.integration.test_request_path_failures import MODEL, gateway
+from tests.integration.test_request_path_failures import MODEL, gateway, healthy
 
 
 def check_whole(r: httpx.Response) -> str:
@@ -60,15 +60,6 @@ def check_stream(r: httpx.Response, chat: bool) -> tuple[str, str]:
     text = "".join((c.get("delta", {}).get("content") or "") if chat else (c.get("text") or "")
                    for o in objs for c in o.get("choices") or ())
     return ("error_event" if errors else "ok"), text
-
-
-def healthy(gw) -> None:
-    """Wait until the gateway's first health round has every worker in rotation (on a loaded machine
-    the first probe can be late, and a request before it finds no worker)."""
-    deadline = time.monotonic() + 30
-    while not all(w.health_ok for w in gw.runtime.fleet.workers()):
-        assert time.monotonic() < deadline, [(w.id, w.health_ok) for w in gw.runtime.fleet.workers()]
-        time.sleep(0.02)
 
 
 def ask(gw, raw: RawEngine, chat: bool, stream: bool) -> httpx.Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import time
 
 import httpx
@@ -19,6 +20,7 @@ from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
 from orchestrator.router.estimate import estimate_text_tokens
 from tests.integration.fake_engine import FakeEngine
+from tests.integration.raw_engine import RawEngine
 
 MODEL = "m"
 
@@ -72,6 +74,15 @@ def breakers(gw) -> dict:
 
 def sample(gw, name, labels=None) -> float:
     return gw.runtime.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def healthy(gw) -> None:
+    """Wait until the gateway's first health round has every worker in rotation (on a loaded machine
+    the first probe can be late, and a request before it finds no worker)."""
+    deadline = time.monotonic() + 30
+    while not all(w.health_ok for w in gw.runtime.fleet.workers()):
+        assert time.monotonic() < deadline, [(w.id, w.health_ok) for w in gw.runtime.fleet.workers()]
+        time.sleep(0.02)
 
 
 # --- 4. failures classified ------------------------------------------------------------------------
@@ -301,6 +312,72 @@ def test_request_timeout_bounds_a_non_streamed_request():
         r = complete(gw)
         assert r.status_code == 504 and "gateway.request_timeout_s" in r.json()["error"]["message"]
         assert time.monotonic() - t0 < 6
+
+
+def test_what_an_engine_sends_is_bounded_and_stays_with_its_own_request():
+    """One gateway, one raw engine switching shapes (session 8's probes): an answer longer than
+    gateway.max_answer_bytes is a 502 naming the limit, tried once (the same request would be as long
+    elsewhere); a 4 MiB error body is cut to a short error; a stream dribbling bytes without ever ending
+    an event, or sending keep-alive comments and never data, ends with an error event within its idle
+    timeout; an answer nobody asked for, sent on an idle pooled connection, never becomes the answer to
+    the next request."""
+    raw = RawEngine("good")
+    with gateway([raw], gateway={"max_answer_bytes": 1 << 20, "first_byte_timeout_s": 5},
+                 resilience={"stream_idle_timeout_s": 1, "stall_timeout_s": 5, "breaker_failure_threshold": 0}) as gw:
+        healthy(gw)
+        raw.mode = "huge_body"
+        r = complete(gw, chat=True)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "answer_too_large", r.text[:300]
+        assert "gateway.max_answer_bytes" in r.json()["error"]["message"] and raw.generations == 1
+        raw.mode = "huge_error"
+        for stream in (False, True):
+            r = complete(gw, stream=stream)
+            assert r.status_code == 500 and len(r.content) < 4096, r.text[:300]
+        for mode in ("dribble", "keepalive_only"):
+            raw.mode = mode
+            t0 = time.monotonic()
+            r = complete(gw, stream=True, chat=True)
+            assert time.monotonic() - t0 < 5, mode  # (was: until the engine gave up, a minute here; never for a real one)
+            ev = events(r)
+            assert ev[-1] == "[DONE]" and "no data event from the engine for 1 s" in ev[-2]["error"]["message"], r.text
+        for w in gw.runtime.fleet.workers():  # (the broken streams took the only worker out of rotation)
+            gw.runtime.fleet.record_health(w, True, gw.runtime.clock.now(), "test")
+        raw.mode = "unsolicited"
+        assert complete(gw, chat=True).json()["id"] == "raw"
+        time.sleep(0.5)  # (the second answer arrives on the idle pooled connection)
+        raw.mode = "good"
+        for stream in (False, True):
+            r = complete(gw, chat=True, stream=stream)
+            assert r.status_code == 200 and "UNSOLICITED" not in r.text, r.text[:300]
+
+
+def test_a_client_that_stops_reading_is_let_go_with_its_engine_request():
+    """Backpressure reaches the engine (the gateway buffers a bounded amount, then stops reading), and a
+    client that takes no byte for resilience.client_write_timeout_s is disconnected: its request is
+    cancelled, the engine's connection closed, the in-flight ledger released (was: held for as long as
+    the client held its socket)."""
+    raw = RawEngine("flood")
+    with gateway([raw], resilience={"client_write_timeout_s": 1}) as gw:
+        healthy(gw)
+        host, port = gw.url.split("//")[1].split(":")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        body = json.dumps({"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 100_000}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        worker = gw.runtime.fleet.workers()[0]
+        deadline = time.monotonic() + 20
+        while not raw.flood_closed and time.monotonic() < deadline:  # (the client never reads)
+            time.sleep(0.1)
+        assert raw.flood_closed and raw.flood_sent < 64 << 20, raw.flood_sent  # (buffers, not the 256 MiB)
+        while worker.inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.inflight == 0
+        assert sample(gw, "dyad_client_disconnects_total", {"model": MODEL}) == 1
+        s.close()
+        raw.mode = "good"
+        assert complete(gw).status_code == 200
 
 
 # --- issue 14 item 1: usage on every path ----------------------------------------------------------
