@@ -25,6 +25,7 @@ from orchestrator.gateway.fastpath import child, new_request_id
 from orchestrator.gateway.proxy import ProxyResponse
 from orchestrator.gateway.responses import engine_error_body
 from orchestrator.gateway.runtime import GatewayRuntime
+from orchestrator.gateway.transport import AnswerTooLarge, read_all
 from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.access_log import AccessRecord
@@ -187,7 +188,14 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
             if upstream.status_code == 200 and stream and "event-stream" in upstream.headers.get("content-type", ""):
                 record.status = 200
                 return _StoredStream(rt, upstream, headers, record, started, root)  # it logs and ends the span
-            raw = await upstream.aread()
+            try:
+                raw = await read_all(upstream, rt.config.gateway.max_answer_bytes)
+            except AnswerTooLarge as e:
+                raise UpstreamError(502, f"The stored response '{response_id}' ({worker.id}) is longer than "
+                                         f"{e.limit} bytes (gateway.max_answer_bytes).", code="answer_too_large") from None
+            except httpx.HTTPError as e:
+                raise UpstreamError(502, f"The engine holding response '{response_id}' ({worker.id}) broke off its "
+                                         f"answer: {type(e).__name__}.", code="upstream_broke_off") from None
             await upstream.aclose()
     except ApiError as err:
         if upstream is not None:

@@ -505,17 +505,19 @@ async def relay_stream(send: Any, upstream: httpx.Response, extra_headers: list[
     protocol = ResponsesEvents()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), *extra_headers]})
+    from orchestrator.gateway.failover import MAX_PENDING_EVENT, SseRecorder
+
     sent: list[bytes] = []
-    pending = b""
+    recorder = SseRecorder(protocol)  # (whole events, any of SSE's line ends)
     failure = None
     try:
         async for chunk in upstream.aiter_raw():
-            data = pending + chunk
-            cut = data.rfind(b"\n\n")
-            if cut < 0:
-                pending = data
+            out = recorder.split(chunk)
+            if not out:
+                if len(recorder.pending) > MAX_PENDING_EVENT:
+                    failure = f"the engine sent {len(recorder.pending)} bytes without an SSE event end"
+                    break
                 continue
-            out, pending = data[:cut + 2], data[cut + 2:]
             if out[:1] not in (b"e", b"d", b":", b"i", b"r"):
                 failure = "the engine sent bytes that are not server-sent events"
                 break

@@ -157,3 +157,36 @@ def test_what_passes_the_screen_is_whole_json_events_only(events):
                    for line in event.split(b"\n"))
         if data and b"\n".join(data) != b"[DONE]":
             assert isinstance(json.loads(b"\n".join(data)), dict)
+
+
+EMPTY = b'data: {"id": "c", "choices": []}\n\n'
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_stream_without_any_choice_is_no_complete_answer(split):
+    """choices: [] in every event, then [DONE]: the [DONE] is not relayed and the stream breaks there."""
+    p = OpenAIChunks()
+    if split:
+        assert p.screen(EMPTY) == (EMPTY, None, False)
+        out, problem, _ = p.screen(b"data: [DONE]\n\n")
+    else:
+        out, problem, _ = p.screen(EMPTY + EMPTY + b"data: [DONE]\n\n")
+    assert b"[DONE]" not in out and "without any choice" in problem
+    err = OpenAIChunks()  # the engine's own error event is an answer (it ends the stream honestly)
+    error = b'data: {"error": {"message": "x"}}\n\n'
+    assert err.screen(error + b"data: [DONE]\n\n") == (error + b"data: [DONE]\n\n", None, False)
+
+
+@given(st.lists(st.integers(min_value=0, max_value=200), max_size=6), st.sampled_from([b"\n", b"\r\n", b"\r"]))
+def test_sse_line_ends_lf_crlf_and_lone_cr_split_alike_across_any_chunking(cuts, eol):
+    from orchestrator.gateway.failover import SseRecorder
+
+    events = [CHUNK, b": keep-alive\n\n", b"event: message\ndata: {\"a\": 1}\n\n", b"data: [DONE]\n\n"]
+    wire = b"".join(events).replace(b"\n", eol)
+    recorder = SseRecorder()
+    out = []
+    start = 0
+    for cut in sorted(c % (len(wire) + 1) for c in cuts) + [len(wire)]:
+        out.append(recorder.split(wire[start:cut]))
+        start = max(start, cut)
+    assert b"".join(out) == b"".join(events) and recorder.pending == b""
