@@ -16,7 +16,7 @@ import orjson
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from orchestrator.clock import Clock
@@ -64,6 +64,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     elif exc.status_code == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}."
     return _error_response(request, exc.status_code, error_body(message, kind), exc.headers)
+
+
+async def _client_left(request: Request, exc: Exception) -> Response:
+    """The client went away (or its body timed out, answered 408 by the server) before its request
+    was read: its doing, not a gateway failure, so no error log per such connection. Nobody reads
+    this answer (the server drops what is sent after a disconnect)."""
+    log.debug("client left before its request was read: %s %s", request.method, request.url.path)
+    return _error_response(request, 400, error_body("The client closed the connection before its request "
+                                                    "body arrived.", "invalid_request_error"))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -213,5 +222,6 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     app.include_router(planner_router())  # GET /admin/planner (orchestrator/planner)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _unexpected)
     return app

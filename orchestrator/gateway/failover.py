@@ -81,6 +81,8 @@ class SseRecorder:
         """The complete events in ``pending + chunk``; keeps the incomplete tail. Lines ended with CRLF or
         a lone CR (both allowed by SSE besides LF) are relayed ended with LF: a CR ends its line at once,
         and an LF right after it (in the next chunk too) belongs to it."""
+        if not chunk:  # (nothing to split; a CR that ended the last chunk still waits for its LF)
+            return b""
         if self.cr_end:
             self.cr_end = False
             if chunk.startswith(b"\n"):
