@@ -10,6 +10,9 @@ Everything runs in virtual time on the simulated fleet (``orchestrator/sim/virtu
 3. the reactive queue-length autoscaler (KEDA/HPA-style baseline), both starting from the same
    neutral split (``--start``; by default what the profile sizes for the first interval's load, the
    fleet an operator would have deployed for the load at hand — never the hindsight answer).
+4. optionally (``--oracle``) upper bounds, not planners: the same start split, then a split known in
+   hindsight from a given moment on (``HindsightOracle``: what no planner without foresight before that
+   moment can beat).
 Reports SLO attainment, worker-hours, cost and goodput per worker as a table; ``--json`` adds a
 per-interval timeline per strategy (load, ISL/OSL, TTFT/ITL, P and D counts) and the planner's
 decisions with the reason for each change; ``--plot`` draws it (needs the ``plots`` extra).
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.base import Role
-from orchestrator.planner.baselines import QueueAutoscaler
+from orchestrator.planner.baselines import HindsightOracle, QueueAutoscaler, first_overload
 from orchestrator.planner.core import Planner, PlannerSettings
 from orchestrator.planner.metrics_source import PEAK_WINDOW_S
 from orchestrator.planner.perf_model import PerfModel, ProfileError
@@ -110,6 +113,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--static", default=None, metavar="P:D",
                         help="replay this static split as the comparison row instead of searching (e.g. a split "
                              "an earlier search found)")
+    parser.add_argument("--oracle", action="append", default=None, metavar="SPLIT@WHEN[,SPLIT@WHEN...]",
+                        help="add an upper-bound row (repeatable): the start split until the first WHEN, then at "
+                             "least SPLIT from each WHEN on (cold starts, never scaled in). SPLIT: P:D, static (the "
+                             "static row's split) or budget (its decode count, the rest of --budget prefill); WHEN: "
+                             "seconds, or overload (the first arrival at which the last 5 s held more arrivals than "
+                             "any 5 s of the first interval: the first sign, without foresight, that the start "
+                             "split is outgrown). E.g. static@30 = a planner that knows the future from its first "
+                             "decision; budget@overload = one that grows only on load it has seen")
     parser.add_argument("--plot", default=None,
                         help=f"write a PNG here: load, workers, TTFT/ITL vs the SLO per strategy (needs {PLOT_EXTRA})")
 
@@ -380,6 +391,50 @@ def _breakdown_line(name: str, b: dict[str, Any]) -> str:
     return f"  {name}: worker-hours " + ", ".join(parts)
 
 
+def oracle_split(spec: str, static: tuple[int, int] | None, budget: int) -> tuple[int, int]:
+    """An oracle stage's split: ``P:D``, ``static`` (the static row's split) or ``budget`` (the static split's
+    decode count, every other worker of the budget prefill)."""
+    if spec in ("static", "budget"):
+        if static is None:
+            raise ValueError(f"--oracle {spec}: needs the static row (a search or --static P:D)")
+        return static if spec == "static" else (budget - static[1], static[1])
+    try:
+        p, d = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--oracle: a split is static, budget or P:D (got {spec!r})") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--oracle {spec}: need P >= 1 and D >= 1")
+    return p, d
+
+
+def oracle_stages(spec: str, static: tuple[int, int] | None, budget: int, interval: float,
+                  arrivals: list[float]) -> list[tuple[float, tuple[int, int]]]:
+    """``--oracle SPLIT@WHEN[,...]`` as (seconds, split) stages; WHEN ``overload`` = ``first_overload`` of
+    the arrivals (never: the stage never comes)."""
+    stages = []
+    for part in spec.split(","):
+        split, _, when = part.strip().partition("@")
+        if not when:
+            raise ValueError(f"--oracle {spec}: each stage is SPLIT@WHEN (got {part!r})")
+        if when == "overload":
+            t = first_overload(arrivals, interval, PEAK_WINDOW_S)
+            at = math.inf if t is None else t
+        else:
+            try:
+                at = float(when)
+            except ValueError:
+                raise ValueError(f"--oracle {spec}: WHEN is seconds or overload (got {when!r})") from None
+        stages.append((at, oracle_split(split, static, budget)))
+    return stages
+
+
+def make_oracle(args: argparse.Namespace, stages: list[tuple[float, tuple[int, int]]]) -> HindsightOracle:
+    # looks between interval ticks only when a stage falls between them
+    off_tick = any(math.isfinite(at) and at % args.interval > 1e-9 for at, _ in stages)
+    fast = (getattr(args, "fast_interval", 2.0) or 2.0) if off_tick else 0.0
+    return HindsightOracle([(at, {Role.PREFILL: p, Role.DECODE: d}) for at, (p, d) in stages], fast_interval_s=fast)
+
+
 def run(args: argparse.Namespace) -> int:
     from orchestrator.sim.profiles import load_profile
 
@@ -436,6 +491,19 @@ def run(args: argparse.Namespace) -> int:
     name = "queue-length autoscaler (KEDA-style)"
     rows.append({"strategy": name, **with_cost(base.summary(args.ttft, args.itl), base, lim)})
     timelines[name] = interval_rows(base, args.interval, args.ttft, args.itl, start)
+    oracle_rows: list[dict[str, Any]] = []
+    arrivals = sorted(r.arrival for r in reqs)
+    for spec in getattr(args, "oracle", None) or []:
+        try:
+            stages = oracle_stages(spec, static, args.budget, args.interval, arrivals)
+        except ValueError as e:
+            return fail(str(e))
+        ores = simulate(args, profile, reqs, FleetSpec(*start), make_oracle(args, stages), decode_profile)
+        name = "oracle: start split, then " + ", ".join(
+            f">= P={p} D={d} from t={at:.3f}s" for at, (p, d) in stages)
+        oracle_rows.append({"strategy": name, "oracle": spec, **with_cost(ores.summary(args.ttft, args.itl), ores, lim)})
+        timelines[name] = interval_rows(ores, args.interval, args.ttft, args.itl, start)
+        decisions[name] = [d.timeline_row() for d in ores.decisions]
 
     print(f"trace {args.trace}: {len(reqs)} requests; SLO TTFT <= {args.ttft}s and ITL <= {args.itl}s, goal "
           f"{100 * args.goal:g}%; budget {args.budget} workers"
@@ -449,12 +517,20 @@ def run(args: argparse.Namespace) -> int:
     static_wh = rows[0]["worker_hours"] if static is not None else None
     rows[-2]["worker_hours_breakdown"] = breakdown(dyn, static_wh)
     rows[-1]["worker_hours_breakdown"] = breakdown(base, static_wh)
+    for r in oracle_rows:
+        print(f"{'oracle ' + r['oracle']:44} {100 * r['slo_attainment']:7.2f} {r['worker_hours']:9.3f} "
+              f"{r['cost']:8.3f} {r['goodput_per_worker']:10.3f} {_ms(r['ttft_p99_s']):>9} {_ms(r['itl_p90_s']):>8}")
+        print(f"  ({r['strategy']})")
     if static is not None:
         print(f"dynamic / {'given' if given else 'best'} static worker-hours: "
               f"{rows[1]['worker_hours'] / rows[0]['worker_hours']:.3f}")
+        for r in oracle_rows:
+            print(f"oracle {r['oracle']} / {'given' if given else 'best'} static worker-hours: "
+                  f"{r['worker_hours'] / rows[0]['worker_hours']:.3f}")
     print("where the worker-hours went (standby | starting+waking | burst floor | scale-in hold | sized by the model):")
     print(_breakdown_line("planner", rows[-2]["worker_hours_breakdown"]))
     print(_breakdown_line("autoscaler", rows[-1]["worker_hours_breakdown"]))
+    rows += oracle_rows
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({
             "trace": args.trace, "requests": len(reqs), "profile": profile.name,
@@ -501,7 +577,7 @@ def plot(path: str, timelines: dict[str, list[dict[str, Any]]], args: argparse.N
     ax_load.set_ylabel("arrivals (req/s)")
     def color_of(label: str) -> str:  # the same colour for a strategy in every plot
         return "tab:gray" if label.startswith("static") else "tab:blue" if label.startswith("dynamic") \
-            else "tab:orange"
+            else "tab:green" if label.startswith("oracle") else "tab:orange"
 
     for label, rows in timelines.items():
         color = color_of(label)
