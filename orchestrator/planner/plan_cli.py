@@ -121,6 +121,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "any 5 s of the first interval: the first sign, without foresight, that the start "
                              "split is outgrown). E.g. static@30 = a planner that knows the future from its first "
                              "decision; budget@overload = one that grows only on load it has seen")
+    parser.add_argument("--oracle-only", action="store_true",
+                        help="skip the planner and autoscaler runs: the static row (if any) and the --oracle rows only")
     parser.add_argument("--plot", default=None,
                         help=f"write a PNG here: load, workers, TTFT/ITL vs the SLO per strategy (needs {PLOT_EXTRA})")
 
@@ -442,6 +444,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("--budget must be at least 2 (one prefill and one decode worker)")
     if not 0 < args.goal <= 1:
         return fail("--goal must be in (0, 1]")
+    if getattr(args, "oracle_only", False) and not getattr(args, "oracle", None):
+        return fail("--oracle-only needs at least one --oracle")
     if args.plot and not plot_available():
         return fail(f"--plot needs matplotlib: pip install '{PLOT_EXTRA}'")
     try:
@@ -480,17 +484,19 @@ def run(args: argparse.Namespace) -> int:
         name = f"static P={static[0]} D={static[1]} (best in hindsight)"
         rows.append({"strategy": name, **with_cost(best, sres, lim)})
         timelines[name] = interval_rows(sres, args.interval, args.ttft, args.itl, static)
-    planner = make_planner(args, profile, args.budget, decode_profile)
-    dyn = simulate(args, profile, reqs, FleetSpec(*start), planner, decode_profile)
-    rows.append({"strategy": "dynamic SLO planner", **with_cost(dyn.summary(args.ttft, args.itl), dyn, lim)})
-    timelines["dynamic SLO planner"] = interval_rows(dyn, args.interval, args.ttft, args.itl, start)
-    decisions["dynamic SLO planner"] = [d.timeline_row() for d in dyn.decisions]
-    keda = QueueAutoscaler(Limits(budget=args.budget), args.keda_prefill_target, args.keda_decode_target,
-                           args.keda_window)
-    base = simulate(args, profile, reqs, FleetSpec(*start), keda, decode_profile)
-    name = "queue-length autoscaler (KEDA-style)"
-    rows.append({"strategy": name, **with_cost(base.summary(args.ttft, args.itl), base, lim)})
-    timelines[name] = interval_rows(base, args.interval, args.ttft, args.itl, start)
+    dyn = base = None
+    if not getattr(args, "oracle_only", False):
+        planner = make_planner(args, profile, args.budget, decode_profile)
+        dyn = simulate(args, profile, reqs, FleetSpec(*start), planner, decode_profile)
+        rows.append({"strategy": "dynamic SLO planner", **with_cost(dyn.summary(args.ttft, args.itl), dyn, lim)})
+        timelines["dynamic SLO planner"] = interval_rows(dyn, args.interval, args.ttft, args.itl, start)
+        decisions["dynamic SLO planner"] = [d.timeline_row() for d in dyn.decisions]
+        keda = QueueAutoscaler(Limits(budget=args.budget), args.keda_prefill_target, args.keda_decode_target,
+                               args.keda_window)
+        base = simulate(args, profile, reqs, FleetSpec(*start), keda, decode_profile)
+        name = "queue-length autoscaler (KEDA-style)"
+        rows.append({"strategy": name, **with_cost(base.summary(args.ttft, args.itl), base, lim)})
+        timelines[name] = interval_rows(base, args.interval, args.ttft, args.itl, start)
     oracle_rows: list[dict[str, Any]] = []
     arrivals = sorted(r.arrival for r in reqs)
     for spec in getattr(args, "oracle", None) or []:
@@ -515,21 +521,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['strategy']:44} {100 * r['slo_attainment']:7.2f} {r['worker_hours']:9.3f} {r['cost']:8.3f} "
               f"{r['goodput_per_worker']:10.3f} {_ms(r['ttft_p99_s']):>9} {_ms(r['itl_p90_s']):>8}")
     static_wh = rows[0]["worker_hours"] if static is not None else None
-    rows[-2]["worker_hours_breakdown"] = breakdown(dyn, static_wh)
-    rows[-1]["worker_hours_breakdown"] = breakdown(base, static_wh)
+    if dyn is not None and base is not None:
+        rows[-2]["worker_hours_breakdown"] = breakdown(dyn, static_wh)
+        rows[-1]["worker_hours_breakdown"] = breakdown(base, static_wh)
     for r in oracle_rows:
         print(f"{'oracle ' + r['oracle']:44} {100 * r['slo_attainment']:7.2f} {r['worker_hours']:9.3f} "
               f"{r['cost']:8.3f} {r['goodput_per_worker']:10.3f} {_ms(r['ttft_p99_s']):>9} {_ms(r['itl_p90_s']):>8}")
         print(f"  ({r['strategy']})")
     if static is not None:
-        print(f"dynamic / {'given' if given else 'best'} static worker-hours: "
-              f"{rows[1]['worker_hours'] / rows[0]['worker_hours']:.3f}")
+        if dyn is not None:
+            print(f"dynamic / {'given' if given else 'best'} static worker-hours: "
+                  f"{rows[1]['worker_hours'] / rows[0]['worker_hours']:.3f}")
         for r in oracle_rows:
             print(f"oracle {r['oracle']} / {'given' if given else 'best'} static worker-hours: "
                   f"{r['worker_hours'] / rows[0]['worker_hours']:.3f}")
-    print("where the worker-hours went (standby | starting+waking | burst floor | scale-in hold | sized by the model):")
-    print(_breakdown_line("planner", rows[-2]["worker_hours_breakdown"]))
-    print(_breakdown_line("autoscaler", rows[-1]["worker_hours_breakdown"]))
+    if dyn is not None:
+        print("where the worker-hours went (standby | starting+waking | burst floor | scale-in hold | "
+              "sized by the model):")
+        print(_breakdown_line("planner", rows[-2]["worker_hours_breakdown"]))
+        print(_breakdown_line("autoscaler", rows[-1]["worker_hours_breakdown"]))
     rows += oracle_rows
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({

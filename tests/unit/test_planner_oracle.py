@@ -98,3 +98,19 @@ def test_plan_prints_an_oracle_row_after_the_dynamic_strategies(capsys, tmp_path
     rows = json.loads(out.read_text())["results"]
     assert [r.get("oracle") for r in rows[-2:]] == ["static@30", "3:2@45"]
     assert all(0.0 <= r["slo_attainment"] <= 1.0 for r in rows)
+
+
+def test_oracle_only_skips_the_dynamic_strategies_and_needs_an_oracle(capsys, tmp_path):
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser()
+    plan_cli.configure(p)
+    base = ["--trace", "synthetic:daily,duration=120,peak=2,trough=1,seed=1", "--budget", "6", "--interval", "30",
+            "--start-s", "20", "--no-static-search", "--oracle-only"]
+    assert plan_cli.run(p.parse_args(base)) == 2
+    assert "--oracle" in capsys.readouterr().err
+    out = tmp_path / "o.json"
+    assert plan_cli.run(p.parse_args(base + ["--oracle", "2:2@30", "--json", str(out)])) == 0
+    assert "dynamic SLO planner" not in capsys.readouterr().out
+    assert [r["strategy"].split(":")[0] for r in json.loads(out.read_text())["results"]] == ["oracle"]
