@@ -32,13 +32,29 @@ def session_key_of(header: str | None, body: dict[str, Any]) -> str | None:
     return hashlib.blake2b(kind + raw.encode("utf-8", "surrogatepass"), digest_size=SESSION_KEY_BYTES).hexdigest()
 
 
+def output_budget(body: dict[str, Any]) -> int | None:
+    """The most tokens the request may generate in all: the per-choice limit (``max_completion_tokens``
+    or ``max_tokens``, validated by ``request.py``) times the sequences the engine generates for it
+    (``n`` choices, or ``best_of`` candidates when larger: completions). None when the client set no
+    limit. Tokens-per-minute limits charge it, so ``n`` cannot multiply a request's cost unseen."""
+    per_choice = body.get("max_completion_tokens") or body.get("max_tokens")
+    if not isinstance(per_choice, int):
+        return None
+    sequences = 1
+    for name in ("n", "best_of"):
+        v = body.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > sequences:
+            sequences = v
+    return per_choice * sequences
+
+
 async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, model: str,
                    body: dict[str, Any], *, split_allowed: bool = True) -> RouteRequest:
     """The request as routing and admission see it, built once: the prompt's length (the model's
     tokenizer through the prefix tracker when there is one, else ``estimate_prompt_tokens``), block
     hashes, cached-prefix overlap per worker, other replicas' load, the hashed session key."""
     canonical = rt.config.model(model)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = output_budget(body)
     session_header = rt.config.router.kv_aware.session_header
     tracker = rt.router.prefix_tracker
     # With a prefix tracker the prompt is usually tokenized: the estimate (a pass over the whole prompt,

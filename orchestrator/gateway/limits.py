@@ -3,7 +3,7 @@
 A key with ``rpm: 60`` has a bucket of 60 request tokens refilled at one per second; a request
 takes one, and is refused with 429 and ``Retry-After`` (seconds until it would fit) when the
 bucket is short. ``tpm`` works the same with the request's token cost (prompt estimate plus
-``max_tokens``). A request costlier than a whole bucket is let through only when the bucket is
+its output budget: ``max_tokens`` times ``n``, ``annotate.output_budget``). A request costlier than a whole bucket is let through only when the bucket is
 full and leaves it in debt, so one huge request cannot be refused forever.
 
 Both buckets of a key are checked and charged together (never one without the other). With

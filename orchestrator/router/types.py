@@ -53,7 +53,7 @@ class RouteRequest:
     request_id: str
     model: str
     prompt_tokens: int  # known or estimated prompt length in tokens
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # the most tokens it may generate in all (per-choice limit x n); None: unset
     token_ids: Sequence[int] | None = None  # when tokenized (read-only: shared with the token cache)
     block_hashes: list[int] = field(default_factory=list)  # our chained block hashes
     block_size: int = 32

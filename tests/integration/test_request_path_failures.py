@@ -530,3 +530,18 @@ def test_an_executor_refusal_ends_its_attempt_no_in_flight_leak():
     finally:
         gw.stop()
         d.stop()
+
+
+def test_n_choices_are_charged_to_the_tokens_per_minute_budget():
+    """A request for ``n`` choices generates up to ``n`` x ``max_tokens``: the tokens-per-minute bucket is
+    charged that (it was charged ``max_tokens`` once, so ``n`` multiplied a client's budget unseen)."""
+    with gateway(engines("ok"), limits={"default_tpm": 6000}) as gw:
+        one = complete(gw, prompt="hi", max_tokens=100)
+        assert one.status_code == 200, one.text
+        after_one = int(one.headers["x-ratelimit-remaining-tokens"])
+        many = complete(gw, prompt="hi", max_tokens=100, n=20)
+        assert many.status_code == 200, many.text
+        after_many = int(many.headers["x-ratelimit-remaining-tokens"])
+    # the first took ~100 (+ its prompt); the second ~2,000 (+ its prompt; the bucket refills 100/s meanwhile)
+    assert 5800 <= after_one < 5900, after_one
+    assert after_one - after_many >= 1900 - 100, (after_one, after_many)

@@ -59,3 +59,18 @@ def test_otherwise_the_estimate(policy, healthy, body):
     req = _annotate(_runtime(policy, healthy), COMPLETIONS, body)
     assert req.token_ids is None
     assert req.prompt_tokens == estimate_prompt_tokens(COMPLETIONS, body) > 0
+
+
+@pytest.mark.parametrize(("body", "budget"), [
+    ({}, None),  # no limit set: nothing to charge ahead
+    ({"max_tokens": 100}, 100),
+    ({"max_tokens": 100, "n": 3}, 300),
+    ({"max_completion_tokens": 50, "max_tokens": 100, "n": 2}, 100),  # the newer name wins, as for engines
+    ({"max_tokens": 10, "n": 2, "best_of": 5}, 50),  # completions: best_of candidates are generated
+    ({"max_tokens": 10, "n": None}, 10),
+    ({"max_tokens": 10, "best_of": "5"}, 10),  # (the engine refuses it; nothing multiplied here)
+])
+def test_output_budget_counts_every_sequence_generated(body, budget):
+    from orchestrator.gateway.annotate import output_budget
+
+    assert output_budget(body) == budget
