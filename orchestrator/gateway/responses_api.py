@@ -41,6 +41,7 @@ import orjson
 
 from orchestrator.errors import ApiError, InvalidRequest, NotFound
 from orchestrator.gateway import request as rq
+from orchestrator.gateway.failover import MAX_PENDING_EVENT, SseRecorder
 from orchestrator.gateway.stream_protocol import ResponsesEvents, sse_fields
 from orchestrator.redis_clients import close_quietly, cluster_client
 
@@ -505,8 +506,6 @@ async def relay_stream(send: Any, upstream: httpx.Response, extra_headers: list[
     protocol = ResponsesEvents()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), *extra_headers]})
-    from orchestrator.gateway.failover import MAX_PENDING_EVENT, SseRecorder
-
     sent: list[bytes] = []
     recorder = SseRecorder(protocol)  # (whole events, any of SSE's line ends)
     failure = None
