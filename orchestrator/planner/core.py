@@ -163,9 +163,6 @@ class PlannerSettings:
     # at most the horizon's largest sizing times that rise, and warm standby only what that capacity needs beyond
     # the serving pool; ``burst_window_s`` and ``standby_*`` stay the bounds, and the insurance until the rise is
     # known (docs/benchmarks.md, Issue 14, helper planner4)
-    insured_margin: float | None = None  # scale-in margin over capacity that measured insurance holds (the floor
-    # at the horizon's largest need x its measured rise): that capacity already carries a measured quantile, so a
-    # fixed ``scale_in_margin`` on top counts the margin twice. None = ``scale_in_margin`` (the behaviour before)
     rise_memory: int = 2880  # intervals of history ``insurance="proportional"`` measures the rise over (a day at
     # 30-s intervals: every run measured here is shorter, so it is "all seen so far"; ``jump_memory``'s 20
     # intervals forgot the two-peak day's first climb and the spiky day's spikes too soon: docs/benchmarks.md)
@@ -268,7 +265,6 @@ class Planner:
         self._recent: deque[tuple[float, dict[Role, float]]] = deque()
         self._insured: dict[Role, float] | None = None
         self._target: dict[Role, int] = {}
-        self._insured_held: dict[Role, bool] = {}  # role → its floor this interval is the measured insurance
         self._spare: dict[Role, int] = {}  # serving workers kept beyond the model's sizing, this interval
         # per interval: [observed rate, the lead rate forecast after it] (``rise_factor``)
         self._leads: deque[list[float | None]] = deque(maxlen=max(2, self.settings.jump_memory + self.lead_steps() + 1))
@@ -852,9 +848,6 @@ class Planner:
             if warming:
                 f = max(f, float(counts[r]))
             floor_exact[r] = max(exact[r], f)
-        # roles whose kept capacity is what the measured insurance holds (beyond the model's own sizing)
-        self._insured_held = {r: self._insured is not None and not warming and floor_exact[r] > exact[r] + 1e-9
-                              for r in ROLES}
         floored = {r: max(want[r], math.ceil(floor_exact[r] - 1e-9)) for r in ROLES}
         floored = {r: floored[r] if caps[r] is None else min(caps[r], floored[r]) for r in ROLES}
         if not lim.fits(floored[Role.PREFILL], floored[Role.DECODE]):
@@ -878,8 +871,7 @@ class Planner:
                 self._below[r] = 0
                 target[r] = want[r]
                 continue
-            keep = max(mins[r], math.ceil(exact[r] * (1 + scale_in_margin(s, self._insured_held.get(r, False)))
-                                          - 1e-9))
+            keep = max(mins[r], math.ceil(exact[r] * (1 + s.scale_in_margin) - 1e-9))
             if keep >= have:
                 self._below[r] = 0
                 target[r] = have
@@ -998,15 +990,6 @@ class Planner:
                     pool[r].remove(w)
                     actions.append(Action("stop", r, w.id))
         return actions
-
-
-def scale_in_margin(settings: PlannerSettings, insured_held: bool) -> float:
-    """The headroom a role keeps above the capacity it is held at before giving a worker back:
-    ``insured_margin`` when that capacity is the measured insurance (already an upper quantile of the
-    load's own rise) and ``insured_margin`` is set, else ``scale_in_margin``."""
-    if insured_held and settings.insured_margin is not None:
-        return settings.insured_margin
-    return settings.scale_in_margin
 
 
 def horizon_rise(series: Sequence[float], steps: int, memory: int, q: float) -> float:

@@ -100,9 +100,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "--standby-* warm workers) or proportional (once the load's rise within --start-s + "
                              "--interval is measured, the floor and the warm standby keep only what the horizon's "
                              "largest need times that rise asks for; --burst-window and --standby-* are the bounds)")
-    parser.add_argument("--insured-margin", type=float, default=None,
-                        help="scale-in margin over capacity that proportional insurance holds (default: the "
-                             "scale-in margin, 0.15)")
     parser.add_argument("--cold-backlog", choices=["off", "observed", "forecast"], default="off",
                         help="load mode: start cold prefill workers only for a backlog that outlasts the start-up, "
                              "judged on the arrivals seen now (observed) or the forecast (forecast); off = every "
@@ -192,7 +189,7 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         standby_auto=g(args, "standby_auto", False), standby_prefill=g(args, "standby_prefill", 1),
         standby_decode=g(args, "standby_decode", 1),
         standby_wake_s=g(args, "standby_wake_s", 5.0), cold_backlog=g(args, "cold_backlog", "off"),
-        insurance=g(args, "insurance", "proportional"), insured_margin=g(args, "insured_margin", None))
+        insurance=g(args, "insurance", "proportional"))
     if g(args, "standby_net_of_spare", None) is not None:
         settings.standby_net_of_spare = args.standby_net_of_spare
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None

@@ -117,36 +117,3 @@ def test_insurance_setting_comes_from_the_config_file():
 
     assert planner_settings(PlannerConfig(insurance="proportional")).insurance == "proportional"
     assert planner_settings(PlannerConfig()).insurance == PlannerSettings().insurance
-
-
-# ---------------------------------------------------------------- the margin over insured capacity (opt-in)
-
-def test_scale_in_margin_over_insured_capacity_is_its_own_setting():
-    from orchestrator.planner.core import scale_in_margin
-
-    s = PlannerSettings(scale_in_margin=0.15)
-    assert scale_in_margin(s, False) == 0.15 and scale_in_margin(s, True) == 0.15  # unset: as before
-    s = PlannerSettings(scale_in_margin=0.15, insured_margin=0.0)
-    assert scale_in_margin(s, True) == 0.0  # the floor is the measured insurance: no fixed margin on top
-    assert scale_in_margin(s, False) == 0.15  # the model's own sizing keeps its margin
-
-
-def test_without_a_margin_over_insured_capacity_a_decline_gives_back_no_later():
-    def run(margin):
-        pl = Planner(perf(), PlannerSettings(
-            targets=Targets(1.0, 0.05), limits=Limits(budget=40), interval_s=INTERVAL, predictor="constant",
-            correct_from_latency=False, start_s=60.0, burst_window_s=600.0, standby_prefill=1, standby_decode=1,
-            insurance="proportional", insured_margin=margin))
-        rates = [12.0] * 16 + [12.0 - 0.4 * i for i in range(1, 21)]  # rise known, then a slow decline
-        out, p, d = [], 8, 2
-        for k, rate in enumerate(rates, start=1):  # the fleet follows the decisions at once
-            dec = pl.step(_obs(k, rate, rate * 1.1), _fleet(p, d), k * INTERVAL)
-            p, d = dec.desired["prefill"], dec.desired["decode"]
-            out.append(p)
-        return out, pl
-
-    base, _ = run(None)
-    lean, pl = run(0.0)
-    assert pl.rise_known()
-    assert all(a <= b for a, b in zip(lean, base, strict=True))  # never keeps more
-    assert sum(lean) < sum(base)  # and somewhere less: the 15% on top of the insurance is gone
