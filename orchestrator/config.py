@@ -280,7 +280,7 @@ class ApiKeyConfig(_Section):
     sha256: str = Field(..., description="Lower-case hex SHA-256 of the key")
     models: list[str] = Field(default_factory=list, description="Models the key may use; empty = every model")
     rpm: int | None = Field(None, ge=1, description="Requests per minute (token bucket); None = limits.default_rpm")
-    tpm: int | None = Field(None, ge=1, description="Tokens per minute, prompt + max_tokens x n; None = limits.default_tpm")
+    tpm: int | None = Field(None, ge=1, description="Tokens per minute, prompt + max_tokens x n (output beyond it charged after the answer); None = limits.default_tpm")
     priority: PriorityName = Field("normal", description="Default and highest priority class of the key")
 
     @field_validator("sha256")

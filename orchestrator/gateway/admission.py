@@ -45,6 +45,7 @@ from orchestrator.telemetry.logging import request_context
 if TYPE_CHECKING:
     from orchestrator.gateway.runtime import GatewayRuntime
     from orchestrator.router.types import RouteRequest
+    from orchestrator.telemetry.access_log import AccessRecord
     from orchestrator.telemetry.metrics import DyadMetrics
 
 log = logging.getLogger("dyad.gateway.admission")
@@ -293,16 +294,17 @@ class _Admitted:
     """The proxy response, run with the request's log context; at its end the dispatch slot is given
     back and the shutdown tracker hears that the request is over."""
 
-    __slots__ = ("inner", "release", "finished", "rid", "model", "client_done")
+    __slots__ = ("inner", "release", "finished", "rid", "model", "client_done", "settle")
 
     def __init__(self, inner: Any, release: Any, finished: Any, rid: str, model: str,
-                 client_done: Any = None) -> None:
+                 client_done: Any = None, settle: Callable[[], Awaitable[None]] | None = None) -> None:
         self.inner = inner
         self.release = release
         self.finished = finished
         self.rid = rid
         self.model = model
         self.client_done = client_done
+        self.settle = settle
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -313,6 +315,8 @@ class _Admitted:
             self.finished()
             if self.client_done is not None:
                 self.client_done()
+            if self.settle is not None:
+                await self.settle()
 
 
 class Intake:
@@ -378,14 +382,39 @@ class Intake:
         response so it is released —, the ``x-ratelimit-*`` headers for the answer). ``gone`` returns when
         the client disconnects (``AdmissionGate.acquire``)."""
         rank = self.rank(identity, headers)
-        tokens = req.prompt_tokens + (req.max_tokens if isinstance(req.max_tokens, int) else 0)
-        limit_headers = await self.limiter.check(identity, tokens)
+        limit_headers = await self.limiter.check(identity, self.charge_of(req))
         if self.config.ttft_slo_s is not None:
             self.check_ttft(req)
         if self.gate is None:
             return False, limit_headers
         await self.gate.acquire(req.model, rank, gone)
         return True, limit_headers
+
+    @staticmethod
+    def charge_of(req: RouteRequest) -> int:
+        """What a request is charged to its key's tokens-per-minute bucket before it runs: the prompt
+        estimate plus its output budget (``annotate.output_budget``; 0 when it names none)."""
+        return req.prompt_tokens + (req.max_tokens if isinstance(req.max_tokens, int) else 0)
+
+    def settler(self, identity: ClientIdentity, req: RouteRequest,
+                record: AccessRecord) -> Callable[[], Awaitable[None]] | None:
+        """For a key with a tokens-per-minute limit: what charges the bucket, once the answer is over,
+        for the tokens it used beyond ``charge_of`` (``record`` holds the counts then: the engine's
+        usage, else the estimate and what was relayed). ``None`` for a key without one."""
+        if not identity.tpm:
+            return None
+        charged = self.charge_of(req)
+        limiter = self.limiter
+
+        async def settle() -> None:
+            used = (record.prompt_tokens or 0) + (record.generated_tokens or 0)
+            if used > charged:
+                try:
+                    await limiter.debit(identity, used - charged)
+                except Exception:  # noqa: BLE001 - the answer is out: never turn accounting into an error
+                    log.exception("rate limits: charging %d tokens after the answer failed", used - charged)
+
+        return settle
 
     def check_ttft(self, req: RouteRequest) -> None:
         slo = self.config.ttft_slo_s
@@ -411,14 +440,15 @@ class Intake:
                              status=self.config.reject_status, code="ttft_slo",
                              retry_after=math.ceil(best - slo))
 
-    def wrap(self, response: Any, model: str, rid: str, slot: bool, client_key: str | None = None) -> _Admitted:
+    def wrap(self, response: Any, model: str, rid: str, slot: bool, client_key: str | None = None,
+             settle: Callable[[], Awaitable[None]] | None = None) -> _Admitted:
         """``response`` run in the request's log context; at its end gives the dispatch slot back (when
         ``slot``), ends the request's ``ShutdownState.started`` (the OpenAI routes start it) and its
-        per-client count (``enter``)."""
+        per-client count (``enter``), then charges what the answer used beyond its charge (``settler``)."""
         gate = self.gate
         release = (lambda: gate.release(model)) if slot and gate is not None else _nothing
         done = (lambda: self.leave(client_key)) if client_key is not None else None
-        return _Admitted(response, release, self.runtime.shutdown.finished, rid, model, done)
+        return _Admitted(response, release, self.runtime.shutdown.finished, rid, model, done, settle)
 
     async def run(self) -> None:
         """Lives as a runtime task so that stopping the gateway closes the limiter's Redis connection."""

@@ -61,14 +61,22 @@ class Executor(Protocol):
         ...
 
 
-def engine_headers(call: UpstreamCall, worker: Worker) -> dict[str, str]:
-    # (identity: the gateway reads and checks every answer; a compressed one is refused, proxy.py)
-    headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": call.request_id}
+def worker_headers(worker: Worker, request_id: str) -> dict[str, str]:
+    """What every request to an engine carries: the request id, the worker's key, identity encoding
+    (the gateway reads and checks every answer; a compressed one is refused, proxy.py), and the W3C
+    traceparent of the current span (nothing while tracing is off)."""
+    headers = {"accept-encoding": "identity", "x-request-id": request_id}
     if worker.api_key:
         headers["authorization"] = f"Bearer {worker.api_key}"
+    return tracing.inject(headers)
+
+
+def engine_headers(call: UpstreamCall, worker: Worker) -> dict[str, str]:
+    """``worker_headers`` for a JSON POST of ``call``, plus the call's own headers."""
+    headers = {"content-type": "application/json", **worker_headers(worker, call.request_id)}
     if call.headers:
         headers.update(call.headers)
-    return tracing.inject(headers)  # W3C traceparent of the current span (unchanged while tracing is off)
+    return headers
 
 
 async def send_to_worker(http: httpx.AsyncClient, worker: Worker, path: str, body: dict[str, Any],

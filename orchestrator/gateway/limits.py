@@ -3,8 +3,12 @@
 A key with ``rpm: 60`` has a bucket of 60 request tokens refilled at one per second; a request
 takes one, and is refused with 429 and ``Retry-After`` (seconds until it would fit) when the
 bucket is short. ``tpm`` works the same with the request's token cost (prompt estimate plus
-its output budget: ``max_tokens`` times ``n``, ``annotate.output_budget``). A request costlier than a whole bucket is let through only when the bucket is
-full and leaves it in debt, so one huge request cannot be refused forever.
+its output budget: ``max_tokens`` times ``n``, ``annotate.output_budget``). A request costlier than
+a whole bucket is let through only when the bucket is full and leaves it in debt, so one huge
+request cannot be refused forever. When the answer is over, what it really used (the engine's
+usage, else what was relayed) beyond that charge is taken from the tokens bucket too (``debit``,
+no check: the bucket may go into debt): a request that names no ``max_tokens``, or whose prompt
+was estimated short, pays for what it generated, and the key's next requests wait for the refill.
 
 Both buckets of a key are checked and charged together (never one without the other). With
 ``limits.backend: redis`` the buckets live in Redis, so every gateway replica draws from the same
@@ -107,6 +111,15 @@ class LocalBuckets:
             self._buckets[(key, lim.dimension)] = [level, now]
         return 0.0, -1, left
 
+    def debit(self, key: str, lim: Limit, now: float) -> float:
+        """Take ``lim.cost`` from the bucket without checking (it may go into debt); returns the level."""
+        b = self._buckets.get((key, lim.dimension))
+        level = lim.capacity if b is None else min(lim.capacity, b[0] + max(0.0, now - b[1]) * lim.per_s)
+        if b is None and len(self._buckets) > self.max_keys:
+            self._buckets.clear()
+        self._buckets[(key, lim.dimension)] = [level - lim.cost, now]
+        return level - lim.cost
+
 
 # KEYS: one bucket hash per limit. ARGV: capacity, refill per ms, cost for each key in order.
 # Returns {0, 0, levels after the charge...} when charged, else {milliseconds to wait, 1-based index of the
@@ -149,6 +162,25 @@ end
 return out
 """
 
+# KEYS: the bucket. ARGV: capacity, refill per ms, tokens to take (unchecked). Returns the level left.
+DEBIT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cap = tonumber(ARGV[1])
+local rate = tonumber(ARGV[2])
+local b = redis.call('HMGET', KEYS[1], 'level', 'ts')
+local level = tonumber(b[1])
+if level == nil then
+  level = cap
+else
+  level = math.min(cap, level + math.max(0, now - tonumber(b[2])) * rate)
+end
+local left = level - tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'level', tostring(left), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil((cap - left) / rate) + 1000)
+return tostring(left)
+"""
+
 
 class RateLimiter:
     """Checks a request against its key's buckets; raises ``RateLimited`` (429 + Retry-After)."""
@@ -162,6 +194,7 @@ class RateLimiter:
         self.key_prefix = key_prefix
         self._redis: Any = None
         self._script: Any = None
+        self._debit_script: Any = None
         self._redis_down_until = 0.0
         self._redis_down = False
 
@@ -188,6 +221,26 @@ class RateLimiter:
                                        **{k.decode(): v.decode() for k, v in headers}})
         return headers
 
+    async def debit(self, identity: ClientIdentity, tokens: int) -> None:
+        """Charge ``tokens`` more to the key's tokens-per-minute bucket, unchecked (what an answer used
+        beyond what its request was charged). Nothing for a key without ``tpm``."""
+        if not identity.tpm or tokens <= 0:
+            return
+        lim = Limit("tokens", float(identity.tpm), float(tokens))
+        now = self.clock.now()
+        if self.redis_url is not None and now >= self._redis_down_until:
+            try:
+                self._connect()
+                await self._debit_script(keys=[self._key(identity.name, lim)], args=[lim.capacity, lim.per_s / 1000.0,
+                                                                                     lim.cost])
+                return
+            except Exception as e:  # noqa: BLE001 - as in _take: decide locally, retry Redis later
+                self._redis_down_until = now + REDIS_RETRY_S
+                if not self._redis_down:
+                    log.warning("rate limits: Redis unreachable (%s: %s); using local buckets", type(e).__name__, e)
+                self._redis_down = True
+        self.local.debit(identity.name, lim, now)
+
     async def _take(self, name: str, limits: list[Limit]) -> tuple[float, int, list[float]]:
         now = self.clock.now()
         if self.redis_url is not None and now >= self._redis_down_until:
@@ -208,7 +261,11 @@ class RateLimiter:
             self.metrics.rate_limit_fallbacks.inc()
         return self.local.take(name, limits, now)
 
-    async def _take_redis(self, name: str, limits: list[Limit]) -> tuple[float, int, list[float]]:
+    def _key(self, name: str, lim: Limit) -> str:
+        # One hash tag per key name: both buckets in the same cluster slot.
+        return f"{self.key_prefix}:rl:{{{name}}}:{lim.dimension}"
+
+    def _connect(self) -> None:
         if self._redis is None:
             import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
@@ -223,8 +280,11 @@ class RateLimiter:
                                             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                                             retry_on_error=[RedisConnectionError], retry_on_timeout=False)
             self._script = self._redis.register_script(TAKE_LUA)
-        # One hash tag per key name: both buckets in the same cluster slot.
-        keys = [f"{self.key_prefix}:rl:{{{name}}}:{lim.dimension}" for lim in limits]
+            self._debit_script = self._redis.register_script(DEBIT_LUA)
+
+    async def _take_redis(self, name: str, limits: list[Limit]) -> tuple[float, int, list[float]]:
+        self._connect()
+        keys = [self._key(name, lim) for lim in limits]
         args: list[float] = []
         for lim in limits:
             args += [lim.capacity, lim.per_s / 1000.0, lim.cost]

@@ -20,7 +20,7 @@ from orchestrator.errors import ApiError, ModelNotFound, UpstreamError
 from orchestrator.gateway import request as rq
 from orchestrator.gateway import responses_api
 from orchestrator.gateway.annotate import annotate
-from orchestrator.gateway.executor import UpstreamCall
+from orchestrator.gateway.executor import UpstreamCall, worker_headers
 from orchestrator.gateway.fastpath import child, new_request_id
 from orchestrator.gateway.proxy import ProxyResponse
 from orchestrator.gateway.responses import engine_error_body
@@ -125,7 +125,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     proxy = ProxyResponse(rt, call, route_req, label, started, record, strip_usage, limit_headers,
                           pinned_away=pinned_away)
     inner: Any = responses_api.RecordOwner(proxy, client.name) if responses else proxy
-    return intake.wrap(inner, model, rid, slot, client_key)
+    return intake.wrap(inner, model, rid, slot, client_key, intake.settler(client, route_req, record))
 
 
 async def chat_completions(request: Request) -> ProxyResponse:
@@ -179,7 +179,7 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
             with tracing.span("dyad.attempt", worker=worker.id, role=worker.role.value) as attempt_span:
                 try:
                     upstream = await rt.http.send(rt.http.build_request(
-                        method, url, params=params, headers=responses_api.engine_headers(worker, rid)), stream=True)
+                        method, url, params=params, headers=worker_headers(worker, rid)), stream=True)
                 except httpx.HTTPError as e:
                     raise UpstreamError(502, f"The engine holding response '{response_id}' ({worker.id}) did not "
                                              f"answer: {type(e).__name__}.", code="upstream_unreachable") from None

@@ -491,15 +491,6 @@ class _Counted:
             self.done()
 
 
-def engine_headers(worker: Worker, request_id: str) -> dict[str, str]:
-    from orchestrator.telemetry import tracing
-
-    headers = {"x-request-id": request_id, "accept-encoding": "identity"}
-    if worker.api_key:
-        headers["authorization"] = f"Bearer {worker.api_key}"
-    return tracing.inject(headers)
-
-
 async def relay_stream(send: Any, upstream: httpx.Response, extra_headers: list[tuple[bytes, bytes]]) -> bool:
     """Relay a replayed Responses stream (``GET ...?stream=true``) with the same ending rule as any
     Responses stream: a terminal event, else ``event: error`` + ``response.failed``. True when complete."""

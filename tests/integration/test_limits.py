@@ -97,3 +97,32 @@ async def test_replicas_share_buckets_in_redis_and_fall_back_locally_when_it_is_
     finally:
         await a.close()
         await b.close()
+
+
+def test_debit_takes_unchecked_and_the_bucket_refills_from_the_debt():
+    b = LocalBuckets()
+    tpm = Limit("tokens", 600, 100)
+    assert b.take("k", [tpm], 0.0)[0] == 0  # 500 left
+    assert b.debit("k", Limit("tokens", 600, 900), 0.0) == pytest.approx(-400)  # no check: into debt
+    wait, short, _ = b.take("k", [tpm], 0.0)
+    assert short == 0 and wait == pytest.approx(50.0)  # -400 → 100 at 10/s
+    assert b.debit("fresh", Limit("tokens", 600, 50), 0.0) == pytest.approx(550)  # an unseen key starts full
+
+
+@pytest.mark.redis
+async def test_tokens_used_after_the_answer_are_charged_to_the_shared_bucket(redis_server):  # noqa: F811
+    prefix = unique_prefix("rl-debit")
+    a = RateLimiter(VirtualClock(), redis_url=redis_server.url, key_prefix=prefix)
+    b = RateLimiter(VirtualClock(), redis_url=redis_server.url, key_prefix=prefix)
+    who = ClientIdentity("debited", tpm=1000)
+    try:
+        await a.check(who, 100)
+        await a.debit(who, 700)  # replica a's answer used 700 more than it was charged
+        with pytest.raises(RateLimited) as e:
+            await b.check(who, 300)  # replica b sees ~200 left in Redis
+        assert e.value.code == "tpm_exceeded"
+        assert 150 <= int(e.value.headers["x-ratelimit-remaining-tokens"]) <= 260
+        await a.debit(ClientIdentity("no-tpm"), 10**9)  # a key without a tokens limit: nothing to charge
+    finally:
+        await a.close()
+        await b.close()

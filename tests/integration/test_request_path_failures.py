@@ -532,6 +532,29 @@ def test_an_executor_refusal_ends_its_attempt_no_in_flight_leak():
         d.stop()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
+@pytest.mark.parametrize("usage", [True, False], ids=["engine-usage", "no-engine-usage"])
+def test_output_beyond_the_charge_is_charged_after_the_answer(stream, usage):
+    """A request that names no ``max_tokens`` is charged its prompt only when it is let in; what it then
+    generates (the engine's usage, else the tokens relayed) is charged once the answer is over, so a
+    key cannot generate past its tokens-per-minute budget by leaving ``max_tokens`` out."""
+    with gateway(engines("ok", tokens=400, usage=usage), limits={"default_tpm": 600}) as gw:
+        body = {"model": MODEL, "prompt": "write at length", "stream": stream}
+        first = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
+        assert first.status_code == 200, first.text
+        if stream:
+            assert len([e for e in events(first) if e != "[DONE]" and e["choices"]]) == 400
+        assert int(first.headers["x-ratelimit-remaining-tokens"]) > 580  # (charged its prompt at the door)
+        time.sleep(0.2)
+        # 600 - 400 generated - the prompts, + 10/s refill: a 300-token budget no longer fits
+        second = complete(gw, prompt="hi", max_tokens=300)
+        assert second.status_code == 429, second.text
+        assert second.json()["error"]["code"] == "tpm_exceeded"
+        assert int(second.headers["x-ratelimit-remaining-tokens"]) < 260
+        small = complete(gw, prompt="hi", max_tokens=100)  # what is left is still usable
+        assert small.status_code == 200, small.text
+
+
 def test_n_choices_are_charged_to_the_tokens_per_minute_budget():
     """A request for ``n`` choices generates up to ``n`` x ``max_tokens``: the tokens-per-minute bucket is
     charged that (it was charged ``max_tokens`` once, so ``n`` multiplied a client's budget unseen)."""
