@@ -201,7 +201,7 @@ def test_client_disconnect_stops_the_decode_engine(pd):
     body = completion_body(LONG_PROMPT + " again", 3000, stream=True, ignore_eos=True)
     finished_by_length = engine_counter(decode.url, "vllm:request_success_total", finished_reason="length")
     generated_before = engine_counter(decode.url, "vllm:generation_tokens_total")
-    with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT) as r:
         assert r.status_code == 200
         chunks = r.iter_raw()  # keep a reference: a collected iterator closes the connection at once
         deadline = time.monotonic() + 60
