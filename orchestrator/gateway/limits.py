@@ -90,16 +90,20 @@ class LocalBuckets:
         self._buckets: dict[tuple[str, str], list[float]] = {}  # (key, dimension) → [level, updated]
         self.max_keys = max_keys
 
-    def take(self, key: str, limits: list[Limit], now: float) -> tuple[float, int, list[float]]:
+    def _level(self, key: str, lim: Limit, now: float) -> float:
+        b = self._buckets.get((key, lim.dimension))
+        return lim.capacity if b is None else min(lim.capacity, b[0] + max(0.0, now - b[1]) * lim.per_s)
+
+    def take(self, key: str, limits: list[Limit], now: float, check: bool = True) -> tuple[float, int, list[float]]:
         """Charge every bucket and return (0, -1, levels after the charge), or charge nothing and return
-        (seconds to wait, index of the limit that needs the longest wait, levels now)."""
+        (seconds to wait, index of the limit that needs the longest wait, levels now). ``check`` False:
+        charge without checking (``debit``)."""
         levels = []
         wait, short = 0.0, -1
         for i, lim in enumerate(limits):
-            b = self._buckets.get((key, lim.dimension))
-            level = lim.capacity if b is None else min(lim.capacity, b[0] + max(0.0, now - b[1]) * lim.per_s)
+            level = self._level(key, lim, now)
             need = min(lim.cost, lim.capacity)
-            if level < need and (need - level) / lim.per_s > wait:
+            if check and level < need and (need - level) / lim.per_s > wait:
                 wait, short = (need - level) / lim.per_s, i
             levels.append(level)
         if wait > 0:
@@ -113,27 +117,24 @@ class LocalBuckets:
 
     def debit(self, key: str, lim: Limit, now: float) -> float:
         """Take ``lim.cost`` from the bucket without checking (it may go into debt); returns the level."""
-        b = self._buckets.get((key, lim.dimension))
-        level = lim.capacity if b is None else min(lim.capacity, b[0] + max(0.0, now - b[1]) * lim.per_s)
-        if b is None and len(self._buckets) > self.max_keys:
-            self._buckets.clear()
-        self._buckets[(key, lim.dimension)] = [level - lim.cost, now]
-        return level - lim.cost
+        return self.take(key, [lim], now, check=False)[2][0]
 
 
-# KEYS: one bucket hash per limit. ARGV: capacity, refill per ms, cost for each key in order.
-# Returns {0, 0, levels after the charge...} when charged, else {milliseconds to wait, 1-based index of the
-# shortest bucket, levels now...} (levels as strings: Lua numbers would be truncated to integers).
+# KEYS: one bucket hash per limit. ARGV: 1 to check (0: charge unchecked, ``debit``), then capacity,
+# refill per ms, cost for each key in order. Returns {0, 0, levels after the charge...} when charged,
+# else {milliseconds to wait, 1-based index of the shortest bucket, levels now...} (levels as strings:
+# Lua numbers would be truncated to integers).
 # Time is Redis' own (TIME), so replicas agree.
 TAKE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local check = tonumber(ARGV[1]) == 1
 local levels = {}
 local wait, short = 0, 0
 for i, key in ipairs(KEYS) do
-  local cap = tonumber(ARGV[3 * i - 2])
-  local rate = tonumber(ARGV[3 * i - 1])
-  local cost = tonumber(ARGV[3 * i])
+  local cap = tonumber(ARGV[3 * i - 1])
+  local rate = tonumber(ARGV[3 * i])
+  local cost = tonumber(ARGV[3 * i + 1])
   local b = redis.call('HMGET', key, 'level', 'ts')
   local level = tonumber(b[1])
   if level == nil then
@@ -142,7 +143,7 @@ for i, key in ipairs(KEYS) do
     level = math.min(cap, level + math.max(0, now - tonumber(b[2])) * rate)
   end
   local need = math.min(cost, cap)
-  if level < need and (need - level) / rate > wait then wait, short = (need - level) / rate, i end
+  if check and level < need and (need - level) / rate > wait then wait, short = (need - level) / rate, i end
   levels[i] = level
 end
 if wait > 0 then
@@ -152,33 +153,14 @@ if wait > 0 then
 end
 local out = {0, 0}
 for i, key in ipairs(KEYS) do
-  local cap = tonumber(ARGV[3 * i - 2])
-  local rate = tonumber(ARGV[3 * i - 1])
-  local left = levels[i] - tonumber(ARGV[3 * i])
+  local cap = tonumber(ARGV[3 * i - 1])
+  local rate = tonumber(ARGV[3 * i])
+  local left = levels[i] - tonumber(ARGV[3 * i + 1])
   redis.call('HSET', key, 'level', tostring(left), 'ts', tostring(now))
   redis.call('PEXPIRE', key, math.ceil((cap - left) / rate) + 1000)
   out[i + 2] = tostring(left)
 end
 return out
-"""
-
-# KEYS: the bucket. ARGV: capacity, refill per ms, tokens to take (unchecked). Returns the level left.
-DEBIT_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cap = tonumber(ARGV[1])
-local rate = tonumber(ARGV[2])
-local b = redis.call('HMGET', KEYS[1], 'level', 'ts')
-local level = tonumber(b[1])
-if level == nil then
-  level = cap
-else
-  level = math.min(cap, level + math.max(0, now - tonumber(b[2])) * rate)
-end
-local left = level - tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'level', tostring(left), 'ts', tostring(now))
-redis.call('PEXPIRE', KEYS[1], math.ceil((cap - left) / rate) + 1000)
-return tostring(left)
 """
 
 
@@ -194,7 +176,6 @@ class RateLimiter:
         self.key_prefix = key_prefix
         self._redis: Any = None
         self._script: Any = None
-        self._debit_script: Any = None
         self._redis_down_until = 0.0
         self._redis_down = False
 
@@ -230,9 +211,7 @@ class RateLimiter:
         now = self.clock.now()
         if self.redis_url is not None and now >= self._redis_down_until:
             try:
-                self._connect()
-                await self._debit_script(keys=[self._key(identity.name, lim)], args=[lim.capacity, lim.per_s / 1000.0,
-                                                                                     lim.cost])
+                await self._take_redis(identity.name, [lim], check=False)
                 return
             except Exception as e:  # noqa: BLE001 - as in _take: decide locally, retry Redis later
                 self._redis_down_until = now + REDIS_RETRY_S
@@ -280,12 +259,11 @@ class RateLimiter:
                                             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                                             retry_on_error=[RedisConnectionError], retry_on_timeout=False)
             self._script = self._redis.register_script(TAKE_LUA)
-            self._debit_script = self._redis.register_script(DEBIT_LUA)
 
-    async def _take_redis(self, name: str, limits: list[Limit]) -> tuple[float, int, list[float]]:
+    async def _take_redis(self, name: str, limits: list[Limit], check: bool = True) -> tuple[float, int, list[float]]:
         self._connect()
         keys = [self._key(name, lim) for lim in limits]
-        args: list[float] = []
+        args: list[float] = [1 if check else 0]
         for lim in limits:
             args += [lim.capacity, lim.per_s / 1000.0, lim.cost]
         wait_ms, short, *levels = await self._script(keys=keys, args=args)
