@@ -4,18 +4,20 @@ Envoy's outlier detection separates what an upstream host does wrong from what a
 wrong; Dyad does the same so that a handful of bad requests cannot open every breaker:
 
 * **worker-caused** — it could not be reached, reset the connection, stalled (did no work at all
-  while a request waited: ``Attempt.worker_progressed``), answered bytes that are not the protocol
-  (non-JSON for a JSON request, non-SSE for a stream), or answered a 5xx that **the same request does
-  not get elsewhere**. These feed the worker's breaker (and take it out of rotation when it looks down).
-* **request-caused** — an engine 4xx (the worker is fine: it answered), the same 5xx status on a second
-  worker (the request is what fails), a first-byte timeout while the worker kept serving others. These
-  go back to the client once and count against nobody.
+  while a request waited: ``Attempt.worker_progressed``), answered bytes that are not HTTP, or answered
+  a 5xx or garbage (a body that is not the answer: not JSON, no choices, not server-sent events for a
+  stream) that **the same request does not get elsewhere**. These feed the worker's breaker (and take
+  it out of rotation when it looks down).
+* **request-caused** — an engine 4xx (the worker is fine: it answered), the same 5xx status or garbage
+  again on a second worker (the request is what fails: an input that trips an engine bug, say), a
+  first-byte timeout while the worker kept serving others. These go back to the client once and
+  count against nobody.
 * **busy** — a 429 (the engine, or a proxy in front of it, sheds load): the request is tried on another
   worker like a 5xx, and the same 429 everywhere goes back to the client; it counts against nobody.
 
-A 5xx is therefore judged only when the next try's result is known: ``FiveXxJudge`` holds it until then.
-A 5xx with no second opinion possible (the last try, or no other worker) counts against the worker:
-without a comparison it is the worker's answer.
+A 5xx or garbage is therefore judged only when the next try's result is known: ``SecondOpinion`` holds
+it until then. One with no second opinion possible (the last try, or no other worker) counts against
+the worker: without a comparison it is the worker's answer.
 """
 
 from __future__ import annotations
@@ -58,20 +60,24 @@ def error_in_answer(obj: Any) -> tuple[int, dict[str, Any]] | None:
     return status, err
 
 
+GARBAGE = "garbage"  # what SecondOpinion holds for an answer that is not one (5xx answers: their status)
+
+
 @dataclass
-class FiveXxJudge:
-    """5xx answers of one request waiting for a second opinion (see the module docstring)."""
+class SecondOpinion:
+    """Failures of one request waiting for a second opinion (see the module docstring): a 5xx status,
+    or ``GARBAGE``."""
 
-    pending: list[tuple[str, int]] = field(default_factory=list)  # (worker id, status)
+    pending: list[tuple[str, int | str]] = field(default_factory=list)  # (worker id, status or GARBAGE)
 
-    def hold(self, worker_id: str, status: int) -> None:
-        self.pending.append((worker_id, status))
+    def hold(self, worker_id: str, failure: int | str) -> None:
+        self.pending.append((worker_id, failure))
 
-    def same_again(self, status: int) -> bool:
-        """``status`` again on another worker: the request is the cause."""
-        return any(s == status for _, s in self.pending)
+    def same_again(self, failure: int | str) -> bool:
+        """``failure`` again on another worker: the request is the cause."""
+        return any(f == failure for _, f in self.pending)
 
-    def settle(self, request_caused: bool) -> list[tuple[str, int]]:
-        """The held answers to count against their workers (none when the request was the cause)."""
+    def settle(self, request_caused: bool) -> list[tuple[str, int | str]]:
+        """The held failures to count against their workers (none when the request was the cause)."""
         held, self.pending = self.pending, []
         return [] if request_caused else held

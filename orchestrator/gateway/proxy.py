@@ -89,7 +89,7 @@ class ProxyResponse:
         # workers that failed this request (never tried again for it); ``pinned_away``: workers it must not use
         # (a /v1/responses continuation lives on the engine that stored its previous response)
         self._tried: set[str] = set(pinned_away)
-        self._judge = classify.FiveXxJudge()
+        self._judge = classify.SecondOpinion()
         self.upstream: httpx.Response | None = None  # the engine response being relayed
         self._relay: StreamRelay | None = None  # the stream relay, from before the stream's headers are sent
         self._watcher: asyncio.Future[None] | None = None
@@ -414,7 +414,7 @@ class ProxyResponse:
 
     def _error_status(self, attempt: Attempt, status: int, raw: bytes, last_try: bool) -> bytes | None:
         """An engine error answer: 4xx back to the client (the worker is fine); a 5xx is held for a
-        second opinion from another worker (``classify.FiveXxJudge``)."""
+        second opinion from another worker (``classify.SecondOpinion``)."""
         err = classify.engine_error(status, raw)
         if status not in classify.RETRY_STATUSES:
             attempt.request_failed(alive=True)
@@ -445,14 +445,14 @@ class ProxyResponse:
             return
         rt = self.rt
         now = rt.clock.now()
-        for wid, status in self._judge.settle(request_caused):
-            rt.metrics.upstream_errors.labels(wid, f"http_{status}").inc()
-            if status in classify.BUSY_STATUSES:
+        for wid, failure in self._judge.settle(request_caused):
+            rt.metrics.upstream_errors.labels(wid, failure if isinstance(failure, str) else f"http_{failure}").inc()
+            if failure in classify.BUSY_STATUSES:
                 continue
             rt.breakers.record_failure(wid, now)
             w = rt.fleet.get(wid)
-            if w is not None and status in classify.UNAVAILABLE_STATUSES:
-                rt.fleet.record_health(w, False, now, f"answered HTTP {status}")
+            if w is not None and failure in classify.UNAVAILABLE_STATUSES:
+                rt.fleet.record_health(w, False, now, f"answered HTTP {failure}")
 
     def _check_json(self, attempt: Attempt, status: int, body: bytes, response: httpx.Response,
                     last_try: bool) -> bytes:
@@ -462,7 +462,7 @@ class ProxyResponse:
             if not isinstance(obj, dict):
                 raise ValueError("not an object")
         except (orjson.JSONDecodeError, ValueError):
-            self._bad_answer(attempt, status, body, "is not JSON", "not a JSON object")
+            self._bad_answer(attempt, status, body, "is not JSON", "not a JSON object", last_try)
         bad = classify.error_in_answer(obj)
         if bad is not None:
             return self._error_status(attempt, bad[0], orjson.dumps({"error": bad[1]}), last_try)
@@ -470,9 +470,9 @@ class ProxyResponse:
         if need is not None:
             answer = obj.get(need)
             if not isinstance(answer, list):
-                self._bad_answer(attempt, status, body, f"has no {need}", f"a JSON object without {need}")
+                self._bad_answer(attempt, status, body, f"has no {need}", f"a JSON object without {need}", last_try)
             if need == "choices" and not answer:  # (an empty output may be a response with nothing to say)
-                self._bad_answer(attempt, status, body, "has no choice in choices", "an empty choices list")
+                self._bad_answer(attempt, status, body, "has no choice in choices", "an empty choices list", last_try)
         self._settle_5xx(request_caused=False)
         usage = obj.get("usage")
         self.usage = usage if isinstance(usage, dict) else None
@@ -481,16 +481,30 @@ class ProxyResponse:
                                       if isinstance(c, dict))
         return body
 
-    def _bad_answer(self, attempt: Attempt, status: int, body: bytes, what: str, detail: str) -> None:
-        """A 200 whose body is not an answer (garbage): the worker's fault; another worker may do better.
+    def _bad_answer(self, attempt: Attempt, status: int, body: bytes, what: str, detail: str, last_try: bool) -> None:
+        """A 200 whose body is not an answer (garbage): another worker may do better.
         (Its connection was released already: a whole answer read to its end leaves nothing behind.)"""
         snippet = body[:80].decode("utf-8", "replace")
-        attempt.worker_failed("garbage", f"answered {detail}: {snippet!r}")
-        self._settle_5xx(request_caused=False)
+        self._garbage(attempt, last_try, f"answered {detail}: {snippet!r}", UpstreamError(
+            502, f"The engine ({attempt.worker_id}) answered HTTP {status} with a body that {what} ({len(body)} bytes, "
+                 f"starting {snippet!r}).", code="bad_engine_answer"))
+
+    def _garbage(self, attempt: Attempt, last_try: bool, message: str, err: UpstreamError) -> None:
+        """An answer that is not one, judged like a 5xx (``classify``): garbage again on a second worker is
+        the request's doing (an input that trips an engine bug), counted against nobody; garbage where
+        another worker answers was the worker's. Tried elsewhere while a worker is left."""
         self.error_class = "bad_engine_answer"
-        raise _Retry(UpstreamError(502, f"The engine ({attempt.worker_id}) answered HTTP {status} with a body that "
-                                        f"{what} ({len(body)} bytes, starting {snippet!r}).",
-                                   code="bad_engine_answer")) from None
+        if self._judge.same_again(classify.GARBAGE):
+            attempt.request_failed()
+            self._settle_5xx(request_caused=True)
+            raise err
+        if last_try or not self._other_worker_left(attempt):
+            attempt.worker_failed(classify.GARBAGE, message)  # no second opinion: the worker's answer
+            self._settle_5xx(request_caused=False)
+            raise err
+        attempt.request_failed()  # provisionally: judged by the next try
+        self._judge.hold(attempt.worker_id, classify.GARBAGE)
+        raise _Retry(err)
 
     def _not_sse(self, attempt: Attempt, raw: bytes, last_try: bool) -> None:
         """A stream request answered with something other than server-sent events."""
@@ -503,11 +517,9 @@ class ProxyResponse:
             self._error_status(attempt, bad[0], orjson.dumps({"error": bad[1]}), last_try)
             return None
         snippet = raw[:80].decode("utf-8", "replace")
-        attempt.worker_failed("garbage", f"answered a stream request without server-sent events: {snippet!r}")
-        self._settle_5xx(request_caused=False)
-        self.error_class = "bad_engine_answer"
-        raise _Retry(UpstreamError(502, f"The engine ({attempt.worker_id}) answered a stream request without "
-                                        f"server-sent events (starting {snippet!r}).", code="bad_engine_answer"))
+        self._garbage(attempt, last_try, f"answered a stream request without server-sent events: {snippet!r}",
+                      UpstreamError(502, f"The engine ({attempt.worker_id}) answered a stream request without "
+                                         f"server-sent events (starting {snippet!r}).", code="bad_engine_answer"))
 
     def _response_headers(self, response: httpx.Response, with_length: bytes | None) -> list[tuple[bytes, bytes]]:
         headers = [(k.lower(), v) for k, v in raw_headers(response) if k.lower() in _PASS_HEADERS]

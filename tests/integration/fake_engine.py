@@ -98,6 +98,11 @@ class FakeEngine:
                 text = json.dumps(body.get("messages") if chat else body.get("prompt"))
                 if mode == "poison":
                     mode = "status" if "POISON" in text else "ok"
+                if mode == "poison_garbage":  # an input that trips an engine bug: HTML instead of the answer
+                    if "POISON" in text:
+                        self._send(200, b"<html>engine tripped over this input</html>", "text/html")
+                        return
+                    mode = "ok"
                 if mode == "hang":
                     engine.release.wait(120)
                     self.close_connection = True

@@ -178,12 +178,31 @@ def test_an_engine_error_event_reaches_the_client_and_the_stream_ends():
 def test_garbage_instead_of_json_is_retried_elsewhere_then_a_clear_502():
     bad, good = engines("garbage", "ok")
     with gateway([bad, good]) as gw:
-        for _ in range(3):
+        for _ in range(8):
             assert complete(gw).status_code == 200
+        assert breakers(gw) == {"w0": "open"}  # the other worker answered the same requests: w0's garbage
     with gateway(engines("garbage")) as gw:
         r = complete(gw)
         assert r.status_code == 502
         assert "not JSON" in r.json()["error"]["message"] and r.json()["error"]["code"] == "bad_engine_answer"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_garbage_for_one_kind_of_request_on_every_worker_is_the_requests_fault(stream):
+    """An input that makes every engine answer garbage (an engine bug it trips) is judged like the same
+    5xx everywhere: a clear 502 to its client, and no worker's breaker counts it — a few such requests
+    must not take the whole fleet out of rotation for everyone else."""
+    fleet = engines("poison_garbage", "poison_garbage")
+    with gateway(fleet) as gw:
+        for _ in range(8):
+            r = complete(gw, prompt="POISON pill", stream=stream)
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["code"] == "bad_engine_answer" and "tripped" in r.json()["error"]["message"]
+        assert breakers(gw) == {}
+        assert sum(len(e.bodies) for e in fleet) == 16  # each tried on both workers, once
+        assert complete(gw, stream=stream).status_code == 200
+        ready = httpx.get(f"{gw.url}/ready")
+        assert ready.status_code == 200 and ready.json()["models"][MODEL]["usable_workers"] == 2
 
 
 def _only_protocol(r: httpx.Response) -> list:

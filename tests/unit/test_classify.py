@@ -1,6 +1,6 @@
 """Who caused a failure (orchestrator/gateway/classify.py): pure decisions, no sockets."""
 
-from orchestrator.gateway.classify import FiveXxJudge, engine_error, error_in_answer
+from orchestrator.gateway.classify import GARBAGE, SecondOpinion, engine_error, error_in_answer
 
 
 def test_a_200_carrying_an_error_is_that_error():
@@ -19,9 +19,17 @@ def test_engine_errors_keep_message_type_param_and_code():
 
 
 def test_a_5xx_is_the_workers_unless_a_second_worker_gives_the_same():
-    j = FiveXxJudge()
+    j = SecondOpinion()
     j.hold("a", 500)
     assert j.same_again(500) and not j.same_again(503)
     assert j.settle(request_caused=True) == [] and j.pending == []  # the request: nobody is blamed
     j.hold("a", 500)
     assert j.settle(request_caused=False) == [("a", 500)]  # another worker answered: a was at fault
+
+
+def test_garbage_is_judged_like_a_5xx_and_apart_from_it():
+    j = SecondOpinion()
+    j.hold("a", GARBAGE)
+    assert j.same_again(GARBAGE) and not j.same_again(500)  # garbage again: the request; a 5xx: another story
+    j.hold("b", 502)
+    assert j.settle(request_caused=False) == [("a", GARBAGE), ("b", 502)]
