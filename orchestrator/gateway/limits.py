@@ -90,18 +90,15 @@ class LocalBuckets:
         self._buckets: dict[tuple[str, str], list[float]] = {}  # (key, dimension) → [level, updated]
         self.max_keys = max_keys
 
-    def _level(self, key: str, lim: Limit, now: float) -> float:
-        b = self._buckets.get((key, lim.dimension))
-        return lim.capacity if b is None else min(lim.capacity, b[0] + max(0.0, now - b[1]) * lim.per_s)
-
     def take(self, key: str, limits: list[Limit], now: float, check: bool = True) -> tuple[float, int, list[float]]:
         """Charge every bucket and return (0, -1, levels after the charge), or charge nothing and return
         (seconds to wait, index of the limit that needs the longest wait, levels now). ``check`` False:
-        charge without checking (``debit``)."""
+        charge without checking (``RateLimiter.debit``: the bucket may go into debt)."""
         levels = []
         wait, short = 0.0, -1
         for i, lim in enumerate(limits):
-            level = self._level(key, lim, now)
+            b = self._buckets.get((key, lim.dimension))
+            level = lim.capacity if b is None else min(lim.capacity, b[0] + max(0.0, now - b[1]) * lim.per_s)
             need = min(lim.cost, lim.capacity)
             if check and level < need and (need - level) / lim.per_s > wait:
                 wait, short = (need - level) / lim.per_s, i
@@ -114,10 +111,6 @@ class LocalBuckets:
         for lim, level in zip(limits, left, strict=True):
             self._buckets[(key, lim.dimension)] = [level, now]
         return 0.0, -1, left
-
-    def debit(self, key: str, lim: Limit, now: float) -> float:
-        """Take ``lim.cost`` from the bucket without checking (it may go into debt); returns the level."""
-        return self.take(key, [lim], now, check=False)[2][0]
 
 
 # KEYS: one bucket hash per limit. ARGV: 1 to check (0: charge unchecked, ``debit``), then capacity,
@@ -205,26 +198,14 @@ class RateLimiter:
     async def debit(self, identity: ClientIdentity, tokens: int) -> None:
         """Charge ``tokens`` more to the key's tokens-per-minute bucket, unchecked (what an answer used
         beyond what its request was charged). Nothing for a key without ``tpm``."""
-        if not identity.tpm or tokens <= 0:
-            return
-        lim = Limit("tokens", float(identity.tpm), float(tokens))
-        now = self.clock.now()
-        if self.redis_url is not None and now >= self._redis_down_until:
-            try:
-                await self._take_redis(identity.name, [lim], check=False)
-                return
-            except Exception as e:  # noqa: BLE001 - as in _take: decide locally, retry Redis later
-                self._redis_down_until = now + REDIS_RETRY_S
-                if not self._redis_down:
-                    log.warning("rate limits: Redis unreachable (%s: %s); using local buckets", type(e).__name__, e)
-                self._redis_down = True
-        self.local.debit(identity.name, lim, now)
+        if identity.tpm and tokens > 0:
+            await self._take(identity.name, [Limit("tokens", float(identity.tpm), float(tokens))], check=False)
 
-    async def _take(self, name: str, limits: list[Limit]) -> tuple[float, int, list[float]]:
+    async def _take(self, name: str, limits: list[Limit], check: bool = True) -> tuple[float, int, list[float]]:
         now = self.clock.now()
         if self.redis_url is not None and now >= self._redis_down_until:
             try:
-                result = await self._take_redis(name, limits)
+                result = await self._take_redis(name, limits, check)
             except Exception as e:  # noqa: BLE001 - any Redis failure: decide locally, retry later
                 self._redis_down_until = now + REDIS_RETRY_S
                 if not self._redis_down:
@@ -238,13 +219,9 @@ class RateLimiter:
                 return result
         if self.redis_url is not None and self.metrics is not None:
             self.metrics.rate_limit_fallbacks.inc()
-        return self.local.take(name, limits, now)
+        return self.local.take(name, limits, now, check)
 
-    def _key(self, name: str, lim: Limit) -> str:
-        # One hash tag per key name: both buckets in the same cluster slot.
-        return f"{self.key_prefix}:rl:{{{name}}}:{lim.dimension}"
-
-    def _connect(self) -> None:
+    async def _take_redis(self, name: str, limits: list[Limit], check: bool) -> tuple[float, int, list[float]]:
         if self._redis is None:
             import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
@@ -259,10 +236,8 @@ class RateLimiter:
                                             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                                             retry_on_error=[RedisConnectionError], retry_on_timeout=False)
             self._script = self._redis.register_script(TAKE_LUA)
-
-    async def _take_redis(self, name: str, limits: list[Limit], check: bool = True) -> tuple[float, int, list[float]]:
-        self._connect()
-        keys = [self._key(name, lim) for lim in limits]
+        # One hash tag per key name: both buckets in the same cluster slot.
+        keys = [f"{self.key_prefix}:rl:{{{name}}}:{lim.dimension}" for lim in limits]
         args: list[float] = [1 if check else 0]
         for lim in limits:
             args += [lim.capacity, lim.per_s / 1000.0, lim.cost]

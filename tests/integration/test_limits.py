@@ -103,10 +103,10 @@ def test_debit_takes_unchecked_and_the_bucket_refills_from_the_debt():
     b = LocalBuckets()
     tpm = Limit("tokens", 600, 100)
     assert b.take("k", [tpm], 0.0)[0] == 0  # 500 left
-    assert b.debit("k", Limit("tokens", 600, 900), 0.0) == pytest.approx(-400)  # no check: into debt
+    assert b.take("k", [Limit("tokens", 600, 900)], 0.0, check=False)[2] == [pytest.approx(-400)]  # into debt
     wait, short, _ = b.take("k", [tpm], 0.0)
     assert short == 0 and wait == pytest.approx(50.0)  # -400 → 100 at 10/s
-    assert b.debit("fresh", Limit("tokens", 600, 50), 0.0) == pytest.approx(550)  # an unseen key starts full
+    assert b.take("fresh", [Limit("tokens", 600, 50)], 0.0, check=False)[2] == [pytest.approx(550)]  # starts full
 
 
 @pytest.mark.redis

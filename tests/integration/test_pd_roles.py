@@ -17,6 +17,7 @@ import pytest
 from tests.fixtures.vllm import MODEL_NAME
 from tests.fixtures.vllm_gateway import engines_or_fail, vllm_gateway
 from tests.fixtures.vllm_pd import PdEngines
+from tests.fixtures.vllm_pd import external_tokens as external
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_config("both"), pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -28,12 +29,6 @@ def gateway_sample(url: str, name: str, labels: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     m = re.search(rf"^{re.escape(name)}{{{re.escape(labels)}}} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
-
-
-def external(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prompt_tokens_by_source_total{") and "external_kv_transfer" in line)
 
 
 @pytest.fixture(scope="module")
