@@ -160,6 +160,8 @@ def main() -> int:
                                         "instead of the simulator's word tokenizer; --prompt-tokens then counts words")
     ap.add_argument("--chat", action="store_true",
                     help="/v1/chat/completions; with --prompt-tokens the words are split over 8 messages")
+    ap.add_argument("--freeze", action="store_true",
+                    help="freeze the start-up heap out of garbage collection, as `dyad serve` does (app.freeze_heap)")
     args = ap.parse_args()
 
     eport = free_port()
@@ -187,7 +189,7 @@ def main() -> int:
             return run_stages(config, body, args)
         if args.path:
             return run_path(config, body, args)
-        with GatewayThread(config) as gw:
+        with GatewayThread(config, freeze=args.freeze) as gw:
             url = f"{gw.url}/v1/{'chat/completions' if args.chat else 'completions'}"
             run_client(url, args.warmup, body, "w" if args.fresh_prompts else "")
             prof = cProfile.Profile(time.thread_time)  # this thread's CPU only (a syscall per reading: inflated)
@@ -242,7 +244,7 @@ def run_stages(config: object, body: dict, args: argparse.Namespace) -> int:
         return time.thread_time()
 
     try:
-        with GatewayThread(config) as gw:  # type: ignore[arg-type]
+        with GatewayThread(config, freeze=args.freeze) as gw:  # type: ignore[arg-type]
             url = f"{gw.url}/v1/{'chat/completions' if args.chat else 'completions'}"
             run_client(url, args.warmup, body, "w" if args.fresh_prompts else "")
             samples.clear()
@@ -310,7 +312,7 @@ def run_path(config: object, body: dict, args: argparse.Namespace) -> int:
 
     marks: list[tuple[str, int]] = []
     install_path_marks(marks)
-    with GatewayThread(config) as gw:  # type: ignore[arg-type]
+    with GatewayThread(config, freeze=args.freeze) as gw:  # type: ignore[arg-type]
         url = f"{gw.url}/v1/{'chat/completions' if args.chat else 'completions'}"
         run_client(url, args.warmup, body, "w" if args.fresh_prompts else "")
         marks.clear()

@@ -9,6 +9,7 @@ refusal is an ``ApiError`` rendered in OpenAI's error shape, and anything unexpe
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 
@@ -167,15 +168,31 @@ def refresh_worker_gauges(rt: GatewayRuntime) -> None:
             m.worker_actual_cached_tokens.labels(w.id).set(w.load.prefix_cache_hits)
 
 
+def freeze_heap() -> None:
+    """Move every object alive now into the collector's permanent generation (``gc.freeze``).
+
+    A gateway process holds a large, long-lived heap from start-up (FastAPI, pydantic, httpx, the
+    config, the runtime): ~76 ms for each full collection, which CPython runs every few thousand
+    requests as the per-request objects that outlive a collection pile up. Frozen, a full collection
+    walks only what was made since (docs/benchmarks.md, issue 13, session 10). For a process that
+    serves one gateway (``dyad serve``); not in tests, where frozen objects of ended gateways would
+    never be collected."""
+    gc.collect()
+    gc.freeze()
+
+
 def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadMetrics | None = None,
-               runtime: GatewayRuntime | None = None) -> FastAPI:
-    """The gateway for ``config``. Pass ``runtime`` to use a pre-built one (tests, the simulator)."""
+               runtime: GatewayRuntime | None = None, freeze: bool = False) -> FastAPI:
+    """The gateway for ``config``. Pass ``runtime`` to use a pre-built one (tests, the simulator);
+    ``freeze``: once started, ``freeze_heap`` (the process serves this gateway only: ``dyad serve``)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         rt = compose.build_runtime(config, clock=clock, metrics=metrics, runtime=runtime)  # the composition root
         app.state.runtime = rt
         await compose.start(rt, lambda: metrics_text(rt))
+        if freeze:
+            freeze_heap()
         try:
             yield
         finally:

@@ -107,9 +107,10 @@ class GatewayThread:
     and benchmarks never collide on the default port."""
 
     def __init__(self, config: DyadConfig, *, clock: Clock | None = None, port: int = 0,
-                 startup_timeout_s: float = 30.0, runtime: GatewayRuntime | None = None) -> None:
+                 startup_timeout_s: float = 30.0, runtime: GatewayRuntime | None = None,
+                 freeze: bool = False) -> None:
         self.config = config
-        self.app = create_app(config, clock=clock, runtime=runtime)
+        self.app = create_app(config, clock=clock, runtime=runtime, freeze=freeze)
         self._sock = bind_socket(config.gateway.host, port)
         self.port = self._sock.getsockname()[1]
         host = config.gateway.host
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"dyad: gateway on {'https' if ssl else 'http'}://{gw.host}:{gw.port} ({len(config.workers)} workers, "
           f"policy {config.router.policy})", file=sys.stderr, flush=True)
-    app = create_app(config)
+    app = create_app(config, freeze=True)  # its start-up heap left out of garbage collection (app.freeze_heap)
     # SIGTERM: stop intake, finish in-flight requests (resilience.shutdown_grace_s), exit 0 (shutdown.py)
     server = DrainingServer(uvicorn_config(app, gw.host, gw.port, args.log_level, ssl=ssl,
                                            resilience=config.resilience, gateway=gw),
