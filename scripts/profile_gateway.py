@@ -88,12 +88,13 @@ STAGES = [  # (module, attribute path) timed by --stages
 ]
 
 
-def install_stage_timers(samples: dict[str, list[float]]) -> None:
-    """Wrap each of ``STAGES`` (that exists in this tree) in a wall-clock timer."""
+def install_stage_timers(samples: dict[str, list[float]], extra: list[str] = ()) -> None:
+    """Wrap each of ``STAGES`` (that exists in this tree) and each ``MODULE:ATTR`` of ``extra`` in a
+    wall-clock timer."""
     import asyncio
     import importlib
 
-    for module, path in STAGES:
+    for module, path in [*STAGES, *(tuple(e.split(":", 1)) for e in extra)]:
         owner: object = importlib.import_module(module)
         *parents, name = path.split(".")
         for p in parents:
@@ -160,6 +161,8 @@ def main() -> int:
                                         "instead of the simulator's word tokenizer; --prompt-tokens then counts words")
     ap.add_argument("--chat", action="store_true",
                     help="/v1/chat/completions; with --prompt-tokens the words are split over 8 messages")
+    ap.add_argument("--stage", action="append", default=[], metavar="MODULE:ATTR",
+                    help="with --stages: also time this function (e.g. orchestrator.gateway.proxy:ProxyResponse._finish)")
     ap.add_argument("--freeze", action="store_true",
                     help="freeze the start-up heap out of garbage collection, as `dyad serve` does (app.freeze_heap)")
     args = ap.parse_args()
@@ -237,7 +240,7 @@ def run_stages(config: object, body: dict, args: argparse.Namespace) -> int:
         else:
             pauses.append((info["generation"], time.perf_counter() - started[0]))
 
-    install_stage_timers(samples)
+    install_stage_timers(samples, args.stage)
     gc.callbacks.append(on_gc)
 
     async def cpu() -> float:

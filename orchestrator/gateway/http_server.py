@@ -163,6 +163,9 @@ class _Cycle:
                 _logger.error("ASGI callable returned without completing response.")
                 self.conn.transport.close()
         finally:
+            # the extension is a method of this cycle held by its own scope: a reference cycle that only the
+            # garbage collector would free (with the scope, its headers and whatever the app left in it)
+            self.scope["extensions"] = {}
             self.conn.cycle_done(self)
 
     async def _send_500(self) -> None:

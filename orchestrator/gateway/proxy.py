@@ -169,6 +169,7 @@ class ProxyResponse:
             if self._watcher is not None:
                 self._watcher.cancel()
             self._finish()
+            self._relay = None  # (it points back here: the collector need not free this request's objects)
 
     def _time_out(self, task: asyncio.Task[Any]) -> None:
         """The request's total time ran out (timer callback): cancel the work; ``__call__`` answers."""
