@@ -22,6 +22,9 @@ What it plans for, and why (issue 14):
   It never scales in.
 - **Warm standby.** ``standby_prefill``/``standby_decode`` workers are kept started but out of
   rotation; growth activates them first (seconds) and cold starts refill the standby pool.
+  With ``standby_shared`` (and both roles on the same hardware at the same price, and role changes
+  possible) the two roles share one pool of ``max`` of their wants instead of their sum: a standby
+  worker wakes into whichever role needs it, through a role change when it was parked in the other.
 - **Proportional insurance** (``insurance="proportional"``, the default). The burst floor and the
   warm standby are insurance against load the serving pool cannot absorb before a worker started now
   would serve (the re-start horizon ``start_s + interval_s``). Once the planner has measured how far
@@ -151,6 +154,10 @@ class PlannerSettings:
     standby_net_of_spare: bool = True  # warm standby is insurance for load beyond what the serving pool holds;
     # serving workers the pool keeps beyond the model's sizing (the burst floor, scale-in hysteresis) are the
     # same insurance in rotation already, so the standby pool wanted is ``standby_*`` minus that spare (>= 0)
+    standby_shared: bool = False  # one warm standby pool for both roles (``standby_pooled``): when prefill and
+    # decode run on the same hardware at the same price and a role change is possible (``role_change_s``), a
+    # standby worker can serve either role, so the pool keeps the larger role's want instead of the sum and wakes
+    # a worker into the role that needs it (a role change, ``role_change_s``, if it was parked in the other)
     cold_backlog: str = "off"  # load mode: "off" = every confirmed shortfall starts cold workers; otherwise
     # start cold prefill workers only for a backlog that outlasts the start-up, judged against the arrivals
     # seen now ("observed": the larger of the forecast and the rate measured from the queue's growth between
@@ -358,10 +365,43 @@ class Planner:
                     for r in ROLES}
         return want
 
+    def same_hardware(self) -> bool:
+        """Prefill and decode workers are interchangeable machines: one performance model and one price per
+        worker-hour (``decode_perf`` defaults to ``perf``; a separate decode profile or price means they
+        differ, and a worker moved to the other role would keep its own hardware)."""
+        lim = self.settings.limits
+        return (self.decode_perf is self.perf or self.decode_perf == self.perf) and lim.prefill_cost == lim.decode_cost
+
+    def standby_pooled(self) -> bool:
+        """``standby_shared`` applies: the roles share one warm standby pool. Only when a standby worker of
+        one role can serve the other — same hardware and price (``same_hardware``) and a role change the
+        actuator can carry out, faster than a cold start (``role_change_s`` < ``start_s``, as for any role
+        change the planner emits) — and the fleet is not fixed."""
+        s = self.settings
+        return (s.standby_shared and s.role_change_s is not None and s.role_change_s < s.start_s and not s.fixed_fleet
+                and self.same_hardware())
+
+    def _pool_want(self, want: dict[Role, int]) -> int:
+        """Standby workers the shared pool keeps: the larger role's want. Insurance covers one role's
+        shortfall at a time; when both fall short in one interval, the second is met as without standby
+        (cold starts), as a per-role pool's shortfall beyond its own size is."""
+        return max(want.values(), default=0)
+
+    @staticmethod
+    def _fill_role(want: dict[Role, int], pool: dict[Role, list[WorkerView]]) -> Role:
+        """The role a new or parked shared-standby worker is held in: the one whose own want its pool
+        covers least (so its wake is an activation, not a role change); prefill on a tie (arrivals queue
+        for prefill at once)."""
+        return max(ROLES, key=lambda r: (want[r] - len(pool[r]), r is Role.PREFILL))
+
     def standby_wanted(self) -> dict[str, int]:
         """The warm standby pool per role this planner keeps now (``standby_*`` net of the serving pool's
         spare and, with proportional insurance, of what the measured rise does not need)."""
-        return {r.value: n for r, n in self._standby_want().items()}
+        want = self._standby_want()
+        out = {r.value: n for r, n in want.items()}
+        if self.standby_pooled():
+            out["shared"] = self._pool_want(want)  # one pool for both roles: the larger role's want
+        return out
 
     def insurance_status(self) -> dict[str, Any]:
         """What proportional insurance measured: the rise per role and the capacity it insures (None
@@ -759,6 +799,11 @@ class Planner:
             while target[r] > used[r] and pool[r]:
                 actions.append(Action("activate", r, pool[r].pop(0).id))
                 used[r] += 1
+            if self.standby_pooled() and target[r] > used[r]:  # the other role's standby, by a role change
+                need = {**used, r: target[r] - used[r]}
+                woken = self._wake_other(r, need, pool)
+                actions += woken
+                used[r] += len(woken) // 2
             # cold starts only for pressure that lasts, and within the budget (standby included)
             if self._over[r] < s.fast_confirm_cold:
                 continue
@@ -922,6 +967,12 @@ class Planner:
         shrink = {r: max(0, counts[r] - target[r]) for r in ROLES}
         pool = {r: [w for w in standby[r] if self._pending.get(w.id) is None] for r in ROLES}
         want_pool = self._standby_want()
+        pooled = self.standby_pooled()
+        shared_want = self._pool_want(want_pool)
+
+        def short(r: Role) -> bool:  # the standby pool that role ``r`` parks into wants another worker
+            return sum(len(pool[x]) for x in ROLES) < shared_want if pooled else len(pool[r]) < want_pool[r]
+
         actions: list[Action] = []
         prefer_switch = s.role_change_s is not None and s.role_change_s < s.start_s
         for r in ROLES:
@@ -942,7 +993,7 @@ class Planner:
                 if prefer_switch and grow[other] > 0 and not pool[other]:
                     grow[other] -= 1
                     then = other.value
-                elif len(pool[r]) < want_pool[r] and w.state == "healthy":
+                elif short(r) and w.state == "healthy":
                     then = "standby"
                     pool[r].append(w)
                 elif w.stoppable:
@@ -967,8 +1018,12 @@ class Planner:
                 w = pool[r].pop(0)
                 actions.append(Action("activate", r, w.id))
                 grow[r] -= 1
+            if pooled:  # then the other role's standby, through a role change
+                actions += self._wake_other(r, grow, pool)
             actions += [Action("start", r) for _ in range(grow[r])]
         # refill the standby pools, within the budget (serving workers first)
+        if pooled:
+            return actions + self._refill_shared(target, want_pool, shared_want, pool)
         if not s.fixed_fleet and any(want_pool.values()):
             used_p = target[Role.PREFILL] + len(pool[Role.PREFILL])
             used_d = target[Role.DECODE] + len(pool[Role.DECODE])
@@ -989,6 +1044,53 @@ class Planner:
                     w = extra.pop()
                     pool[r].remove(w)
                     actions.append(Action("stop", r, w.id))
+        return actions
+
+    def _wake_other(self, r: Role, need: dict[Role, int], pool: dict[Role, list[WorkerView]]) -> list[Action]:
+        """Shared standby: wake workers parked in the other role into ``r`` (a role change, then into
+        rotation; serving after ``role_change_s``), ready ones first, for up to ``need[r]`` workers."""
+        other = Role.DECODE if r is Role.PREFILL else Role.PREFILL
+        out: list[Action] = []
+        while need[r] > 0 and pool[other]:
+            w = pool[other].pop(0)
+            if w.state == "standby":
+                out += [Action("set_role", r, w.id), Action("activate", r, w.id)]
+            else:  # still starting into the pool: it serves the other role once ready; keep it
+                pool[other].insert(0, w)
+                break
+            need[r] -= 1
+        return out
+
+    def _refill_shared(self, target: dict[Role, int], want: dict[Role, int], shared_want: int,
+                       pool: dict[Role, list[WorkerView]]) -> list[Action]:
+        """Shared standby: keep ``shared_want`` workers in one pool for both roles (``_pool_want``), within
+        the budget; new ones start in the role that ``_fill_role`` names; idle extras are stopped."""
+        s = self.settings
+        actions: list[Action] = []
+        total = sum(len(pool[r]) for r in ROLES)
+        used = {r: target[r] + len(pool[r]) for r in ROLES}
+        while total < shared_want:
+            r = self._fill_role(want, pool)
+            if self._below[r] > 0:  # the role is above its need: a worker will be parked, not started
+                break
+            grown = {**used, r: used[r] + 1}
+            if not s.limits.fits(grown[Role.PREFILL], grown[Role.DECODE]):
+                break
+            used = grown
+            pool[r].append(WorkerView("(new)", r, "starting", standby=True))
+            actions.append(Action("start", r, then="standby"))
+            total += 1
+        extra = {r: [w for w in pool[r] if w.state == "standby" and w.id != "(new)"] for r in ROLES}
+        while total > shared_want:
+            # stop from the role whose pool is furthest beyond its own want
+            cands = [r for r in ROLES if extra[r] and extra[r][-1].stoppable]
+            if not cands:
+                break
+            r = max(cands, key=lambda x: (len(pool[x]) - want[x], x is Role.DECODE))
+            w = extra[r].pop()
+            pool[r].remove(w)
+            actions.append(Action("stop", r, w.id))
+            total -= 1
         return actions
 
 

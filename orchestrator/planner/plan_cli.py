@@ -93,6 +93,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--standby-net-of-spare", action=argparse.BooleanOptionalAction, default=None,
                         help="count serving workers kept beyond the model's sizing (burst floor, scale-in "
                              "hysteresis) against the warm standby pool (default: PlannerSettings')")
+    parser.add_argument("--standby-shared", action=argparse.BooleanOptionalAction, default=None,
+                        help="one warm standby pool for both roles (the larger role's want, not the sum), woken "
+                             "into the role that needs it by a role change (--role-change-s); only when both roles "
+                             "run on the same profile at the same price (default: PlannerSettings')")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--insurance", choices=["fixed", "proportional"], default="proportional",
@@ -192,6 +196,8 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         insurance=g(args, "insurance", "proportional"))
     if g(args, "standby_net_of_spare", None) is not None:
         settings.standby_net_of_spare = args.standby_net_of_spare
+    if g(args, "standby_shared", None) is not None:
+        settings.standby_shared = args.standby_shared
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
     return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
 

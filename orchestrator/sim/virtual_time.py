@@ -223,7 +223,7 @@ class SimWorker:
         """What its worker-seconds pay for (``SimResult.state_seconds``)."""
         if self.state == "standby" or (self.state == "starting" and self.to_standby):
             return "standby"
-        if self.state == "starting":
+        if self.state == "starting" or (self.state == "switching" and self.waking):
             return "waking" if self.waking else "starting"
         return "serving"  # healthy, draining (finishing its work) or switching role
 
@@ -630,7 +630,13 @@ class VirtualFleet:
                         self.router.finish(routed.decision, routed.rr, ok=False)
                     self._dispatch(r, now)
             elif a.kind == "set_role" and sw is not None:
+                woken = sw.state == "standby"  # a shared warm standby woken into the other role
+                if woken:
+                    self._accrue(now)
+                    sw.waking = True  # paid, not serving yet ("waking" in the breakdown)
                 sw.state, sw.switch_to = "switching", a.role
+                if woken:
+                    self._rebucket()
                 self.registry.drain(sw.worker.id)
                 self._push(now + self.role_change_s, "switched", a.worker_id)
 
@@ -727,6 +733,9 @@ class VirtualFleet:
                     self._rebucket()
                     sw.switch_to, sw.state = None, "healthy"
                     self.registry.undrain(sw.worker.id)
+                    if sw.waking:  # from warm standby (never probed into rotation if it was started into it)
+                        sw.waking = False
+                        sw.worker.health_ok, sw.worker.state = True, WorkerState.HEALTHY
                     self._drain_pending(t)
             elif kind == "react":
                 if t % self.interval_s > 1e-9:  # the interval tick samples on its own
