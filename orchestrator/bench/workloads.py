@@ -11,6 +11,9 @@ shapes
     ``spiky``    a low day (a quarter-height daily swell) with eight short spikes to the peak at seeded
                  random times, each about 1.5% of the day wide (batch jobs, retries, a viral link)
     ``decline``  peak at the start, a slow convex decline to the trough at the end (an evening)
+    ``steps``    a staircase: trough, then three abrupt steps up to the peak and three down again, seven
+                 levels at 0, 1/3, 2/3, 1, 2/3, 1/3, 0 of the swing, the step times seeded (each level
+                 lasts 1/7 of the day ± 1/28): load that jumps within seconds, not along a curve
 
 keys (defaults in ``DailySpec``)
     duration  seconds the compressed day lasts         peak, trough   request rate, req/s
@@ -32,7 +35,8 @@ from dataclasses import dataclass, fields
 from orchestrator.bench.traces import TraceRequest
 
 PREFIX = "synthetic:"
-SHAPES = ("daily", "twopeak", "ramp", "spiky", "decline")
+SHAPES = ("daily", "twopeak", "ramp", "spiky", "decline", "steps")
+STEP_LEVELS = (0.0, 1 / 3, 2 / 3, 1.0, 2 / 3, 1 / 3, 0.0)
 
 
 @dataclass
@@ -64,11 +68,19 @@ class DailySpec:
             return min(1.0, 0.25 * 0.5 * (1.0 - math.cos(2.0 * math.pi * x)) + spikes)
         if self.shape == "decline":
             return (1.0 - x) ** 1.5
+        if self.shape == "steps":
+            edges = self._step_edges()
+            return STEP_LEVELS[sum(x >= e for e in edges)]
         raise ValueError(f"synthetic shape {self.shape!r}: choose from {', '.join(SHAPES)}")
 
     def _spike_centres(self) -> list[float]:
         rng = random.Random(self.seed * 7919 + 1)  # its own stream: the arrivals' draws stay as they were
         return [rng.uniform(0.05, 0.95) for _ in range(8)]
+
+    def _step_edges(self) -> list[float]:
+        """The six step times of ``steps``, as fractions of the day: k/7 each moved by up to ±1/28."""
+        rng = random.Random(self.seed * 7919 + 2)  # its own stream, as ``_spike_centres``
+        return [k / 7 + rng.uniform(-1 / 28, 1 / 28) for k in range(1, len(STEP_LEVELS))]
 
     def rate_at(self, t: float) -> float:
         return self.trough + (self.peak - self.trough) * self.shape_at(t / self.duration)

@@ -120,3 +120,24 @@ def test_spiky_and_decline_shapes_are_seeded_and_follow_their_curves():
     d = [decline.rate_at(t) for t in range(0, 1800, 60)]
     assert d[0] == 10 and all(a >= b for a, b in zip(d, d[1:], strict=False)) and d[-1] < 1.2
     assert [r.arrival_s for r in generate(decline)][:50] == [r.arrival_s for r in generate(decline)][:50]
+
+
+def test_steps_shape_is_a_seeded_staircase_up_and_down():
+    from orchestrator.bench.workloads import generate, parse_spec
+
+    spec = parse_spec("synthetic:steps,peak=12,trough=1.5,duration=1800,seed=303")
+    rates = [spec.rate_at(t) for t in range(0, 1800)]
+    levels = sorted({round(r, 6) for r in rates})
+    assert levels == [1.5, 5.0, 8.5, 12.0]  # trough, two intermediate levels, peak
+    jumps = [(a, b) for a, b in zip(rates, rates[1:], strict=False) if a != b]
+    assert len(jumps) == 6 and all(b > a for a, b in jumps[:3]) and all(b < a for a, b in jumps[3:])
+    assert rates[0] == rates[-1] == 1.5
+    edges = [t for t in range(1, 1800) if rates[t] != rates[t - 1]]
+    assert all(abs(e / 1800 - (k + 1) / 7) <= 1 / 28 + 1e-3 for k, e in enumerate(edges))
+    other = parse_spec("synthetic:steps,peak=12,trough=1.5,duration=1800,seed=304")
+    assert [other.rate_at(t) for t in range(0, 1800)] != rates  # the seed moves the steps
+    reqs = generate(spec)
+    assert [r.arrival_s for r in reqs][:50] == [r.arrival_s for r in generate(spec)][:50]
+    peak_n = sum(1 for r in reqs if spec.rate_at(r.arrival_s) == 12.0)
+    trough_n = sum(1 for r in reqs if spec.rate_at(r.arrival_s) == 1.5)
+    assert peak_n > 2 * trough_n  # arrivals follow the staircase (8x the rate over half the time)
