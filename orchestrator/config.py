@@ -449,9 +449,10 @@ class PlannerConfig(_Section):
         True, description="Count serving workers kept beyond the model's sizing (burst floor, scale-in "
                           "hysteresis) against the standby pool: they are warm capacity already")
     standby_shared: bool = Field(
-        False, description="One warm standby pool for both roles (the larger role's want, not the sum), woken into "
-                           "the role that needs it by a role change; applies only with role_change_s set and both "
-                           "roles on the same profile and price")
+        False, description="One warm standby pool for both roles, sized for their joint shortfall measured over the "
+                           "load's history (not the sum of per-role pools), woken into the role that needs it by a "
+                           "role change; applies only with role_change_s set and both roles on the same profile "
+                           "and price")
     rise_quantile: float = Field(
         0.0, ge=0, lt=1, description="Size prefill for the lead forecast times this quantile of how far arrivals "
                                      "recently outran it (0 = off; opt-in)")

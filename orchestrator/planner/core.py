@@ -23,8 +23,9 @@ What it plans for, and why (issue 14):
 - **Warm standby.** ``standby_prefill``/``standby_decode`` workers are kept started but out of
   rotation; growth activates them first (seconds) and cold starts refill the standby pool.
   With ``standby_shared`` (and both roles on the same hardware at the same price, and role changes
-  possible) the two roles share one pool of ``max`` of their wants instead of their sum: a standby
-  worker wakes into whichever role needs it, through a role change when it was parked in the other.
+  possible) the two roles share one pool sized for their measured *joint* shortfall instead of the sum
+  of their pools (``_pool_want``): a standby worker wakes into whichever role needs it, through a role
+  change when it was parked in the other.
 - **Proportional insurance** (``insurance="proportional"``, the default). The burst floor and the
   warm standby are insurance against load the serving pool cannot absorb before a worker started now
   would serve (the re-start horizon ``start_s + interval_s``). Once the planner has measured how far
@@ -156,8 +157,9 @@ class PlannerSettings:
     # same insurance in rotation already, so the standby pool wanted is ``standby_*`` minus that spare (>= 0)
     standby_shared: bool = False  # one warm standby pool for both roles (``standby_pooled``): when prefill and
     # decode run on the same hardware at the same price and a role change is possible (``role_change_s``), a
-    # standby worker can serve either role, so the pool keeps the larger role's want instead of the sum and wakes
-    # a worker into the role that needs it (a role change, ``role_change_s``, if it was parked in the other)
+    # standby worker can serve either role, so the pool keeps the upper quantile of the roles' joint shortfall over
+    # the measured history (``_pool_want``: between the larger role's want and the sum) and wakes a worker into the
+    # role that needs it (a role change, ``role_change_s``, if it was parked in the other)
     cold_backlog: str = "off"  # load mode: "off" = every confirmed shortfall starts cold workers; otherwise
     # start cold prefill workers only for a backlog that outlasts the start-up, judged against the arrivals
     # seen now ("observed": the larger of the forecast and the rate measured from the queue's growth between
@@ -382,10 +384,32 @@ class Planner:
                 and self.same_hardware())
 
     def _pool_want(self, want: dict[Role, int]) -> int:
-        """Standby workers the shared pool keeps: the larger role's want. Insurance covers one role's
-        shortfall at a time; when both fall short in one interval, the second is met as without standby
-        (cold starts), as a per-role pool's shortfall beyond its own size is."""
-        return max(want.values(), default=0)
+        """Standby workers the shared pool keeps: what the two roles' shortfalls *together* asked for, measured.
+
+        Per-role pools insure each role for the upper ``jump_quantile`` of its own rise; their sum is the
+        pool's size only if both roles' worst rises come together. Where the load's own history shows when
+        each role's need rose (``horizon_ratios`` of the 5-s peak arrival rate and the peak decode streams,
+        aligned on the same re-start horizons), the pool keeps the upper ``jump_quantile`` of the *joint*
+        shortfall instead: for every past horizon, the workers each role would have needed beyond its
+        current target had the horizon's largest need risen as it did then, summed over the roles. A
+        quantile of a sum is at most the sum of the quantiles, equal when the roles rise together (a load
+        step moves both: no saving, no loss); it is less only for the diversification the history shows.
+        Bounded by the larger role's want and the sum of the wants. Until the rise is measured (proportional
+        insurance not yet known) nothing says the roles come apart: the sum."""
+        lo, hi = max(want.values(), default=0), sum(want.values())
+        if self._insured is None or lo == hi or not self._recent:
+            return hi
+        s = self.settings
+        hist = list(self._absorbed)
+        m = self.horizon_steps()
+        ratios = {r: horizon_ratios([h[i] for h in hist], m)[-s.rise_memory:] for i, r in enumerate(ROLES)}
+        peak = {r: max(e[r] for _, e in self._recent) for r in ROLES}
+        n = min(len(v) for v in ratios.values())
+        short = [sum(max(0, math.ceil(peak[r] * ratios[r][k] - 1e-9) - self._target.get(r, 0)) for r in ROLES)
+                 for k in range(n)]
+        if not short:
+            return hi
+        return min(hi, max(lo, math.ceil(_quantile(short, s.jump_quantile) - 1e-9)))
 
     @staticmethod
     def _fill_role(want: dict[Role, int], pool: dict[Role, list[WorkerView]]) -> Role:
@@ -400,7 +424,7 @@ class Planner:
         want = self._standby_want()
         out = {r.value: n for r, n in want.items()}
         if self.standby_pooled():
-            out["shared"] = self._pool_want(want)  # one pool for both roles: the larger role's want
+            out["shared"] = self._pool_want(want)  # one pool for both roles: their joint shortfall, measured
         return out
 
     def insurance_status(self) -> dict[str, Any]:
@@ -1092,6 +1116,18 @@ class Planner:
             actions.append(Action("stop", r, w.id))
             total -= 1
         return actions
+
+
+def horizon_ratios(series: Sequence[float], steps: int) -> list[float]:
+    """``horizon_rise``'s ratios, one per interval ``k`` whose next ``steps`` intervals are known, in order
+    (1 where the horizon before ``k`` held nothing): the same ``k`` for two roles' series line up, so a
+    shortfall of both roles in the same horizon can be told from shortfalls that come apart."""
+    m = max(1, steps)
+    out = []
+    for k in range(m - 1, len(series) - m):
+        held = max(series[k - m + 1:k + 1])
+        out.append(max(1.0, max(series[k + 1:k + 1 + m]) / held) if held > 0 else 1.0)
+    return out
 
 
 def horizon_rise(series: Sequence[float], steps: int, memory: int, q: float) -> float:

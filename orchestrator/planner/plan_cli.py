@@ -94,9 +94,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="count serving workers kept beyond the model's sizing (burst floor, scale-in "
                              "hysteresis) against the warm standby pool (default: PlannerSettings')")
     parser.add_argument("--standby-shared", action=argparse.BooleanOptionalAction, default=None,
-                        help="one warm standby pool for both roles (the larger role's want, not the sum), woken "
-                             "into the role that needs it by a role change (--role-change-s); only when both roles "
-                             "run on the same profile at the same price (default: PlannerSettings')")
+                        help="one warm standby pool for both roles, sized for their joint shortfall measured over the "
+                             "load's history (not the sum of per-role pools), woken into the role that needs it by a "
+                             "role change (--role-change-s); only when both roles run on the same profile at the "
+                             "same price (default: PlannerSettings')")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--insurance", choices=["fixed", "proportional"], default="proportional",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from adapters.base import Role
-from orchestrator.planner.core import Action, PlanDecision, Planner, PlannerSettings, WorkerView
+from orchestrator.planner.core import ROLES, Action, PlanDecision, Planner, PlannerSettings, WorkerView
 from orchestrator.planner.metrics_source import Observation
 from orchestrator.planner.perf_model import PerfModel
 from orchestrator.planner.solver import Limits, Targets
@@ -43,21 +43,44 @@ def _standby_starts(d: PlanDecision) -> list[Role]:
     return [a.role for a in d.actions if a.kind == "start" and a.then == "standby"]
 
 
-def test_one_shared_pool_keeps_the_larger_roles_want_not_the_sum():
+def test_before_the_rise_is_measured_the_shared_pool_is_the_sum():
     per_role = Planner(perf(), _settings(standby_shared=False)).step(_obs(60, 0.1), _fleet(1, 1), 60)
-    assert sorted(r.value for r in _standby_starts(per_role)) == ["decode", "prefill"]
     pl = Planner(perf(), _settings())
     assert pl.standby_pooled()
     shared = pl.step(_obs(60, 0.1), _fleet(1, 1), 60)
-    assert _standby_starts(shared) == [Role.PREFILL]  # one worker insures both roles (prefill on a tie)
-    assert pl.standby_wanted() == {"prefill": 1, "decode": 1, "shared": 1}
-    # a pool already holding one worker (in either role) is what is wanted: nothing starts or stops
-    for fleet in (_fleet(1, 1, sb_p=1), _fleet(1, 1, sb_d=1)):
-        d = Planner(perf(), _settings()).step(_obs(60, 0.1), fleet, 60)
-        assert not [a for a in d.actions if a.kind in ("start", "stop")]
-    # a pool beyond the larger want: the extra idle worker is stopped
-    d = Planner(perf(), _settings()).step(_obs(60, 0.1), _fleet(1, 1, sb_p=1, sb_d=1), 60)
-    assert [(a.kind, a.worker_id) for a in d.actions] == [("stop", "sd0")]
+    # no history says the roles' shortfalls come apart: as many workers as per-role pools
+    assert sorted(r.value for r in _standby_starts(shared)) == sorted(r.value for r in _standby_starts(per_role))
+    assert pl.standby_wanted() == {"prefill": 1, "decode": 1, "shared": 2}
+    # a pool beyond what is wanted: the extra idle worker is stopped
+    d = Planner(perf(), _settings()).step(_obs(60, 0.1), _fleet(1, 1, sb_p=2, sb_d=1), 60)
+    assert [(a.kind, a.worker_id) for a in d.actions] == [("stop", "sp1")]
+
+
+def _measured(history: list[tuple[float, float]], target: dict[Role, int], need: dict[Role, float]) -> Planner:
+    """A planner whose proportional insurance is known, over a hand-made history of (5-s peak rate,
+    peak decode streams) per interval (horizon = start_s + interval = 2 intervals)."""
+    pl = Planner(perf(), _settings())
+    pl._absorbed.extend(history)
+    pl._recent.append((0.0, dict(need)))
+    pl._insured = {r: need[r] * 2 for r in ROLES}  # (only "known" matters to the pool's size)
+    pl._target = dict(target)
+    return pl
+
+
+def test_roles_that_rose_apart_share_fewer_workers_than_roles_that_rose_together():
+    from orchestrator.planner.core import horizon_ratios
+
+    assert horizon_ratios([1, 1, 2, 2, 1, 1], 2) == [2.0, 1.0, 1.0]
+    # prefill's arrivals doubled in some horizons, decode's streams in others, never in the same one
+    apart = [(10, 40), (10, 40), (20, 40), (10, 40), (10, 40), (10, 80), (10, 40), (10, 40)] * 3
+    together = [(10, 40), (10, 40), (20, 80), (10, 40), (10, 40), (20, 80), (10, 40), (10, 40)] * 3
+    target, need = {Role.PREFILL: 2, Role.DECODE: 2}, {Role.PREFILL: 2.0, Role.DECODE: 2.0}
+    want = {Role.PREFILL: 2, Role.DECODE: 2}  # each role alone: its need doubles, 2 beyond its target
+    assert _measured(apart, target, need)._pool_want(want) == 2  # one role at a time: the larger want
+    assert _measured(together, target, need)._pool_want(want) == 4  # both at once: the sum, no saving
+    # bounded by the larger want and the sum, whatever the history
+    assert _measured(apart, target, need)._pool_want({Role.PREFILL: 3, Role.DECODE: 0}) == 3
+    assert _measured(together, target, need)._pool_want({Role.PREFILL: 1, Role.DECODE: 1}) == 2
 
 
 def test_a_standby_parked_in_prefill_wakes_into_decode_by_a_role_change():
@@ -68,8 +91,8 @@ def test_a_standby_parked_in_prefill_wakes_into_decode_by_a_role_change():
     kinds = [(a.kind, a.role, a.worker_id) for a in d.actions]
     # the role change first (serving after role_change_s), then into rotation; no cold decode start
     assert kinds[:2] == [("set_role", Role.DECODE, "sp0"), ("activate", Role.DECODE, "sp0")]
-    assert not [a for a in d.actions if a.kind == "start" and a.role is Role.DECODE]
-    assert _standby_starts(d) == [Role.PREFILL]  # and the pool is refilled
+    assert not [a for a in d.actions if a.kind == "start" and a.role is Role.DECODE and a.then is None]
+    assert _standby_starts(d)  # and the pool is refilled
     # per-role pools: the prefill standby stays; decode starts cold
     d = Planner(perf(), _settings(standby_shared=False)).step(_obs(60, 3.0, osl=500), _fleet(1, 1, sb_p=1), 60)
     assert ("start", Role.DECODE, None) in [(a.kind, a.role, a.then) for a in d.actions]
