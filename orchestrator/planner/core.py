@@ -818,19 +818,12 @@ class Planner:
         pool = {r: [w for w in standby[r] if self._pending.get(w.id) is None] for r in ROLES}
         actions: list[Action] = []
         used = dict(counts)
-        for r in ROLES:
-            # warm standby first: a false alarm costs nothing (the interval parks it again)
-            while target[r] > used[r] and pool[r]:
-                actions.append(Action("activate", r, pool[r].pop(0).id))
-                used[r] += 1
-            if self.standby_pooled() and target[r] > used[r]:  # the other role's standby, by a role change
-                need = {**used, r: target[r] - used[r]}
-                woken = self._wake_other(r, need, pool)
-                actions += woken
-                used[r] += len(woken) // 2
+        pooled = self.standby_pooled()
+
+        def cold(r: Role) -> None:
             # cold starts only for pressure that lasts, and within the budget (standby included)
             if self._over[r] < s.fast_confirm_cold:
-                continue
+                return
             while min(target[r], cold_need[r]) > used[r]:
                 grown = {**used, r: used[r] + 1}
                 pool_n = sum(len(pool[x]) for x in ROLES)
@@ -839,6 +832,20 @@ class Planner:
                     break
                 actions.append(Action("start", r))
                 used[r] += 1
+
+        for r in ROLES:
+            # warm standby first: a false alarm costs nothing (the interval parks it again)
+            while target[r] > used[r] and pool[r]:
+                actions.append(Action("activate", r, pool[r].pop(0).id))
+                used[r] += 1
+            if not pooled:
+                cold(r)
+        for r in ROLES if pooled else ():
+            if target[r] > used[r]:  # the other role's standby beyond its own growth, by a role change
+                woken = self._wake_other(r, {**used, r: target[r] - used[r]}, pool)
+                actions += woken
+                used[r] += len(woken) // 2
+            cold(r)
         if not actions:
             return None
         for r in ROLES:
@@ -1042,8 +1049,12 @@ class Planner:
                 w = pool[r].pop(0)
                 actions.append(Action("activate", r, w.id))
                 grow[r] -= 1
-            if pooled:  # then the other role's standby, through a role change
-                actions += self._wake_other(r, grow, pool)
+            if not pooled:
+                actions += [Action("start", r) for _ in range(grow[r])]
+        for r in ROLES if pooled else ():
+            # shared standby: what the other role's pool holds beyond that role's own growth, through a role
+            # change (after both roles took their own: a worker parked in a role is that role's insurance first)
+            actions += self._wake_other(r, grow, pool)
             actions += [Action("start", r) for _ in range(grow[r])]
         # refill the standby pools, within the budget (serving workers first)
         if pooled:

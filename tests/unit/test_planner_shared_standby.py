@@ -105,6 +105,15 @@ def test_own_role_standby_is_woken_before_the_other_roles():
     assert not [a for a in d.actions if a.kind == "set_role"]
 
 
+def test_when_both_roles_grow_a_standby_serves_its_own_role_first():
+    # 10 req/s of long outputs: prefill 1 -> 2 and decode 1 -> 5 in one interval; the pool holds one decode worker
+    d = Planner(perf(), _settings()).step(_obs(60, 10.0, osl=500), _fleet(1, 1, sb_d=1), 60)
+    assert d.desired["prefill"] == 2 and d.desired["decode"] > 2
+    assert ("activate", Role.DECODE, "sd0") in [(a.kind, a.role, a.worker_id) for a in d.actions]
+    assert not [a for a in d.actions if a.kind == "set_role"]  # prefill does not take decode's insurance
+    assert any(a.kind == "start" and a.role is Role.PREFILL and a.then is None for a in d.actions)
+
+
 def test_the_load_mode_wakes_the_other_roles_standby():
     pl = Planner(perf(), _settings(fast_interval_s=2.0))
     pl.step(_obs(60, 0.1), _fleet(1, 1, sb_d=1), 60)
