@@ -449,7 +449,7 @@ class PlannerConfig(_Section):
         True, description="Count serving workers kept beyond the model's sizing (burst floor, scale-in "
                           "hysteresis) against the standby pool: they are warm capacity already")
     standby_shared: bool = Field(
-        False, description="One warm standby pool for both roles, sized for their joint shortfall measured over the "
+        True, description="One warm standby pool for both roles, sized for their joint shortfall measured over the "
                            "load's history (not the sum of per-role pools), woken into the role that needs it by a "
                            "role change; applies only with role_change_s set and both roles on the same profile "
                            "and price")

@@ -22,10 +22,11 @@ What it plans for, and why (issue 14):
   It never scales in.
 - **Warm standby.** ``standby_prefill``/``standby_decode`` workers are kept started but out of
   rotation; growth activates them first (seconds) and cold starts refill the standby pool.
-  With ``standby_shared`` (and both roles on the same hardware at the same price, and role changes
-  possible) the two roles share one pool sized for their measured *joint* shortfall instead of the sum
-  of their pools (``_pool_want``): a standby worker wakes into whichever role needs it, through a role
-  change when it was parked in the other.
+  With ``standby_shared`` (the default; it applies when both roles run on the same hardware at the
+  same price and a role change is faster than a start) the two roles share one pool sized for their
+  measured *joint* shortfall instead of the sum of their pools (``_pool_want``): a standby worker
+  wakes into whichever role needs it, through a role change when it was parked in the other
+  (docs/benchmarks.md, Issue 14, helper plan10).
 - **Proportional insurance** (``insurance="proportional"``, the default). The burst floor and the
   warm standby are insurance against load the serving pool cannot absorb before a worker started now
   would serve (the re-start horizon ``start_s + interval_s``). Once the planner has measured how far
@@ -155,11 +156,12 @@ class PlannerSettings:
     standby_net_of_spare: bool = True  # warm standby is insurance for load beyond what the serving pool holds;
     # serving workers the pool keeps beyond the model's sizing (the burst floor, scale-in hysteresis) are the
     # same insurance in rotation already, so the standby pool wanted is ``standby_*`` minus that spare (>= 0)
-    standby_shared: bool = False  # one warm standby pool for both roles (``standby_pooled``): when prefill and
+    standby_shared: bool = True  # one warm standby pool for both roles (``standby_pooled``): when prefill and
     # decode run on the same hardware at the same price and a role change is possible (``role_change_s``), a
     # standby worker can serve either role, so the pool keeps the upper quantile of the roles' joint shortfall over
     # the measured history (``_pool_want``: between the larger role's want and the sum) and wakes a worker into the
-    # role that needs it (a role change, ``role_change_s``, if it was parked in the other)
+    # role that needs it (a role change, ``role_change_s``, if it was parked in the other). Inert where it does not
+    # apply (``standby_pooled``): the per-role pools (docs/benchmarks.md, Issue 14, helper plan10)
     cold_backlog: str = "off"  # load mode: "off" = every confirmed shortfall starts cold workers; otherwise
     # start cold prefill workers only for a backlog that outlasts the start-up, judged against the arrivals
     # seen now ("observed": the larger of the forecast and the rate measured from the queue's growth between

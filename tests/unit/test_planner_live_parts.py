@@ -311,3 +311,32 @@ async def test_an_engine_whose_process_exited_is_reaped():
     done = await act.apply(decision())
     assert done == ["reaped local-decode-1: its process exited with 1"]
     assert fleet.get("local-decode-1") is None and local.processes == {}
+
+
+async def test_a_shared_standby_is_woken_into_the_other_role_live():
+    """``standby_shared``'s cross-role wake through the live actuators: the role change (the gateway's
+    RoleManager, no restart) then ``activate``: the parked decode engine serves prefill, nothing else moves."""
+    from orchestrator.disagg.roles import RoleManager
+    from orchestrator.planner.actuators import RoleChangeActuator
+
+    clock = VirtualClock(100.0)
+    fleet = FleetRegistry([Worker("local-decode-1", "http://x", role=Role.DECODE, models=["m"],
+                                  state=WorkerState.STANDBY, health_ok=True),
+                           Worker("local-decode-2", "http://y", role=Role.DECODE, models=["m"], health_ok=True),
+                           Worker("local-prefill-1", "http://z", role=Role.PREFILL, models=["m"], health_ok=True)])
+    local = LocalProcessActuator({Role.DECODE: "true", Role.PREFILL: "true"}, clock=clock)
+    local.processes["local-decode-1"] = LocalProcess("local-decode-1", Role.DECODE, 1, proc=None)  # type: ignore[arg-type]
+    roles = RoleManager(fleet, clock)
+    act = RoleChangeActuator(lambda wid, role: roles.request(wid, role), drain=fleet.drain,
+                             fallback=_DrainingLocal(local, SimpleNamespace(fleet=fleet)))
+    done = await act.apply(decision(Action("set_role", Role.PREFILL, "local-decode-1"),
+                                    Action("activate", Role.PREFILL, "local-decode-1")))
+    w = fleet.get("local-decode-1")
+    for _ in range(50):
+        if w.role is Role.PREFILL:
+            break
+        await asyncio.sleep(0.02)
+    assert w.role is Role.PREFILL and w.target_role is None, done
+    assert w.state is WorkerState.HEALTHY and w in fleet.candidates("m")
+    assert fleet.get("local-decode-2").role is Role.DECODE  # the serving decode worker is untouched
+    await roles.close()

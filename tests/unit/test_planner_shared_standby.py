@@ -175,7 +175,8 @@ def test_the_live_config_carries_the_option():
     from orchestrator.config import PlannerConfig
     from orchestrator.planner.install import settings_from_config
 
-    assert settings_from_config(PlannerConfig(max_workers=12)).standby_shared is False
+    assert settings_from_config(PlannerConfig(max_workers=12)).standby_shared is True  # the default (inert here)
+    assert not Planner(perf(), settings_from_config(PlannerConfig(max_workers=12))).standby_pooled()
     cmds = {"prefill": "dyad sim-engine --port {port} --role prefill", "decode": "dyad sim-engine --port {port} --role decode"}
     s = settings_from_config(PlannerConfig(max_workers=12, standby_shared=True, role_change_s=2.0, start_s=60,
                                            actuator="local", local_commands=cmds))
