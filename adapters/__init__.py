@@ -30,6 +30,7 @@ __all__ = [
     "UnsupportedByEngine",
     "VllmAdapter",
     "get_adapter",
+    "internal_field_carriers",
     "internal_fields",
 ]
 
@@ -53,3 +54,9 @@ def get_adapter(kind: EngineKind | str) -> EngineAdapter:
 def internal_fields() -> frozenset[str]:
     """Every body field some adapter declares as Dyad's own (``EngineAdapter.internal_fields``)."""
     return VllmAdapter.internal_fields | SglangAdapter.internal_fields
+
+
+def internal_field_carriers() -> frozenset[str]:
+    """Every body field some adapter's engine merges into where it keeps its internal fields
+    (``EngineAdapter.internal_field_carriers``): an internal field inside one is refused too."""
+    return VllmAdapter.internal_field_carriers | SglangAdapter.internal_field_carriers

@@ -134,6 +134,9 @@ class EngineAdapter(ABC):
     # Body fields this dialect's Dyad code sets to steer an engine or a P/D hand-off. They are Dyad's
     # alone: a client body carrying one is refused with a 400 (``orchestrator.gateway.request``).
     internal_fields: frozenset[str] = frozenset()
+    # Body fields whose members this engine merges into the place where it keeps an internal field, so an
+    # internal field inside one of them acts as if set at the top level: refused there too.
+    internal_field_carriers: frozenset[str] = frozenset()
 
     @abstractmethod
     async def health(self, client: httpx.AsyncClient, base_url: str, timeout: float) -> bool:

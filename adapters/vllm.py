@@ -32,6 +32,11 @@ P = "vllm:"
 # only Dyad may set it.
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 INTERNAL_FIELDS = frozenset({KV_TRANSFER_PARAMS})
+# vLLM copies ``vllm_xargs`` into the sampling params' ``extra_args``, which is where its engine reads
+# ``kv_transfer_params`` from (the top-level field is moved there too): a client's
+# ``vllm_xargs.kv_transfer_params`` reaches the KV connector as if it were Dyad's (a string there makes
+# a P/D engine's scheduler fail on ``.get``).
+INTERNAL_FIELD_CARRIERS = frozenset({"vllm_xargs"})
 
 # Chat request fields that change the prompt vLLM renders (TokenizeChatRequest accepts them all).
 CHAT_TEMPLATE_FIELDS = (
@@ -127,6 +132,7 @@ class VllmAdapter(EngineAdapter):
 
     kind = EngineKind.VLLM
     internal_fields = INTERNAL_FIELDS
+    internal_field_carriers = INTERNAL_FIELD_CARRIERS
 
     def __init__(self, cache: TokenizeCache | None = None) -> None:
         self.cache = cache if cache is not None else TokenizeCache()

@@ -11,8 +11,10 @@ Three classes of body are refused although they parse:
   vLLM's ``kv_transfer_params``, SGLang's ``bootstrap_host/port/room`` and ``rid``) steers an
   engine or a P/D hand-off (which host the engine pulls KV from). They are refused with a 400 naming
   the field rather than silently stripped: a client that sends one expects it to act, and a quiet
-  drop would hide that it does not. The check runs once here, so every path (aggregated, split,
-  local prefill, retries, failover continuations, all built from this body) is covered;
+  drop would hide that it does not. So is one inside a field the engine merges into where it keeps
+  them (``EngineAdapter.internal_field_carriers``: vLLM's ``vllm_xargs``). The check runs once here,
+  so every path (aggregated, split, local prefill, retries, failover continuations, all built from
+  this body) is covered;
 * **bodies that do not re-serialize** — orjson reads 1024 levels of nesting but writes only
   254; the gateway writes every body again for the engine, so deeper nesting is refused here
   (400 naming the limit) instead of failing later as a 500;
@@ -26,10 +28,11 @@ from typing import Any
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
-from adapters import internal_fields
+from adapters import internal_field_carriers, internal_fields
 from orchestrator.errors import InvalidRequest, PayloadTooLarge
 
 INTERNAL_FIELDS = internal_fields()
+INTERNAL_FIELD_CARRIERS = internal_field_carriers()
 # orjson.dumps refuses deeper nesting than this (the body object itself is level 1).
 MAX_NESTING = 254
 
@@ -94,11 +97,17 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 def check_internal_fields(body: dict[str, Any]) -> None:
     """Refuse a body that carries a field only Dyad may set (see the module docstring)."""
-    if INTERNAL_FIELDS.isdisjoint(body):
-        return
-    name = min(INTERNAL_FIELDS.intersection(body))
-    raise InvalidRequest(f"'{name}' is set by the gateway (it steers engines and prefill/decode hand-offs); "
-                         "a request must not carry it.", param=name, code="internal_field")
+    if not INTERNAL_FIELDS.isdisjoint(body):
+        name = min(INTERNAL_FIELDS.intersection(body))
+        raise InvalidRequest(f"'{name}' is set by the gateway (it steers engines and prefill/decode hand-offs); "
+                             "a request must not carry it.", param=name, code="internal_field")
+    for carrier in INTERNAL_FIELD_CARRIERS:  # (an engine merges these where it keeps the internal fields)
+        inner = body.get(carrier)
+        if isinstance(inner, dict) and not INTERNAL_FIELDS.isdisjoint(inner):
+            name = f"{carrier}.{min(INTERNAL_FIELDS.intersection(inner))}"
+            raise InvalidRequest(f"'{name}' is set by the gateway (the engine reads '{carrier}' as its own "
+                                 "internal parameters, where it keeps the prefill/decode hand-off); a request "
+                                 "must not carry it.", param=name, code="internal_field")
 
 
 def _type_name(v: Any) -> str:

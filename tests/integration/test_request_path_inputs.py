@@ -13,7 +13,7 @@ import contextlib
 import httpx
 import pytest
 
-from adapters import internal_fields
+from adapters import internal_field_carriers, internal_fields
 from orchestrator.config import load_config
 from tests.fixtures.sim_gateway import gateway_over
 from tests.integration.fake_engine import FakeEngine
@@ -66,6 +66,16 @@ def test_every_internal_field_is_refused_on_every_path(path, stream):
                 err = r.json()["error"]
                 assert err["param"] == name and err["code"] == "internal_field"
                 assert name in err["message"]
+                # the same field inside a field the engine merges into where it keeps it (vLLM copies
+                # ``vllm_xargs`` into the sampling params' extra_args, where its KV connector reads
+                # ``kv_transfer_params``: a string there crashes a P/D engine's scheduler)
+                for carrier in sorted(internal_field_carriers()):
+                    carried = {k: v for k, v in body.items() if k != name}
+                    carried[carrier] = {"session_id": "s", name: "x"}
+                    r = httpx.post(gw.url + endpoint, json=carried, timeout=10)
+                    assert r.status_code == 400, (carrier, name, r.text)
+                    err = r.json()["error"]
+                    assert err["param"] == f"{carrier}.{name}" and err["code"] == "internal_field", err
         assert sum(len(e.bodies) for e in engines) == seen  # nothing more reached an engine
         # and what Dyad itself sent carries only Dyad's values (the prefill hand-off when split)
         for e in engines:
