@@ -8,7 +8,11 @@ wrong; Dyad does the same so that a handful of bad requests cannot open every br
   a 5xx or garbage (a body that is not the answer: not JSON, no choices, not server-sent events for a
   stream) that **the same request does not get elsewhere**. These feed the worker's breaker (and take
   it out of rotation when it looks down).
-* **request-caused** — an engine 4xx (the worker is fine: it answered), the same 5xx status or garbage
+* **the gateway's access** — an engine 401/403/407 is about the gateway's own key for that worker
+  (``workers[].api_key``) or the engine's set-up, never the client's: a client's credentials never
+  reach an engine. Judged like a 5xx (below); the client gets a 502 naming the setting, never the
+  engine's 401, which would tell it that its own key is wrong.
+* **request-caused** — any other engine 4xx (the worker is fine: it answered), the same 5xx status or garbage
   again on a second worker (the request is what fails: an input that trips an engine bug, say), a
   first-byte timeout while the worker kept serving others. These go back to the client once and
   count against nobody.
@@ -30,14 +34,21 @@ import orjson
 from orchestrator.errors import UpstreamError
 from orchestrator.gateway.responses import engine_error_body
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})  # answered before any byte: another worker may do better
+ACCESS_STATUSES = frozenset({401, 403, 407})  # the engine refuses the gateway's access (module docstring)
+# answered before any byte: another worker may do better
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504}) | ACCESS_STATUSES
 UNAVAILABLE_STATUSES = frozenset({502, 503})  # the engine says it cannot serve: counts against its health
 BUSY_STATUSES = frozenset({429})  # the engine is busy, not broken: tried elsewhere, never held against it
 
 
-def engine_error(status: int, raw: bytes) -> UpstreamError:
-    """An engine's error answer as the client will see it (its message, type, param and code kept)."""
+def engine_error(status: int, raw: bytes, worker_id: str = "?") -> UpstreamError:
+    """An engine's error answer as the client will see it (its message, type, param and code kept); one
+    refusing the gateway's access (``ACCESS_STATUSES``) is a 502 naming the setting."""
     err = orjson.loads(engine_error_body(status, raw))["error"]
+    if status in ACCESS_STATUSES:
+        return UpstreamError(502, f"The engine ({worker_id}) refused the gateway's access with HTTP {status} "
+                                  f"({str(err.get('message'))[:200]}); check the key the gateway sends it "
+                                  "(workers[].api_key) and the engine's own settings.", code="engine_access_refused")
     return UpstreamError(status, str(err.get("message")), engine_type=err.get("type") or None,
                          param=err.get("param"), code=err.get("code"))
 

@@ -416,7 +416,7 @@ class ProxyResponse:
     def _error_status(self, attempt: Attempt, status: int, raw: bytes, last_try: bool) -> bytes | None:
         """An engine error answer: 4xx back to the client (the worker is fine); a 5xx is held for a
         second opinion from another worker (``classify.SecondOpinion``)."""
-        err = classify.engine_error(status, raw)
+        err = classify.engine_error(status, raw, attempt.worker_id)
         if status not in classify.RETRY_STATUSES:
             attempt.request_failed(alive=True)
             self._settle_held(request_caused=True)

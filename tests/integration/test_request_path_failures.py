@@ -99,6 +99,29 @@ def test_engine_4xx_for_one_kind_of_request_never_opens_a_breaker():
         assert httpx.get(f"{gw.url}/ready").json()["status"] == "ready"
 
 
+@pytest.mark.parametrize("status", [401, 403])
+def test_an_engine_refusing_the_gateways_access_is_the_workers_fault_never_the_clients(status):
+    """A client's credentials never reach an engine (the gateway sends the worker's own key,
+    ``workers[].api_key``): an engine's 401/403 is about the gateway's access to that worker. Tried on
+    another worker and counted against this one; with nowhere to go, a 502 naming the setting — a 401
+    relayed as is would tell the client that its own key is wrong."""
+    bad, good = engines("status", "ok", status_code=status)
+    with gateway([bad, good]) as gw:
+        healthy(gw)
+        for _ in range(8):
+            r = complete(gw)
+            assert r.status_code == 200, r.text  # tried on the good worker
+        assert breakers(gw) == {"w0": "open"}
+        assert httpx.get(f"{gw.url}/ready").json()["models"][MODEL]["breaker_open"] == ["w0"]
+    alone = engines("status", status_code=status)
+    with gateway(alone) as gw:
+        healthy(gw)
+        r = complete(gw, stream=True)
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["code"] == "engine_access_refused" and "w0" in err["message"] and "api_key" in err["message"], err
+
+
 def test_the_same_5xx_on_a_second_worker_is_the_requests_fault():
     fleet = engines("poison", "poison", status_code=500)
     with gateway(fleet) as gw:
