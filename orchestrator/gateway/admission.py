@@ -382,7 +382,7 @@ class Intake:
         response so it is released —, the ``x-ratelimit-*`` headers for the answer). ``gone`` returns when
         the client disconnects (``AdmissionGate.acquire``)."""
         rank = self.rank(identity, headers)
-        limit_headers = await self.limiter.check(identity, self.charge_of(req))
+        limit_headers = await self.limiter.check(identity, self.charge_of(req, identity))
         if self.config.ttft_slo_s is not None:
             self.check_ttft(req)
         if self.gate is None:
@@ -391,10 +391,14 @@ class Intake:
         return True, limit_headers
 
     @staticmethod
-    def charge_of(req: RouteRequest) -> int:
+    def charge_of(req: RouteRequest, identity: ClientIdentity) -> int:
         """What a request is charged to its key's tokens-per-minute bucket before it runs: the prompt
-        estimate plus its output budget (``annotate.output_budget``; 0 when it names none)."""
-        return req.prompt_tokens + (req.max_tokens if isinstance(req.max_tokens, int) else 0)
+        estimate plus its output budget (``annotate.output_budget``; 0 when it names none), at most the
+        whole bucket. The budget is what the client allows, not what it will use (``max_tokens`` x ``n``
+        may be absurd: the engine refuses it, or stops early); what the answer really uses beyond the
+        charge is taken once it is over (``settler``), so a costlier request still pays its share then."""
+        cost = req.prompt_tokens + (req.max_tokens if isinstance(req.max_tokens, int) else 0)
+        return min(cost, identity.tpm) if identity.tpm else cost
 
     def settler(self, identity: ClientIdentity, req: RouteRequest,
                 record: AccessRecord) -> Callable[[], Awaitable[None]] | None:
@@ -403,7 +407,7 @@ class Intake:
         usage, else the estimate and what was relayed). ``None`` for a key without one."""
         if not identity.tpm:
             return None
-        charged = self.charge_of(req)
+        charged = self.charge_of(req, identity)
         limiter = self.limiter
 
         async def settle() -> None:

@@ -3,9 +3,9 @@
 A key with ``rpm: 60`` has a bucket of 60 request tokens refilled at one per second; a request
 takes one, and is refused with 429 and ``Retry-After`` (seconds until it would fit) when the
 bucket is short. ``tpm`` works the same with the request's token cost (prompt estimate plus
-its output budget: ``max_tokens`` times ``n``, ``annotate.output_budget``). A request costlier than
-a whole bucket is let through only when the bucket is full and leaves it in debt, so one huge
-request cannot be refused forever. When the answer is over, what it really used (the engine's
+its output budget: ``max_tokens`` times ``n``, ``annotate.output_budget``; admission charges at
+most the whole bucket up front). A request costlier than a whole bucket is let through only when the
+bucket is full, so one huge request cannot be refused forever. When the answer is over, what it really used (the engine's
 usage, else what was relayed) beyond that charge is taken from the tokens bucket too (``debit``,
 no check: the bucket may go into debt): a request that names no ``max_tokens``, or whose prompt
 was estimated short, pays for what it generated, and the key's next requests wait for the refill.

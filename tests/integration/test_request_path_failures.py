@@ -610,3 +610,22 @@ def test_n_choices_are_charged_to_the_tokens_per_minute_budget():
     # the first took ~100 (+ its prompt); the second ~2,000 (+ its prompt; the bucket refills 100/s meanwhile)
     assert 5800 <= after_one < 5900, after_one
     assert after_one - after_many >= 1900 - 100, (after_one, after_many)
+
+
+@pytest.mark.parametrize("budget", [{"max_tokens": 10**15}, {"max_tokens": 5, "n": 10**12}], ids=["max_tokens", "n"])
+def test_an_absurd_output_budget_costs_at_most_one_bucket_up_front(budget):
+    """``max_tokens`` x ``n`` is the most a request may generate, not what it will. Charged in full up front,
+    an absurd value (the engine refuses it, or generates a handful of tokens) left the key — on an open
+    gateway, the one bucket every anonymous caller shares — in a debt that took millions of years to
+    refill. Up front a request takes at most the whole bucket; what its answer really uses beyond that is
+    charged once it is over (test_output_beyond_the_charge_is_charged_after_the_answer)."""
+    with gateway(engines("ok"), limits={"default_tpm": 600}) as gw:
+        r = complete(gw, **budget)
+        assert r.status_code == 200, r.text  # (the fake engine generates 5 tokens)
+        nxt = complete(gw, max_tokens=5)
+        assert nxt.status_code in (200, 429), nxt.text
+        if nxt.status_code == 429:
+            retry = int(nxt.headers["retry-after"])
+            assert retry <= 60, retry  # the bucket refills within a minute (was: ~1e11 s and more)
+            time.sleep(retry)
+            assert complete(gw, max_tokens=5).status_code == 200
