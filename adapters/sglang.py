@@ -24,6 +24,7 @@ reports, so they fill the same ``LoadSnapshot`` fields.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import httpx
@@ -38,7 +39,8 @@ P = "sglang:"
 
 # Fields Dyad sets on SGLang bodies: the dual-dispatch bootstrap (orchestrator/disagg/sglang_flow.py:
 # which prefill server a decode server pulls KV from, and the pair's room) and the request id
-# (``shape_request``; SGLang aborts and de-duplicates by it). Only Dyad may set them.
+# (``shape_request``; SGLang aborts and de-duplicates by it: the client's X-Request-Id with a random
+# suffix). Only Dyad may set them.
 BOOTSTRAP_HOST = "bootstrap_host"
 BOOTSTRAP_PORT = "bootstrap_port"
 BOOTSTRAP_ROOM = "bootstrap_room"
@@ -150,15 +152,19 @@ class SglangAdapter(EngineAdapter):
                                   content_key(model, "prompt", prompt), batch_answer=True)
 
     def shape_request(self, endpoint: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        """SGLang reads the request id from the body field ``rid`` (not from X-Request-Id).
+        """SGLang reads the request id from the body field ``rid`` (not from X-Request-Id) and keys the
+        request by it (it de-duplicates and aborts by it).
 
-        Set only for one-prompt requests: a batch of prompts would need one id per prompt. A client
-        ``rid`` never gets here (it is an internal field, refused at intake).
+        ``request_id`` may be the client's X-Request-Id (or a gateway id the client has seen and can
+        guess), so the rid is Dyad's own: that id plus a random suffix (the id stays its prefix, for
+        logs), fresh for every request sent. Set only for one-prompt requests: a batch of prompts would
+        need one id per prompt. A client ``rid`` never gets here (it is an internal field, refused at
+        intake).
         """
         prompt = body.get("prompt")
         is_batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         if is_batch:
             return body
         shaped = dict(body)
-        shaped[RID] = request_id
+        shaped[RID] = f"{request_id}-{secrets.token_hex(8)}"
         return shaped

@@ -132,14 +132,14 @@ def test_shape_request():
     body = {"model": "m", "prompt": "hi", "max_tokens": 3}
     assert VllmAdapter().shape_request("/v1/completions", body, "req-1") is body
     shaped = SglangAdapter().shape_request("/v1/completions", body, "req-1")
-    assert shaped["rid"] == "req-1" and "rid" not in body  # the client's body is not mutated
+    assert shaped["rid"].startswith("req-1-") and "rid" not in body  # the client's body is not mutated
     chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    assert SglangAdapter().shape_request("/v1/chat/completions", chat, "r2")["rid"] == "r2"
+    assert SglangAdapter().shape_request("/v1/chat/completions", chat, "r2")["rid"].startswith("r2-")
     batch = {"model": "m", "prompt": ["a", "b"]}
     assert "rid" not in SglangAdapter().shape_request("/v1/completions", batch, "r3")
     own = {"model": "m", "prompt": "a", "rid": "client-rid"}
     # rid is Dyad's (adapters.sglang.INTERNAL_FIELDS): intake refuses a client's, and the adapter always sets its own
-    assert SglangAdapter().shape_request("/v1/completions", own, "r4")["rid"] == "r4"
+    assert SglangAdapter().shape_request("/v1/completions", own, "r4")["rid"].startswith("r4-")
     assert "rid" in SglangAdapter.internal_fields
 
 

@@ -109,3 +109,26 @@ def test_deep_nesting_is_refused_naming_the_limit_and_shallow_nesting_forwarded(
         ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "extra": [[[[["fine"]]]]]}
         r = httpx.post(f"{gw.url}/v1/completions", json=ok, timeout=10)
         assert r.status_code == 200 and engines[0].bodies[-1]["extra"] == [[[[["fine"]]]]]
+
+
+def test_the_id_an_engine_keys_a_request_by_is_the_gateways_not_the_clients():
+    """SGLang keys a request by the body's ``rid`` (it de-duplicates and aborts by it): an internal field a
+    client body may not carry. The gateway sets it from the request id, which a client chooses with
+    X-Request-Id — or guesses: the gateway's own ids are a process prefix and a counter, echoed in every
+    answer. Two requests with one X-Request-Id, or one naming another request's id, still reach the
+    engine under distinct rids; the request id stays the rid's prefix (logs), and the client's answer
+    keeps the id it sent."""
+    with fleet([("sglang", "both")]) as (gw, engines):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        same = [httpx.post(f"{gw.url}/v1/completions", json=body, headers={"x-request-id": "same"}, timeout=10)
+                for _ in range(2)]
+        own = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=10)
+        spoof = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=10,
+                           headers={"x-request-id": own.headers["x-request-id"]})
+        answers = [*same, own, spoof]
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        assert [r.headers["x-request-id"] for r in same] == ["same", "same"]
+        rids = [b["rid"] for b in engines[0].bodies]
+        assert len(rids) == 4 and len(set(rids)) == 4, rids
+        for r, rid in zip(answers, rids, strict=True):
+            assert rid.startswith(r.headers["x-request-id"]) and rid != r.headers["x-request-id"], (rid, r.headers)
