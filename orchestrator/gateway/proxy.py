@@ -326,6 +326,11 @@ class ProxyResponse:
                 if status >= 400:
                     raw = await self._read_bounded(response)
                     return self._error_status(attempt, status, raw, last_try)
+                if status != 200:  # a redirect or another 2xx is no answer to these requests (1xx: skipped, transport.py)
+                    await self._read_bounded(response)
+                    return self._garbage(attempt, last_try, f"answered HTTP {status}", UpstreamError(
+                        502, f"The engine ({worker.id}) answered HTTP {status}, which is no answer to this request.",
+                        code="bad_engine_answer"))
                 encoding = header(response, b"content-encoding")
                 if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
                     discard_connection(response)

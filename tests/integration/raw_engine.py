@@ -20,7 +20,7 @@ MODES = ("truncated", "close_before_headers", "bad_json_event", "bad_chunk_size"
          "status_400", "status_404", "empty_200", "array_200", "string_200", "no_choices_200",
          "stream_answered_whole", "close_delimited", "after_done", "html", "bad_status_line",
          "no_done_after_finish", "comment_events", "crlf", "lone_cr", "interim_1xx", "trailers", "gzip",
-         "huge_headers", "empty_choices", "short_length")
+         "huge_headers", "empty_choices", "short_length", "redirect")
 # well-formed answers, merely unusual: served whole by the engine itself
 WELL_FORMED = frozenset({"close_delimited", "after_done", "no_done_after_finish", "comment_events", "crlf",
                          "lone_cr", "interim_1xx", "trailers"})
@@ -197,6 +197,12 @@ class RawEngine:
             body = good + b"data: [DONE]\n\n" if stream else whole_good
             conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
                          % (b"text/event-stream" if stream else b"application/json", len(body) - 40, body))
+            return True
+        if m == "redirect":  # a 307 (an ingress sending its clients elsewhere) whose body looks like an answer
+            body = good + b"data: [DONE]\n\n" if stream else whole_good
+            conn.sendall(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://elsewhere:8000/v1\r\ncontent-type: %s\r\n"
+                         b"content-length: %d\r\n\r\n%s"
+                         % (b"text/event-stream" if stream else b"application/json", len(body), body))
             return True
         if m == "truncated":
             if stream:
