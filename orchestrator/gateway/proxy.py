@@ -375,9 +375,11 @@ class ProxyResponse:
             if attempt.response is not None:
                 await attempt.response.aclose()
             kind = "stalled" if attempt.stalled else "down"
+            err = NoHealthyWorker(call.model, rt.config.gateway.retry_after_s, reason=attempt.aborted or kind)
+            if attempt.stalled:  # judged like garbage: a stall the same request gets on a second worker is its own
+                return self._garbage(attempt, last_try, attempt.aborted or kind, err, classify.STALLED)
             attempt.worker_failed(kind, attempt.aborted or kind, down=False)
-            raise _Retry(NoHealthyWorker(call.model, rt.config.gateway.retry_after_s,
-                                         reason=attempt.aborted or kind)) from None
+            raise _Retry(err) from None
         except (ApiError, _Retry):
             if attempt.outcome is None:  # an executor's own refusal (e.g. no SGLang prefill worker left)
                 attempt.request_failed()
@@ -495,21 +497,23 @@ class ProxyResponse:
             502, f"The engine ({attempt.worker_id}) answered HTTP {status} with a body that {what} ({len(body)} bytes, "
                  f"starting {snippet!r}).", code="bad_engine_answer"))
 
-    def _garbage(self, attempt: Attempt, last_try: bool, message: str, err: UpstreamError) -> None:
-        """An answer that is not one, judged like a 5xx (``classify``): garbage again on a second worker is
-        the request's doing (an input that trips an engine bug), counted against nobody; garbage where
-        another worker answers was the worker's. Tried elsewhere while a worker is left."""
-        self.error_class = "bad_engine_answer"
-        if self._judge.same_again(classify.GARBAGE):
+    def _garbage(self, attempt: Attempt, last_try: bool, message: str, err: ApiError,
+                 failure: str = classify.GARBAGE) -> None:
+        """An answer that is not one (or, ``failure`` STALLED, no sign of work on it), judged like a 5xx
+        (``classify``): the same again on a second worker is the request's doing (an input that trips an
+        engine bug, or keeps it busy without a sign), counted against nobody; where another worker answers
+        it was the worker's. Tried elsewhere while a worker is left."""
+        self.error_class = "bad_engine_answer" if failure == classify.GARBAGE else failure
+        if self._judge.same_again(failure):
             attempt.request_failed()
             self._settle_held(request_caused=True)
             raise err
         if last_try or not self._other_worker_left(attempt):
-            attempt.worker_failed(classify.GARBAGE, message)  # no second opinion: the worker's answer
+            attempt.worker_failed(failure, message)  # no second opinion: the worker's answer
             self._settle_held(request_caused=False)
             raise err
         attempt.request_failed()  # provisionally: judged by the next try
-        self._judge.hold(attempt.worker_id, classify.GARBAGE)
+        self._judge.hold(attempt.worker_id, failure)
         raise _Retry(err)
 
     def _not_sse(self, attempt: Attempt, raw: bytes, last_try: bool) -> None:

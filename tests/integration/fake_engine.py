@@ -8,7 +8,7 @@ request that hangs while ``/health`` answers, a 500 for one kind of request only
 receives is recorded (``bodies``), so tests can check what the gateway forwarded.
 
 ``mode`` (settable while running): ok | eof | reset | json_error_200 | garbage | error_event | hang |
-status | poison (500 when the prompt contains ``POISON``, else ok) | bad_event (a stream event whose
+status | poison (500 when the prompt contains ``POISON``, else ok) | poison_hang (hang when it does) | bad_event (a stream event whose
 data is not JSON, after one good token) | after_done (events after ``data: [DONE]``) | no_choices (a
 200 JSON object without ``choices``) | crlf (a stream whose lines end with CRLF, as SSE allows) | close_delimited (a well-formed answer whose body ends where the
 engine closes the connection: no Content-Length, not chunked). ``status`` answers ``status_code``.
@@ -103,6 +103,8 @@ class FakeEngine:
                         self._send(200, b"<html>engine tripped over this input</html>", "text/html")
                         return
                     mode = "ok"
+                if mode == "poison_hang":  # an input that keeps the engine busy with no sign of work
+                    mode = "hang" if "POISON" in text else "ok"
                 if mode == "hang":
                     engine.release.wait(120)
                     self.close_connection = True

@@ -330,6 +330,25 @@ def test_a_hung_engine_loses_its_requests_and_its_traffic_while_health_answers()
         assert gw.runtime.fleet.get("w0").health_ok is not False
 
 
+def test_a_request_that_stalls_on_every_worker_is_the_requests_fault():
+    """An input that keeps an engine busy with no sign of work before its first token (a grammar that
+    takes long to compile, images the prompt estimate does not count) stalls on every idle worker. The
+    stall watchdog pulls it from each; when each pull counted against its worker, a handful of such
+    requests opened every breaker. A stall the same request gets again on a second worker is the
+    request's doing (as for a 5xx): nobody's breaker counts it; a stall where another worker answers
+    stays the worker's (test_a_hung_engine_loses_its_requests_and_its_traffic_while_health_answers)."""
+    fleet = engines("poison_hang", "poison_hang")
+    with gateway(fleet, resilience={"stall_timeout_s": 0.5, "stall_prefill_tokens_per_s": 1e6}) as gw:
+        healthy(gw)
+        for _ in range(4):  # (breakers open after 3 here)
+            r = complete(gw, prompt="POISON pill")
+            assert r.status_code >= 500 and r.json()["error"]["message"], r.text
+        assert breakers(gw) == {}
+        assert complete(gw).status_code == 200
+        ready = httpx.get(f"{gw.url}/ready")
+        assert ready.status_code == 200 and ready.json()["models"][MODEL]["usable_workers"] == 2
+
+
 def test_a_worker_marked_down_fails_its_in_flight_requests_over_at_once():
     hung, good = engines("hang", "ok")
     with gateway([hung, good], health={"interval_s": 0.3, "failure_threshold": 1},
