@@ -54,6 +54,19 @@ def engine_error(status: int, raw: bytes, worker_id: str = "?") -> UpstreamError
                          param=err.get("param"), code=err.get("code"))
 
 
+RETRY_AFTER_STATUSES = frozenset({429, 503})  # relayed with a Retry-After, as the gateway's own are
+
+
+def retry_after(engine_value: bytes | None, default: int) -> str:
+    """The Retry-After to relay with an engine's 429/503: the engine's own when it is delta-seconds
+    (digits; an HTTP date or anything else is replaced), else the gateway's ``default``."""
+    if engine_value is not None:
+        value = engine_value.strip()
+        if value.isdigit() and len(value) <= 6:
+            return value.decode("ascii")
+    return str(default)
+
+
 def error_in_answer(obj: Any) -> tuple[int, dict[str, Any]] | None:
     """A 200 answer that is really an error (``{"error": ...}`` or vLLM's ``{"object": "error"}``):
     the status it stands for (its integer code when that is an HTTP error status, else 502) and the

@@ -325,7 +325,7 @@ class ProxyResponse:
             try:
                 if status >= 400:
                     raw = await self._read_bounded(response)
-                    return self._error_status(attempt, status, raw, last_try)
+                    return self._error_status(attempt, status, raw, last_try, header(response, b"retry-after"))
                 if status != 200:  # a redirect or another 2xx is no answer to these requests (1xx: skipped, transport.py)
                     await self._read_bounded(response)
                     return self._garbage(attempt, last_try, f"answered HTTP {status}", UpstreamError(
@@ -420,10 +420,14 @@ class ProxyResponse:
                                         f"{name!r}; the gateway asks engines for identity encoding (uncompressed) "
                                         "so that it can check every answer.", code="bad_engine_answer"))
 
-    def _error_status(self, attempt: Attempt, status: int, raw: bytes, last_try: bool) -> bytes | None:
+    def _error_status(self, attempt: Attempt, status: int, raw: bytes, last_try: bool,
+                      retry_after: bytes | None = None) -> bytes | None:
         """An engine error answer: 4xx back to the client (the worker is fine); a 5xx is held for a
-        second opinion from another worker (``classify.SecondOpinion``)."""
+        second opinion from another worker (``classify.SecondOpinion``). A 429/503 says when to retry
+        (``retry_after``: the engine's Retry-After header)."""
         err = classify.engine_error(status, raw, attempt.worker_id)
+        if status in classify.RETRY_AFTER_STATUSES:
+            err.headers["Retry-After"] = classify.retry_after(retry_after, self.rt.config.gateway.retry_after_s)
         if status not in classify.RETRY_STATUSES:
             attempt.request_failed(alive=True)
             self._settle_held(request_caused=True)

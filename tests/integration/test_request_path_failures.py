@@ -287,6 +287,18 @@ def test_an_engine_429_is_tried_on_another_worker_and_held_against_nobody(stream
         assert r.status_code == 429 and r.json()["error"]["message"] == "fake engine says 429"
 
 
+@pytest.mark.parametrize("status", [429, 503])
+def test_an_engines_429_or_503_with_nowhere_to_go_tells_the_client_when_to_retry(status):
+    """Relayed, an engine's 429/503 carries a Retry-After like the gateway's own 429/503s: the engine's
+    (raw_engine sends 1), else ``gateway.retry_after_s`` (was: dropped, so clients backed off blind)."""
+    for engine, expected in ((RawEngine(f"status_{status}"), "1"), (FakeEngine("status", status_code=status).start(), "7")):
+        with gateway([engine], gateway={"retry_after_s": 7}) as gw:
+            healthy(gw)
+            for stream in (False, True):
+                r = complete(gw, stream=stream)
+                assert r.status_code == status and r.headers.get("retry-after") == expected, (r.headers, r.text)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_stream_with_crlf_line_ends_is_relayed_whole(chat):
     with gateway(engines("crlf")) as gw:

@@ -1,6 +1,6 @@
 """Who caused a failure (orchestrator/gateway/classify.py): pure decisions, no sockets."""
 
-from orchestrator.gateway.classify import GARBAGE, SecondOpinion, engine_error, error_in_answer
+from orchestrator.gateway.classify import GARBAGE, SecondOpinion, engine_error, error_in_answer, retry_after
 
 
 def test_a_200_carrying_an_error_is_that_error():
@@ -33,3 +33,10 @@ def test_garbage_is_judged_like_a_5xx_and_apart_from_it():
     assert j.same_again(GARBAGE) and not j.same_again(500)  # garbage again: the request; a 5xx: another story
     j.hold("b", 502)
     assert j.settle(request_caused=False) == [("a", GARBAGE), ("b", 502)]
+
+
+def test_retry_after_keeps_the_engines_delta_seconds_only():
+    assert retry_after(b" 3 ", 1) == "3"
+    assert retry_after(None, 1) == "1"
+    assert retry_after(b"Wed, 21 Oct 2026 07:28:00 GMT", 2) == "2"  # an HTTP date: the gateway's own
+    assert retry_after(b"9" * 40, 2) == "2" and retry_after(b"-1", 2) == "2" and retry_after(b"\xff", 2) == "2"
