@@ -34,9 +34,10 @@ from orchestrator.telemetry.logging import bind_request_id
 
 MAX_REQUEST_ID = 128
 def request_id_of(request: Request) -> str:
-    """The client's X-Request-Id when it is usable, else a fresh one; kept on request.state for errors."""
+    """The client's X-Request-Id when it is usable (printable ASCII, at most 128 characters), else a fresh
+    one; kept on request.state for errors."""
     rid = request.headers.get("x-request-id")
-    if not rid or len(rid) > MAX_REQUEST_ID or not rid.isprintable():
+    if not rid or len(rid) > MAX_REQUEST_ID or not (rid.isascii() and rid.isprintable()):
         rid = new_request_id()
     request.scope.setdefault("state", {})["request_id"] = rid  # = request.state.request_id, without a State object
     return rid

@@ -132,3 +132,16 @@ def test_the_id_an_engine_keys_a_request_by_is_the_gateways_not_the_clients():
         assert len(rids) == 4 and len(set(rids)) == 4, rids
         for r, rid in zip(answers, rids, strict=True):
             assert rid.startswith(r.headers["x-request-id"]) and rid != r.headers["x-request-id"], (rid, r.headers)
+
+
+def test_a_request_id_that_is_not_plain_ascii_is_replaced_not_mangled():
+    """Header values arrive as bytes (latin-1 to the app); a non-ASCII X-Request-Id went on to the engine and
+    back to the client re-encoded as UTF-8 — other bytes than the client sent, under the client's name.
+    Like an unprintable or overlong one, it is replaced by a fresh id, the same one echoed and forwarded."""
+    with fleet([("vllm", "both")]) as (gw, engines):
+        r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                       headers={"x-request-id": b"caf\xe9-1"}, timeout=10)
+        assert r.status_code == 200, r.text
+        echoed = r.headers.get_list("x-request-id", split_commas=False)
+        assert len(echoed) == 1 and echoed[0].isascii() and "caf" not in echoed[0], echoed
+        assert engines[0].headers[-1]["x-request-id"] == echoed[0]
