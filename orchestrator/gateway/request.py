@@ -140,7 +140,8 @@ _OPTIONAL_INT_MIN1 = ("max_tokens", "max_completion_tokens", "n")
 _OPTIONAL_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 
 
-def _check_common(body: dict[str, Any]) -> None:
+def _check_common(body: dict[str, Any], scoring: bool = False) -> None:
+    """``scoring``: a completions request with ``echo`` (vLLM scores the prompt; ``max_tokens`` 0 = no output)."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _wrong("stream", "a boolean", stream)
@@ -150,7 +151,7 @@ def _check_common(body: dict[str, Any]) -> None:
             continue
         if not _is_int(v):
             raise _wrong(name, "an integer", v)
-        if v < 1:
+        if v < 1 and not (scoring and v == 0 and name == "max_tokens"):
             raise InvalidRequest(f"'{name}' must be at least 1, got {v}.", param=name, code="invalid_value")
     for name in _OPTIONAL_NUMBERS:
         v = body.get(name)
@@ -240,9 +241,10 @@ def validate(endpoint: str, body: dict[str, Any]) -> str:
     model = _check_model(body)
     if endpoint == CHAT:
         _check_messages(body)
+        _check_common(body)
     else:
         _check_prompt(body)
-    _check_common(body)
+        _check_common(body, scoring=body.get("echo") is True)
     return model
 
 

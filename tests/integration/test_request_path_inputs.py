@@ -145,3 +145,20 @@ def test_a_request_id_that_is_not_plain_ascii_is_replaced_not_mangled():
         echoed = r.headers.get_list("x-request-id", split_commas=False)
         assert len(echoed) == 1 and echoed[0].isascii() and "caf" not in echoed[0], echoed
         assert engines[0].headers[-1]["x-request-id"] == echoed[0]
+
+
+def test_prompt_scoring_with_echo_and_max_tokens_0_is_forwarded():
+    """vLLM's completions score a prompt without generating anything: ``echo: true`` with ``max_tokens: 0``
+    (the prompt's own logprobs, as evaluation harnesses ask for them). The gateway refused that as
+    "max_tokens must be at least 1"; without ``echo`` a 0 is still refused, naming the field."""
+    with fleet([("vllm", "both")]) as (gw, engines):
+        body = {"model": MODEL, "prompt": "score me", "max_tokens": 0, "echo": True, "logprobs": 1}
+        r = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        assert engines[0].bodies[-1]["max_tokens"] == 0 and engines[0].bodies[-1]["echo"] is True
+        for bad in ({**body, "echo": False}, {k: v for k, v in body.items() if k != "echo"}):
+            r = httpx.post(f"{gw.url}/v1/completions", json=bad, timeout=10)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0, "echo": True}
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text  # (completions only)
