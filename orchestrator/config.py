@@ -519,8 +519,8 @@ class ResilienceConfig(_Section):
                                                           "(0 = retry at once)")
     backoff_max_s: float = Field(1.0, ge=0, description="Cap on one retry's backoff")
     breaker_failure_threshold: int = Field(
-        5, ge=0, description="Consecutive worker-caused failures (connect errors, resets, stalls, broken streams, "
-                             "a 5xx or garbage answer the same request does not get elsewhere) that open a worker's "
+        5, ge=0, description="Consecutive worker-caused failures (connect errors, broken streams, and a reset, stall, "
+                             "5xx or garbage answer the same request does not get elsewhere) that open a worker's "
                              "circuit breaker; request-caused ones never count; 0 = no breakers")
     breaker_open_s: float = Field(10.0, gt=0, description="Seconds an open breaker keeps the worker out "
                                                            "before letting probe requests through (half-open)")

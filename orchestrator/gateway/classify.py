@@ -3,9 +3,9 @@
 Envoy's outlier detection separates what an upstream host does wrong from what a request does
 wrong; Dyad does the same so that a handful of bad requests cannot open every breaker:
 
-* **worker-caused** — it could not be reached, reset the connection, answered bytes that are not
-  HTTP, or stalled (did no work at all while a request waited: ``Attempt.worker_progressed``) or
-  answered a 5xx or garbage (a body that is not the answer: not JSON, no choices, not server-sent
+* **worker-caused** — it could not be reached, answered bytes that are not HTTP, or closed the
+  connection before answering, stalled (did no work at all while a request waited:
+  ``Attempt.worker_progressed``) or answered a 5xx or garbage (a body that is not the answer: not JSON, no choices, not server-sent
   events for a stream) that **the same request does not get elsewhere**. These feed the worker's
   breaker (and take it out of rotation when it looks down).
 * **the gateway's access** — an engine 401/403/407 is about the gateway's own key for that worker
@@ -13,14 +13,14 @@ wrong; Dyad does the same so that a handful of bad requests cannot open every br
   reach an engine. Judged like a 5xx (below); the client gets a 502 naming the setting, never the
   engine's 401, which would tell it that its own key is wrong.
 * **request-caused** — any other engine 4xx (the worker is fine: it answered), the same 5xx status,
-  garbage or stall again on a second worker (the request is what fails: an input that trips an engine
+  garbage, stall or dropped connection again on a second worker (the request is what fails: an input that trips an engine
   bug, or keeps it busy before its first token without a sign of work, say), a
   first-byte timeout while the worker kept serving others. These go back to the client once and
   count against nobody.
 * **busy** — a 429 (the engine, or a proxy in front of it, sheds load): the request is tried on another
   worker like a 5xx, and the same 429 everywhere goes back to the client; it counts against nobody.
 
-A 5xx, garbage or a stall is therefore judged only when the next try's result is known: ``SecondOpinion`` holds
+A 5xx, garbage, a stall or a dropped connection is therefore judged only when the next try's result is known: ``SecondOpinion`` holds
 it until then. One with no second opinion possible (the last try, or no other worker) counts against
 the worker: without a comparison it is the worker's answer.
 """
@@ -87,6 +87,7 @@ def error_in_answer(obj: Any) -> tuple[int, dict[str, Any]] | None:
 
 GARBAGE = "garbage"  # what SecondOpinion holds for an answer that is not one (5xx answers: their status)
 STALLED = "stalled"  # ... and for a try the stall watchdog pulled (no sign of work on it: attempt.py)
+DROPPED = "protocol"  # ... and for a connection the engine closed before answering (the label it always had)
 
 
 @dataclass

@@ -362,6 +362,11 @@ class ProxyResponse:
                 attempt.request_failed()
                 self.error_class = "timeout"
                 raise GatewayTimeout(f"{e} (gateway.first_byte_timeout_s)", code="upstream_timeout") from None
+            if e.kind == "protocol" and not e.reachable:  # closed before answering: judged like garbage (a
+                # request may trip it too); held, it takes the worker out of rotation when another one answers
+                return self._garbage(attempt, last_try, str(e), UpstreamError(
+                    502, f"The engine ({worker.id}) closed the connection without answering this request: {e}.",
+                    code="engine_closed_connection"), classify.DROPPED)
             attempt.worker_failed(e.kind, str(e), down=not e.reachable)
             if e.kind == "malformed":  # it answered, wrongly: a bad gateway, not an unavailable one
                 self.error_class = "bad_engine_answer"
@@ -465,6 +470,8 @@ class ProxyResponse:
             w = rt.fleet.get(wid)
             if w is not None and failure in classify.UNAVAILABLE_STATUSES:
                 rt.fleet.record_health(w, False, now, f"answered HTTP {failure}")
+            elif w is not None and failure == classify.DROPPED:  # (it looks down: out of rotation now)
+                rt.fleet.mark_failed(w, now, "closed the connection without answering")
 
     def _check_json(self, attempt: Attempt, status: int, body: bytes, response: httpx.Response,
                     last_try: bool) -> bytes:
@@ -513,7 +520,7 @@ class ProxyResponse:
             self._settle_held(request_caused=True)
             raise err
         if last_try or not self._other_worker_left(attempt):
-            attempt.worker_failed(failure, message)  # no second opinion: the worker's answer
+            attempt.worker_failed(failure, message, down=failure == classify.DROPPED)  # no second opinion
             self._settle_held(request_caused=False)
             raise err
         attempt.request_failed()  # provisionally: judged by the next try

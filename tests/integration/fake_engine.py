@@ -105,6 +105,13 @@ class FakeEngine:
                     mode = "ok"
                 if mode == "poison_hang":  # an input that keeps the engine busy with no sign of work
                     mode = "hang" if "POISON" in text else "ok"
+                if mode == "poison_reset" and "POISON" in text:  # an input its engine drops the connection on
+                    self.close_connection = True
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    self.connection.close()
+                    return
+                if mode == "poison_reset":
+                    mode = "ok"
                 if mode == "hang":
                     engine.release.wait(120)
                     self.close_connection = True

@@ -361,6 +361,29 @@ def test_a_request_that_stalls_on_every_worker_is_the_requests_fault():
         assert ready.status_code == 200 and ready.json()["models"][MODEL]["usable_workers"] == 2
 
 
+def test_a_request_every_worker_drops_the_connection_on_is_the_requests_fault():
+    """An input its engine closes the connection on, before any answer (a request-level crash, a proxy in
+    front refusing it): each drop took its worker out of rotation at once, so one such request took the
+    whole fleet out until the next health round, and a client sending one per round kept it there. The
+    same drop on a second worker is the request's doing (as a 5xx): a 502 naming it, every worker stays;
+    a drop where another worker answers still takes the worker out at once."""
+    fleet = engines("poison_reset", "poison_reset")
+    with gateway(fleet, health={"interval_s": 30}) as gw:
+        healthy(gw)
+        for _ in range(4):  # (breakers open after 3 here)
+            r = complete(gw, prompt="POISON pill")
+            assert r.status_code == 502 and "closed the connection" in r.json()["error"]["message"], r.text
+        assert breakers(gw) == {}
+        assert all(w.health_ok for w in gw.runtime.fleet.workers())
+        assert complete(gw).status_code == 200
+    dropping, good = engines("poison_reset", "ok")
+    with gateway([dropping, good], health={"interval_s": 30}) as gw:
+        healthy(gw)
+        while not dropping.bodies:
+            assert complete(gw, prompt="POISON pill").status_code == 200  # answered by the good worker
+        assert not gw.runtime.fleet.get("w0").health_ok and gw.runtime.fleet.get("w1").health_ok
+
+
 def test_a_worker_marked_down_fails_its_in_flight_requests_over_at_once():
     hung, good = engines("hang", "ok")
     with gateway([hung, good], health={"interval_s": 0.3, "failure_threshold": 1},
