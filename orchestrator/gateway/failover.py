@@ -59,6 +59,9 @@ MAX_PENDING_EVENT = 1 << 20  # an incomplete event longer than this is not SSE e
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
+_REPEATABLE = frozenset({"reset", "garbage", "eof"})  # breaks that, repeated on a continuation, are the request's
+
+
 def error_event(message: str, code: str | int = "upstream_stream_failed", type_: str = "upstream_error") -> bytes:
     """An SSE error event followed by ``[DONE]``: how a stream that cannot complete ends."""
     err = {"error": {"message": message, "type": type_, "param": None, "code": code}}
@@ -377,6 +380,7 @@ class StreamRelay:
         self.recorder = SseRecorder(self.protocol)
         self.chat = proxy.call.endpoint == CHAT
         self.failovers = 0
+        self.breaks: list[str] = []  # how each upstream of this stream broke (kinds, in order)
         self.events = 0  # data: events relayed
         self.held: list[bytes] | None = [] if self.protocol.holds_preamble else None  # (until the first token)
         self.on_bytes: Callable[[bytes], None] | None = None  # sees every body relayed (ITL: TokenTimer.on_bytes)
@@ -525,12 +529,21 @@ class StreamRelay:
             return "eof", f"the engine ended the stream without {self.protocol.end_marker}"
         return None
 
+    def _repeated(self) -> bool:
+        """The last break is one this stream already had on another worker (a reset, garbage or an end
+        without the protocol's end): what breaks it is the request (the continuation carries the same
+        input), as for a 5xx the same request gets on a second worker (classify.py)."""
+        return len(self.breaks) >= 2 and self.breaks[-1] in _REPEATABLE and self.breaks[-1] in self.breaks[:-1]
+
     def _blame(self, kind: str, failure: str) -> None:
         """End the failed attempt with its classified outcome (classify.py)."""
         attempt = self.proxy.attempt
         assert attempt is not None
+        self.breaks.append(kind)
         if kind == "idle" and attempt.worker_progressed():
             attempt.request_failed()  # the worker serves others: this stream is slow, not the worker
+        elif self._repeated():
+            attempt.request_failed()  # the same break again: the request's doing, not this worker's
         elif kind == "aborted":
             attempt.worker_failed("stalled" if attempt.stalled else "down", failure)
         else:
@@ -567,6 +580,8 @@ class StreamRelay:
             reason = "resilience.stream_failover is off"
         elif self.failovers >= res.max_failovers:
             reason = f"resilience.max_failovers={res.max_failovers} reached"
+        elif self._repeated():
+            reason = f"it broke the same way ({self.breaks[-1]}) on {self.breaks.count(self.breaks[-1])} workers"
         elif sent.other_choices or sent.tool_calls or sent.reasoning:
             reason = "the stream has several choices, tool calls or reasoning"
         else:
@@ -601,6 +616,9 @@ class StreamRelay:
         message = f"the engine stream broke before its first token ({failure})"
         if self.failovers >= res.max_failovers:
             return self._give_up(message, f"resilience.max_failovers={res.max_failovers} reached")
+        if self._repeated():
+            return self._give_up(message, f"it broke the same way ({self.breaks[-1]}) on "
+                                          f"{self.breaks.count(self.breaks[-1])} workers")
         self.failovers += 1
         self.held = []
         self.recorder.pending = b""

@@ -8,7 +8,8 @@ request that hangs while ``/health`` answers, a 500 for one kind of request only
 receives is recorded (``bodies``), so tests can check what the gateway forwarded.
 
 ``mode`` (settable while running): ok | eof | reset | json_error_200 | garbage | error_event | hang |
-status | poison (500 when the prompt contains ``POISON``, else ok) | poison_hang (hang when it does) | bad_event (a stream event whose
+status | poison (500 when the prompt contains ``POISON``, else ok) | poison_hang (hang when it does) | poison_reset (drop
+the connection before answering when it does) | poison_midreset (reset mid-stream when it does) | bad_event (a stream event whose
 data is not JSON, after one good token) | after_done (events after ``data: [DONE]``) | no_choices (a
 200 JSON object without ``choices``) | crlf (a stream whose lines end with CRLF, as SSE allows) | close_delimited (a well-formed answer whose body ends where the
 engine closes the connection: no Content-Length, not chunked). ``status`` answers ``status_code``.
@@ -112,6 +113,8 @@ class FakeEngine:
                     return
                 if mode == "poison_reset":
                     mode = "ok"
+                if mode == "poison_midreset":  # an input its engine crashes on while generating
+                    mode = "reset" if "POISON" in text else "ok"
                 if mode == "hang":
                     engine.release.wait(120)
                     self.close_connection = True

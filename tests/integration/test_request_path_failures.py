@@ -384,6 +384,22 @@ def test_a_request_every_worker_drops_the_connection_on_is_the_requests_fault():
         assert not gw.runtime.fleet.get("w0").health_ok and gw.runtime.fleet.get("w1").health_ok
 
 
+def test_a_stream_that_breaks_the_same_way_on_its_continuation_is_not_continued_again():
+    """A request its engines crash on mid-stream (a query of death) broke the stream on every worker it was
+    continued on (prompt + text so far: the same input), and each reset took that worker out of rotation:
+    with ``max_failovers`` 2, three workers out for one request. A second reset of the same stream is the
+    request's doing: that worker stays, and the stream ends with its error event, not continued again."""
+    fleet = engines("poison_midreset", "poison_midreset", "poison_midreset")
+    with gateway(fleet, health={"interval_s": 30}) as gw:
+        healthy(gw)
+        r = complete(gw, stream=True, prompt="POISON pill")
+        assert r.status_code == 200 and events(r)[-1] == "[DONE]" and "error" in events(r)[-2], r.text
+        assert sum(1 for e in fleet if e.bodies) == 2  # the first worker, one continuation: no more
+        down = [w.id for w in gw.runtime.fleet.workers() if not w.health_ok]
+        assert len(down) <= 1, down  # (the first reset still looks like a crash: taken out at once)
+        assert complete(gw).status_code == 200
+
+
 def test_a_worker_marked_down_fails_its_in_flight_requests_over_at_once():
     hung, good = engines("hang", "ok")
     with gateway([hung, good], health={"interval_s": 0.3, "failure_threshold": 1},
