@@ -40,6 +40,7 @@ from orchestrator.disagg import sglang_flow, vllm_flow
 from orchestrator.errors import NoHealthyWorker
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
+from orchestrator.gateway.classify import ACCESS_STATUSES
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
 from orchestrator.gateway.transport import AnswerTooLarge, raw_headers, read_all, send_post
 from orchestrator.router.types import RouteDecision
@@ -56,7 +57,9 @@ MODE_LOCAL = "local"  # conditional disaggregation chose the decode worker's own
 MODE_FALLBACK = "fallback"  # a split was planned but the prefill side failed; decode prefilled locally
 
 # Prefill answers that mean "your request is wrong", not "I am broken": the decode step would say the same.
-_CLIENT_ERRORS = frozenset(range(400, 500)) - {408, 409, 429}
+# Not a refusal of the gateway's access (401/403/407, classify.ACCESS_STATUSES): that is about the prefill
+# worker's key or set-up, which the decode worker does not share; the decode worker prefills locally.
+_CLIENT_ERRORS = frozenset(range(400, 500)) - {408, 409, 429} - ACCESS_STATUSES
 
 SGLANG_MAX_PREFILL_TRIES = 3
 

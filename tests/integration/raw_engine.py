@@ -20,7 +20,7 @@ MODES = ("truncated", "close_before_headers", "bad_json_event", "bad_chunk_size"
          "status_400", "status_404", "empty_200", "array_200", "string_200", "no_choices_200",
          "stream_answered_whole", "close_delimited", "after_done", "html", "bad_status_line",
          "no_done_after_finish", "comment_events", "crlf", "lone_cr", "interim_1xx", "trailers", "gzip",
-         "huge_headers", "empty_choices", "short_length", "redirect")
+         "huge_headers", "empty_choices", "short_length", "redirect", "status_401")
 # well-formed answers, merely unusual: served whole by the engine itself
 WELL_FORMED = frozenset({"close_delimited", "after_done", "no_done_after_finish", "comment_events", "crlf",
                          "lone_cr", "interim_1xx", "trailers"})
