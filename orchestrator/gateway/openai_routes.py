@@ -198,6 +198,11 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
                 raise UpstreamError(502, f"The engine holding response '{response_id}' ({worker.id}) broke off its "
                                          f"answer: {type(e).__name__}.", code="upstream_broke_off") from None
             await upstream.aclose()
+            if upstream.status_code < 400 and (upstream.status_code != 200 or not _json_object(raw)):
+                raise UpstreamError(502, f"The engine holding response '{response_id}' ({worker.id}) answered HTTP "
+                                         f"{upstream.status_code} with a body that is not a JSON object ({len(raw)} "
+                                         f"bytes, starting {raw[:80].decode('utf-8', 'replace')!r}).",
+                                    code="bad_engine_answer")
     except ApiError as err:
         if upstream is not None:
             await upstream.aclose()
@@ -217,6 +222,13 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
     _close_record(rt, record, started, root)
     return Response(raw, status_code=upstream.status_code, media_type="application/json",
                     headers={"x-request-id": rid})
+
+
+def _json_object(raw: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(raw), dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 def _close_record(rt: GatewayRuntime, record: AccessRecord, started: float, root: tracing.OpenSpan) -> None:

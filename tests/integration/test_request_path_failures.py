@@ -261,6 +261,31 @@ def test_nothing_the_engine_sends_after_done_reaches_the_client(chat):
         assert "AFTER" not in r.text and not any("error" in e for e in ev if isinstance(e, dict))
 
 
+class _ResponsesEngine(RawEngine):
+    """Creates one stored response (``resp_abc``) on POST; its GETs get RawEngine's empty 200."""
+
+    def _answer(self, conn: socket.socket, stream: bool, chat: bool) -> bool:
+        body = json.dumps({"id": "resp_abc", "object": "response", "status": "completed", "model": MODEL,
+                           "output": [{"type": "message", "role": "assistant",
+                                       "content": [{"type": "output_text", "text": "hi"}]}]}).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        return True
+
+
+def test_garbage_for_a_stored_response_is_a_clear_502():
+    """GET /v1/responses/{id} goes to the one engine holding the response: an answer from it that is not a
+    JSON object (here an empty 200) was relayed as a 200 with an empty body."""
+    raw = _ResponsesEngine("x")
+    with gateway([raw]) as gw:
+        healthy(gw)
+        assert httpx.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": "hi"}, timeout=10).status_code == 200
+        r = httpx.get(f"{gw.url}/v1/responses/resp_abc", timeout=10)
+        assert r.status_code == 502, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "bad_engine_answer" and "w0" in err["message"], err
+
+
 def test_a_200_without_choices_is_retried_elsewhere_then_a_clear_502():
     bad, good = engines("no_choices", "ok")
     with gateway([bad, good]) as gw:
