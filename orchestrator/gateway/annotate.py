@@ -48,6 +48,14 @@ def output_budget(body: dict[str, Any]) -> int | None:
     return per_choice * sequences
 
 
+def one_prompt(body: dict[str, Any]) -> bool:
+    """False for a completions batch (``prompt``: several strings or token-id lists). The P/D hand-off
+    carries one prompt's KV (vLLM's prefill answer to a batch holds only the first prompt's
+    ``kv_transfer_params``; SGLang's bootstrap room is one per request), so a batch is never split."""
+    prompt = body.get("prompt")
+    return not (isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int))
+
+
 async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, model: str,
                    body: dict[str, Any], *, split_allowed: bool = True) -> RouteRequest:
     """The request as routing and admission see it, built once: the prompt's length (the model's
@@ -62,7 +70,8 @@ async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, mo
     req = RouteRequest(request_id=rid, model=model,
                        prompt_tokens=estimate_prompt_tokens(endpoint, body) if tracker is None else 0,
                        max_tokens=max_tokens, block_size=canonical.block_size if canonical is not None else 32,
-                       session_key=session_key_of(headers.get(session_header), body), split_allowed=split_allowed)
+                       session_key=session_key_of(headers.get(session_header), body),
+                       split_allowed=split_allowed and one_prompt(body))
     if tracker is None:
         return req
     out = await rt.router.annotate(req, body, endpoint)

@@ -230,8 +230,9 @@ class PdRoutingPolicy:
         if decision is None:  # every decode worker is draining towards another role
             return self.inner.choose(req, [w for w in candidates if w.target_role is None] or candidates, now)
         if decision.prefill_worker is None and not can_prefill_locally(decision.worker):
+            why = "" if req.split_allowed else "; this request is never split: /v1/responses or a batch of prompts"
             raise NoHealthyWorker(req.model, reason="no prefill worker is available for the "
-                                  f"{decision.worker.engine.value} decode workers (they cannot prefill)")
+                                  f"{decision.worker.engine.value} decode workers (they cannot prefill{why})")
         if self.on_decision is not None:
             self.on_decision(decision)
         return decision

@@ -63,8 +63,8 @@ class RouteRequest:
     peer_load: dict[str, PeerLoad] = field(default_factory=dict)  # worker id → other replicas' load
     session_key: str | None = None
     priority: int = 0
-    # False: prefill on the decode worker, never on a separate prefill worker (a route the P/D hand-off
-    # does not cover, e.g. /v1/responses)
+    # False: prefill on the decode worker, never on a separate prefill worker (a request the P/D hand-off
+    # does not cover: /v1/responses, a batch of prompts)
     split_allowed: bool = True
 
     def annotated(self, *, token_ids: Sequence[int] | None, prompt_tokens: int, block_size: int,

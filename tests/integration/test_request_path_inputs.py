@@ -162,3 +162,19 @@ def test_prompt_scoring_with_echo_and_max_tokens_0_is_forwarded():
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0, "echo": True}
         r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text  # (completions only)
+
+
+def test_a_batch_of_prompts_is_never_split():
+    """The P/D hand-off carries one prompt's KV: vLLM's prefill answer to a batch of prompts has only the first
+    prompt's ``kv_transfer_params``, which the decode step then applied to every prompt of the batch (the
+    others' KV read from the first one's blocks, theirs left leased on the prefill engine). A batch is
+    prefilled where it is decoded; one long prompt is still split."""
+    with fleet([("vllm", "prefill"), ("vllm", "decode")], connector="nixl") as (gw, engines):
+        prefill, decode = engines
+        for prompt in ([LONG, LONG + " and more"], [list(range(1, 200)), list(range(2, 300))]):
+            r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
+                           timeout=10)
+            assert r.status_code == 200, r.text
+            assert not prefill.bodies and "kv_transfer_params" not in decode.bodies[-1], decode.bodies[-1]
+        r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200 and len(prefill.bodies) == 1 and decode.bodies[-1]["kv_transfer_params"]
