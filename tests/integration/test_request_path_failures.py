@@ -371,19 +371,30 @@ def test_a_request_that_stalls_on_every_worker_is_the_requests_fault():
     """An input that keeps an engine busy with no sign of work before its first token (a grammar that
     takes long to compile, images the prompt estimate does not count) stalls on every idle worker. The
     stall watchdog pulls it from each; when each pull counted against its worker, a handful of such
-    requests opened every breaker. A stall the same request gets again on a second worker is the
-    request's doing (as for a 5xx): nobody's breaker counts it; a stall where another worker answers
-    stays the worker's (test_a_hung_engine_loses_its_requests_and_its_traffic_while_health_answers)."""
+    requests opened every breaker. A stall the same request gets again on a second worker that was
+    answering other requests shortly before is the request's doing (as for a 5xx): nobody's breaker
+    counts it. A fleet whose engines all hang answers nothing: its stalls still open the breakers, and
+    /ready says so; a stall where another worker answers stays the worker's
+    (test_a_hung_engine_loses_its_requests_and_its_traffic_while_health_answers)."""
+    cfg = {"resilience": {"stall_timeout_s": 0.5, "stall_prefill_tokens_per_s": 1e6}}
     fleet = engines("poison_hang", "poison_hang")
-    with gateway(fleet, resilience={"stall_timeout_s": 0.5, "stall_prefill_tokens_per_s": 1e6}) as gw:
+    with gateway(fleet, **cfg) as gw:
         healthy(gw)
         for _ in range(4):  # (breakers open after 3 here)
+            for _ in range(2):
+                assert complete(gw).status_code == 200  # the fleet serves other requests meanwhile
             r = complete(gw, prompt="POISON pill")
             assert r.status_code >= 500 and r.json()["error"]["message"], r.text
         assert breakers(gw) == {}
         assert complete(gw).status_code == 200
         ready = httpx.get(f"{gw.url}/ready")
         assert ready.status_code == 200 and ready.json()["models"][MODEL]["usable_workers"] == 2
+    with gateway(engines("hang", "hang"), **cfg) as gw:
+        healthy(gw)
+        for _ in range(4):
+            assert complete(gw).status_code >= 500
+        assert breakers(gw) == {"w0": "open", "w1": "open"}
+        assert httpx.get(f"{gw.url}/ready").status_code == 503
 
 
 def test_a_request_every_worker_drops_the_connection_on_is_the_requests_fault():
