@@ -15,8 +15,8 @@ wrong; Dyad does the same so that a handful of bad requests cannot open every br
 * **request-caused** — any other engine 4xx (the worker is fine: it answered), the same 5xx status,
   garbage, stall or dropped connection again on a second worker (the request is what fails: an input
   that trips an engine bug, or keeps it busy before its first token without a sign of work, say; a
-  stall only where that worker was answering others shortly before), a first-byte timeout while the
-  worker kept serving others. These go back to the client once and count against nobody.
+  stall or a drop only where that worker was answering others shortly before), a first-byte timeout
+  while the worker kept serving others. These go back to the client once and count against nobody.
 * **busy** — a 429 (the engine, or a proxy in front of it, sheds load): the request is tried on another
   worker like a 5xx, and the same 429 everywhere goes back to the client; it counts against nobody.
 
@@ -87,8 +87,9 @@ def error_in_answer(obj: Any) -> tuple[int, dict[str, Any]] | None:
 
 GARBAGE = "garbage"  # what SecondOpinion holds for an answer that is not one (5xx answers: their status)
 STALLED = "stalled"  # ... and for a try the stall watchdog pulled (no sign of work on it: attempt.py)
-# A stall again on a second worker is the request's only if that worker answered something within this many
-# stall timeouts before (proxy._served_lately): engines that all hang answer nothing, and their stalls count.
+# A stall or dropped connection again on a second worker is the request's only if that worker answered something
+# within this many stall timeouts before (proxy._served_lately): engines that all hang (or drop every request)
+# answer nothing, and their failures count.
 SERVED_LATELY_STALLS = 4
 DROPPED = "protocol"  # ... and for a connection the engine closed before answering (the label it always had)
 

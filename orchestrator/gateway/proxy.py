@@ -515,7 +515,7 @@ class ProxyResponse:
         engine bug, or keeps it busy without a sign), counted against nobody; where another worker answers
         it was the worker's. Tried elsewhere while a worker is left."""
         self.error_class = "bad_engine_answer" if failure == classify.GARBAGE else failure
-        if self._judge.same_again(failure) and (failure != classify.STALLED or self._served_lately(attempt)):
+        if self._judge.same_again(failure) and (failure == classify.GARBAGE or self._served_lately(attempt)):
             attempt.request_failed()
             self._settle_held(request_caused=True)
             raise err
@@ -528,9 +528,10 @@ class ProxyResponse:
         raise _Retry(err)
 
     def _served_lately(self, attempt: Attempt) -> bool:
-        """Did the worker answer any request shortly before this one stalled on it (a first token or an
-        answer within ``classify.SERVED_LATELY_STALLS`` stall timeouts)? An input that stalls every worker
-        leaves them answering others; a fleet whose engines all hang answers nothing, and its stalls count."""
+        """Did the worker answer any request shortly before this one stalled or was dropped on it (a first
+        token or an answer within ``classify.SERVED_LATELY_STALLS`` stall timeouts)? An input that stalls
+        or drops every worker leaves them answering others; engines that all hang or drop every request
+        answer nothing, and their failures count."""
         last = attempt.decision.worker.last_progress_at
         window = classify.SERVED_LATELY_STALLS * self.rt.config.resilience.stall_timeout_s
         return last is not None and attempt.started - last < window

@@ -401,17 +401,25 @@ def test_a_request_every_worker_drops_the_connection_on_is_the_requests_fault():
     """An input its engine closes the connection on, before any answer (a request-level crash, a proxy in
     front refusing it): each drop took its worker out of rotation at once, so one such request took the
     whole fleet out until the next health round, and a client sending one per round kept it there. The
-    same drop on a second worker is the request's doing (as a 5xx): a 502 naming it, every worker stays;
-    a drop where another worker answers still takes the worker out at once."""
+    same drop on a second worker that was answering others shortly before is the request's doing (as a
+    5xx): a 502 naming it, every worker stays; a drop where another worker answers, or by engines that
+    answer nothing, still takes the worker out at once."""
     fleet = engines("poison_reset", "poison_reset")
     with gateway(fleet, health={"interval_s": 30}) as gw:
         healthy(gw)
         for _ in range(4):  # (breakers open after 3 here)
+            for _ in range(2):
+                assert complete(gw).status_code == 200  # the fleet serves other requests meanwhile
             r = complete(gw, prompt="POISON pill")
             assert r.status_code == 502 and "closed the connection" in r.json()["error"]["message"], r.text
         assert breakers(gw) == {}
         assert all(w.health_ok for w in gw.runtime.fleet.workers())
         assert complete(gw).status_code == 200
+    # engines that drop every request (while /health answers) answer nothing: out of rotation, as before
+    with gateway(engines("poison_reset", "poison_reset"), health={"interval_s": 30}) as gw:
+        healthy(gw)
+        assert complete(gw, prompt="POISON pill").status_code >= 500
+        assert not any(w.health_ok for w in gw.runtime.fleet.workers())
     dropping, good = engines("poison_reset", "ok")
     with gateway([dropping, good], health={"interval_s": 30}) as gw:
         healthy(gw)
