@@ -56,6 +56,18 @@ def one_prompt(body: dict[str, Any]) -> bool:
     return not (isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int))
 
 
+def forks(body: dict[str, Any]) -> bool:
+    """True when the engine forks the request into several sequences (``n`` or ``best_of`` above 1). vLLM
+    gives each child a shallow copy of the sampling parameters, so every child would read the same remote
+    blocks under one transfer, which the prefill engine releases after the first read: such a request is
+    prefilled on its decode worker wherever that worker can prefill (``RouteRequest.prefer_local``)."""
+    for name in ("n", "best_of"):
+        v = body.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+            return True
+    return False
+
+
 async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, model: str,
                    body: dict[str, Any], *, split_allowed: bool = True) -> RouteRequest:
     """The request as routing and admission see it, built once: the prompt's length (the model's
@@ -71,7 +83,7 @@ async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, mo
                        prompt_tokens=estimate_prompt_tokens(endpoint, body) if tracker is None else 0,
                        max_tokens=max_tokens, block_size=canonical.block_size if canonical is not None else 32,
                        session_key=session_key_of(headers.get(session_header), body),
-                       split_allowed=split_allowed and one_prompt(body))
+                       split_allowed=split_allowed and one_prompt(body), prefer_local=forks(body))
     if tracker is None:
         return req
     out = await rt.router.annotate(req, body, endpoint)

@@ -66,6 +66,9 @@ class RouteRequest:
     # False: prefill on the decode worker, never on a separate prefill worker (a request the P/D hand-off
     # does not cover: /v1/responses, a batch of prompts)
     split_allowed: bool = True
+    # True: prefill on the decode worker whenever it can (a request the engine forks into several sequences,
+    # ``n``/``best_of`` > 1: vLLM's children would share one hand-off); split only where it cannot (SGLang)
+    prefer_local: bool = False
 
     def annotated(self, *, token_ids: Sequence[int] | None, prompt_tokens: int, block_size: int,
                   block_hashes: list[int], overlaps: dict[str, Overlap], peer_load: dict[str, PeerLoad],
@@ -73,13 +76,13 @@ class RouteRequest:
         """This request with what the prefix tracker found (tokens, block hashes, overlaps, peer load)."""
         return RouteRequest(self.request_id, self.model, prompt_tokens, self.max_tokens, token_ids, block_hashes,
                             block_size, overlaps, self.inflight_overlaps, peer_load, session_key, self.priority,
-                            self.split_allowed)
+                            self.split_allowed, self.prefer_local)
 
     def with_inflight(self, inflight_overlaps: dict[str, int]) -> RouteRequest:
         """This request for one try: with the leading blocks each worker is still prefilling for others."""
         return RouteRequest(self.request_id, self.model, self.prompt_tokens, self.max_tokens, self.token_ids,
                             self.block_hashes, self.block_size, self.overlaps, inflight_overlaps, self.peer_load,
-                            self.session_key, self.priority, self.split_allowed)
+                            self.session_key, self.priority, self.split_allowed, self.prefer_local)
 
 
 @dataclass

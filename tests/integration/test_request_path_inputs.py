@@ -164,11 +164,12 @@ def test_prompt_scoring_with_echo_and_max_tokens_0_is_forwarded():
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text  # (completions only)
 
 
-def test_a_batch_of_prompts_is_never_split():
+def test_a_batch_of_prompts_is_never_split_and_several_sequences_are_prefilled_locally():
     """The P/D hand-off carries one prompt's KV: vLLM's prefill answer to a batch of prompts has only the first
     prompt's ``kv_transfer_params``, which the decode step then applied to every prompt of the batch (the
-    others' KV read from the first one's blocks, theirs left leased on the prefill engine). A batch is
-    prefilled where it is decoded; one long prompt is still split."""
+    others' KV read from the first one's blocks, theirs left leased on the prefill engine). ``n`` or ``best_of``
+    above 1 makes vLLM fork children that share one transfer: a vLLM decode worker prefills those itself. One
+    long prompt for one sequence is still split."""
     with fleet([("vllm", "prefill"), ("vllm", "decode")], connector="nixl") as (gw, engines):
         prefill, decode = engines
         for prompt in ([LONG, LONG + " and more"], [list(range(1, 200)), list(range(2, 300))]):
@@ -176,5 +177,13 @@ def test_a_batch_of_prompts_is_never_split():
                            timeout=10)
             assert r.status_code == 200, r.text
             assert not prefill.bodies and "kv_transfer_params" not in decode.bodies[-1], decode.bodies[-1]
-        r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 2}, timeout=10)
+        # several sequences from one prompt: vLLM's children would share one transfer (a shallow copy)
+        for extra, endpoint in (({"n": 2}, "completions"), ({"best_of": 3}, "completions"), ({"n": 2}, "chat/completions")):
+            body = {"model": MODEL, "max_tokens": 2, **extra}
+            body.update({"messages": [{"role": "user", "content": LONG}]} if endpoint.startswith("chat") else {"prompt": LONG})
+            r = httpx.post(f"{gw.url}/v1/{endpoint}", json=body, timeout=10)
+            assert r.status_code == 200, r.text
+            assert not prefill.bodies and "kv_transfer_params" not in decode.bodies[-1], (extra, decode.bodies[-1])
+        r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 2, "n": 1},
+                       timeout=10)
         assert r.status_code == 200 and len(prefill.bodies) == 1 and decode.bodies[-1]["kv_transfer_params"]

@@ -204,3 +204,21 @@ def test_a_request_that_may_not_be_split_prefills_on_its_decode_worker():
     long = dataclasses.replace(long, split_allowed=False)  # e.g. /v1/responses: the P/D hand-off does not cover it
     d = policy.choose(long, [w("d0", Role.DECODE)], 0.0)
     assert d.prefill_worker is None and d.worker.id == "d0"
+
+
+def test_a_request_forked_into_several_sequences_is_prefilled_where_it_is_decoded_if_it_can_be():
+    """``n``/``best_of`` > 1 (``prefer_local``): vLLM's children would share one hand-off, so a vLLM decode
+    worker prefills it itself; an SGLang decode server cannot, so there it is still split."""
+    from adapters.base import EngineKind
+    forked = dataclasses.replace(req(2000), prefer_local=True)
+    fleet = [w("p0", Role.PREFILL), w("d0", Role.DECODE)]
+    d = select_pair(forked, fleet, 0.0, S)
+    assert d.worker.id == "d0" and d.prefill_worker is None and "several sequences" in d.reason
+    assert select_pair(req(2000), fleet, 0.0, S).prefill_worker is not None  # one sequence: split as before
+    sglang = [w("p0", Role.PREFILL, engine=EngineKind.SGLANG), w("d0", Role.DECODE, engine=EngineKind.SGLANG)]
+    d = select_pair(forked, sglang, 0.0, S)
+    assert d.prefill_worker is not None and d.prefill_worker.id == "p0"
+    # and it survives the per-try copies the router makes
+    assert forked.with_inflight({}).prefer_local and forked.annotated(
+        token_ids=None, prompt_tokens=2000, block_size=32, block_hashes=[], overlaps={}, peer_load={},
+        session_key=None).prefer_local

@@ -14,7 +14,7 @@ def full() -> RouteRequest:
     values = {"request_id": "r", "model": "m", "prompt_tokens": 7, "max_tokens": 9, "token_ids": [1, 2],
               "block_hashes": [11], "block_size": 16, "overlaps": {"w": Overlap(1, 1.0)},
               "inflight_overlaps": {"w": 1}, "peer_load": {"w": PeerLoad(1, 2)}, "session_key": "s",
-              "priority": 2, "split_allowed": False}
+              "priority": 2, "split_allowed": False, "prefer_local": True}
     assert set(values) == {f.name for f in dataclasses.fields(RouteRequest)}, "a new field: add it here and to the copies"
     return RouteRequest(**values)
 
