@@ -166,8 +166,13 @@ def test_engine_dies_mid_stream_and_the_stream_completes_on_the_other(pair, endp
     if endpoint == CHAT:
         assert sum(1 for ch in content if "role" in ch.get("delta", {})) == 1
     assert chunks[-1]["usage"]["completion_tokens"] == 12
-    text = gw.runtime.metrics.render().decode()
-    assert 'dyad_stream_failovers_total{outcome="continued"} 1.0' in text
+    # One failover: a continuation after the tokens the client has, or (when the engine's reset came before the
+    # gateway read any token: under load the kernel drops unread bytes on a reset) a start-over from the
+    # beginning, which the client cannot tell apart (the preamble is held until the first token).
+    reg = gw.runtime.metrics.registry
+    outcomes = {o: reg.get_sample_value("dyad_stream_failovers_total", {"outcome": o}) or 0.0
+                for o in ("continued", "restarted", "completed", "error_event")}
+    assert outcomes["continued"] + outcomes["restarted"] == 1.0 and outcomes["error_event"] == 0.0, outcomes
 
 
 def test_a_stream_that_cannot_be_continued_ends_with_an_error_event(pair):
