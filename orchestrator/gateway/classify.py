@@ -3,11 +3,11 @@
 Envoy's outlier detection separates what an upstream host does wrong from what a request does
 wrong; Dyad does the same so that a handful of bad requests cannot open every breaker:
 
-* **worker-caused** — it could not be reached, answered bytes that are not HTTP, or closed the
+* **worker-caused** — it could not be reached or answered bytes that are not HTTP; or it closed the
   connection before answering, stalled (did no work at all while a request waited:
-  ``Attempt.worker_progressed``) or answered a 5xx or garbage (a body that is not the answer: not JSON, no choices, not server-sent
-  events for a stream) that **the same request does not get elsewhere**. These feed the worker's
-  breaker (and take it out of rotation when it looks down).
+  ``Attempt.worker_progressed``) or answered a 5xx or garbage (a body that is not the answer: not JSON,
+  no choices, not server-sent events for a stream) that **the same request does not get elsewhere**.
+  These feed the worker's breaker (and take it out of rotation when it looks down).
 * **the gateway's access** — an engine 401/403/407 is about the gateway's own key for that worker
   (``workers[].api_key``) or the engine's set-up, never the client's: a client's credentials never
   reach an engine. Judged like a 5xx (below); the client gets a 502 naming the setting, never the
@@ -20,8 +20,8 @@ wrong; Dyad does the same so that a handful of bad requests cannot open every br
 * **busy** — a 429 (the engine, or a proxy in front of it, sheds load): the request is tried on another
   worker like a 5xx, and the same 429 everywhere goes back to the client; it counts against nobody.
 
-A 5xx, garbage, a stall or a dropped connection is therefore judged only when the next try's result is known: ``SecondOpinion`` holds
-it until then. One with no second opinion possible (the last try, or no other worker) counts against
+A 5xx, garbage, a stall or a dropped connection is therefore judged only when the next try's result is
+known: ``SecondOpinion`` holds it until then. One with no second opinion possible (the last try, or no other worker) counts against
 the worker: without a comparison it is the worker's answer.
 """
 
@@ -96,10 +96,10 @@ DROPPED = "protocol"  # ... and for a connection the engine closed before answer
 
 @dataclass
 class SecondOpinion:
-    """Failures of one request waiting for a second opinion (see the module docstring): a 5xx status,
-    or ``GARBAGE``."""
+    """Failures of one request waiting for a second opinion (see the module docstring): a 5xx (or
+    access-refused) status, ``GARBAGE``, ``STALLED`` or ``DROPPED``."""
 
-    pending: list[tuple[str, int | str]] = field(default_factory=list)  # (worker id, status or GARBAGE)
+    pending: list[tuple[str, int | str]] = field(default_factory=list)  # (worker id, status or kind)
 
     def hold(self, worker_id: str, failure: int | str) -> None:
         self.pending.append((worker_id, failure))

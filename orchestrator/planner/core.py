@@ -1131,16 +1131,23 @@ class Planner:
         return actions
 
 
+def _horizon_ratios(series: Sequence[float], steps: int) -> list[float | None]:
+    """For every interval ``k`` whose next ``steps`` intervals are known, in order: (the largest value of
+    those) / (the largest of the ``steps`` intervals ending at ``k``), at least 1; None where that
+    horizon held nothing."""
+    m = max(1, steps)
+    out: list[float | None] = []
+    for k in range(m - 1, len(series) - m):
+        held = max(series[k - m + 1:k + 1])
+        out.append(max(1.0, max(series[k + 1:k + 1 + m]) / held) if held > 0 else None)
+    return out
+
+
 def horizon_ratios(series: Sequence[float], steps: int) -> list[float]:
     """``horizon_rise``'s ratios, one per interval ``k`` whose next ``steps`` intervals are known, in order
     (1 where the horizon before ``k`` held nothing): the same ``k`` for two roles' series line up, so a
     shortfall of both roles in the same horizon can be told from shortfalls that come apart."""
-    m = max(1, steps)
-    out = []
-    for k in range(m - 1, len(series) - m):
-        held = max(series[k - m + 1:k + 1])
-        out.append(max(1.0, max(series[k + 1:k + 1 + m]) / held) if held > 0 else 1.0)
-    return out
+    return [1.0 if r is None else r for r in _horizon_ratios(series, steps)]
 
 
 def horizon_rise(series: Sequence[float], steps: int, memory: int, q: float) -> float:
@@ -1153,12 +1160,7 @@ def horizon_rise(series: Sequence[float], steps: int, memory: int, q: float) -> 
     for prefill, the peak decode streams in flight). Capacity held for the horizon's peak misses exactly
     this rise: a worker started once the rise is seen serves a horizon later. A ratio, so it carries
     over from a quiet hour to a busy one and scales the insurance with the load."""
-    m = max(1, steps)
-    ratios = []
-    for k in range(m - 1, len(series) - m):
-        held = max(series[k - m + 1:k + 1])
-        if held > 0:
-            ratios.append(max(1.0, max(series[k + 1:k + 1 + m]) / held))
+    ratios = [r for r in _horizon_ratios(series, steps) if r is not None]
     if memory > 0:
         ratios = ratios[-memory:]
     return max(1.0, _quantile(ratios, q)) if ratios else 1.0
