@@ -362,6 +362,10 @@ class HttpProtocol(asyncio.Protocol):
         if exc is None:
             self.transport.close()
         self.parser = None  # type: ignore[assignment]
+        # (each cycle points back here: let go of them, so the connection is freed by reference counts
+        # when its last request ends; the cycles still running need nothing from these fields)
+        self.active = self.cycle = None
+        self.pipeline.clear()
 
     def eof_received(self) -> None:
         pass

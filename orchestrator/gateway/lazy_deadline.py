@@ -38,8 +38,10 @@ class LazyDeadline:
         self.when = None
 
     def cancel(self) -> None:
-        """No deadline, and no timer left on the loop (the connection is closing)."""
+        """No deadline, and no timer left on the loop (the connection is closing). The callback is let go:
+        it is usually a method of the deadline's owner, which holds the deadline (a reference cycle)."""
         self.when = None
+        self._fire = _nothing
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -55,3 +57,7 @@ class LazyDeadline:
             return
         self.when = None
         self._fire()
+
+
+def _nothing() -> None:
+    pass

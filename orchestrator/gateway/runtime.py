@@ -29,7 +29,7 @@ from orchestrator.gateway.executor import AggregatedExecutor, Executor
 from orchestrator.gateway.resilience import Backoff, CircuitBreakers
 from orchestrator.gateway.shutdown import ShutdownState
 from orchestrator.gateway.tls import engine_ssl_context
-from orchestrator.gateway.transport import FastTransport
+from orchestrator.gateway.transport import EngineClient, FastTransport
 from orchestrator.router.policies import make_policy
 from orchestrator.router.router import PrefixTracker, Router
 from orchestrator.router.types import RouteDecision
@@ -54,7 +54,8 @@ def default_adapter_for(kind: EngineKind) -> EngineAdapter:
 
 
 def http_client(config: DyadConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The pooled client for every engine call, on the lean HTTP/1.1 transport (``transport.py``).
+    """The pooled client for every engine call, on the lean HTTP/1.1 transport (``transport.py``), as an
+    ``EngineClient`` (no reference cycle per answer).
     Read timeout = first-byte timeout (also the longest silence allowed between streamed chunks);
     the whole request is bounded by the proxy."""
     gw = config.gateway
@@ -62,7 +63,7 @@ def http_client(config: DyadConfig, transport: httpx.AsyncBaseTransport | None =
         transport = FastTransport(https=httpx.AsyncHTTPTransport(
             verify=engine_ssl_context(gw.engine_tls), trust_env=False,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60)))
-    return httpx.AsyncClient(
+    return EngineClient(
         timeout=httpx.Timeout(connect=gw.connect_timeout_s, read=gw.first_byte_timeout_s,
                               write=gw.connect_timeout_s, pool=gw.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60),

@@ -461,6 +461,46 @@ def _target(url: str) -> tuple[tuple[str, int], bytes]:
     return target
 
 
+class EngineClient(httpx.AsyncClient):
+    """``httpx.AsyncClient`` whose answers leave no reference cycle behind. httpx binds each answer's
+    stream to the answer (``BoundAsyncStream`` → response → stream), so every health check, scrape or
+    tokenize call would otherwise leave its request, response and headers for the garbage collector.
+    A read answer gets a plain copy of its bytes as its stream; a streamed one drops the bond when it is
+    closed."""
+
+    async def send(self, request: httpx.Request, *, stream: bool = False, **kwargs: Any) -> httpx.Response:
+        response = await super().send(request, stream=stream, **kwargs)
+        if stream:
+            response.stream = _Unbinding(response)
+        elif response.is_closed:
+            response.stream = httpx.ByteStream(response.content)
+        return response
+
+
+class _Unbinding(httpx.AsyncByteStream):
+    """A streamed answer's stream that, once closed, lets go of the answer (see ``EngineClient``)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response: httpx.Response | None = response
+        self._inner: Any = response.stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._inner:
+            yield chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            response = self._response
+            if response is not None:
+                self._response = None
+                response.stream = _CLOSED
+
+
+_CLOSED = httpx.ByteStream(b"")
+
+
 async def send_post(http: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
     """POST with ``http``'s timeouts and return once the response headers are in (body unread).
 
