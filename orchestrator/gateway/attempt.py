@@ -7,7 +7,7 @@ and the fleet's view of the worker (marked failed when it looks down). It ends e
 classified outcome (``classify.py``):
 
 * ``ok`` — answered (a 4xx the engine gives for this request's own fault is also "ok" for the worker);
-* ``worker`` — the worker is at fault (connect error, reset, stall, garbage, a 5xx the same request does
+* ``worker`` — the worker is at fault (connect error, stall, a reset, garbage or 5xx the same request does
   not get elsewhere): the breaker counts it, and ``down=True`` takes the worker out of rotation now;
 * ``request`` — the request is at fault (an engine 4xx, the same error on a second worker, a slow
   answer while the worker serves others): nothing counts against the worker;

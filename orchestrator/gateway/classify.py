@@ -21,7 +21,10 @@ wrong; Dyad does the same so that a handful of bad requests cannot open every br
   worker like a 5xx, and the same 429 everywhere goes back to the client; it counts against nobody.
 
 A 5xx, garbage, a stall or a dropped connection is therefore judged only when the next try's result is
-known: ``SecondOpinion`` holds it until then. One with no second opinion possible (the last try, or no other worker) counts against
+known: ``SecondOpinion`` holds it until then. A stream that breaks after its first bytes (reset, garbage,
+an end without the protocol's end) is held the same way until its continuation on another worker ends
+(``failover.StreamRelay``): the same break again is the request's, a continuation that ends otherwise
+makes it the worker's. One with no second opinion possible (the last try, or no other worker) counts against
 the worker: without a comparison it is the worker's answer.
 """
 

@@ -39,6 +39,7 @@ import orjson
 
 from adapters.base import EngineKind
 from orchestrator.errors import ApiError
+from orchestrator.gateway import classify
 from orchestrator.gateway.attempt import aborted_by_gateway
 from orchestrator.gateway.executor import UpstreamCall
 from orchestrator.gateway.stream_protocol import OpenAIChunks, StreamProtocol, protocol_for
@@ -381,6 +382,7 @@ class StreamRelay:
         self.chat = proxy.call.endpoint == CHAT
         self.failovers = 0
         self.breaks: list[str] = []  # how each upstream of this stream broke (kinds, in order)
+        self.judge = classify.SecondOpinion()  # breaks held until the continuation shows whose they were
         self.events = 0  # data: events relayed
         self.held: list[bytes] | None = [] if self.protocol.holds_preamble else None  # (until the first token)
         self.on_bytes: Callable[[bytes], None] | None = None  # sees every body relayed (ITL: TokenTimer.on_bytes)
@@ -406,6 +408,9 @@ class StreamRelay:
                 break
             response = next_response
             p.upstream = response  # the proxy closes whatever is current when it is done
+        # Breaks held for the continuation's opinion: it ended without breaking the same way (complete, or no
+        # other worker could take it), so they were their workers'. (A client that leaves first settles none.)
+        p.settle_held(False, self.judge)
         p.done = True  # from here a disconnect is the end of our own response, not the client leaving
         content = self.events - (1 if self.recorder.done else 0) - (1 if self.chat else 0)
         p.relayed_tokens = max(0, self.protocol.content_events(self.events, self.recorder.done, content))
@@ -544,11 +549,19 @@ class StreamRelay:
             attempt.request_failed()  # the worker serves others: this stream is slow, not the worker
         elif self._repeated():
             attempt.request_failed()  # the same break again: the request's doing, not this worker's
+            self.proxy.settle_held(True, self.judge)  # (nor the earlier workers' it broke the same way on)
         elif kind == "aborted":
             attempt.worker_failed("stalled" if attempt.stalled else "down", failure)
+        elif kind in _REPEATABLE:
+            # Judged by the continuation, as a 5xx is by the next try (classify.py): it carries the same
+            # input, so the same break there is the request's (a query of death), and a continuation that
+            # ends well makes this the worker's (``run`` settles it). Meanwhile the worker stays in rotation
+            # and its other streams go on: a dead engine refuses the next connection (out at once then),
+            # and each of its own streams breaks and is continued by itself.
+            attempt.request_failed()
+            self.judge.hold(attempt.worker_id, "stream" if kind != "garbage" else "garbage")
         else:
-            attempt.worker_failed("stream" if kind != "garbage" else "garbage", f"stream broke: {failure}",
-                                  down=kind == "reset")
+            attempt.worker_failed("stream", f"stream broke: {failure}")
 
     def _end_attempt(self, kind: str, failure: str) -> Worker:
         """The broken upstream's attempt ends (classified); returns its worker."""

@@ -284,7 +284,7 @@ class ProxyResponse:
                             "worker": decision.worker.id, "predicted_cached_tokens": decision.predicted_cached_tokens,
                             "prefill_worker": decision.prefill_worker.id if decision.prefill_worker else ""})
             except NoHealthyWorker:
-                self._settle_held(request_caused=False)  # no second opinion: the held 5xx were the workers'
+                self.settle_held(request_caused=False)  # no second opinion: the held 5xx were the workers'
                 if last_error is not None:
                     raise last_error from None
                 raise
@@ -353,7 +353,7 @@ class ProxyResponse:
                 attempt.worker_failed("protocol", f"answer broke off: {type(e).__name__}: {e}", down=True)
                 raise _Retry(UpstreamError(502, f"The answer from the engine ({worker.id}) broke off: "
                                                 f"{type(e).__name__}: {e}.", code="upstream_broke_off")) from None
-            self._settle_held(request_caused=False)  # another worker streams it: held 5xx were the workers'
+            self.settle_held(request_caused=False)  # another worker streams it: held 5xx were the workers'
             return None
         except AttemptFailed as e:
             if e.kind == "timeout":
@@ -408,7 +408,7 @@ class ProxyResponse:
         """A non-streamed answer longer than ``gateway.max_answer_bytes``: no retry (the same request would
         produce as much elsewhere), held against nobody."""
         attempt.request_failed()
-        self._settle_held(request_caused=False)
+        self.settle_held(request_caused=False)
         self.error_class = "answer_too_large"
         raise UpstreamError(502, f"The engine's answer ({attempt.worker_id}) is longer than {limit} bytes "
                                  "(gateway.max_answer_bytes); ask for less (max_tokens, n, logprobs) or stream it.",
@@ -419,7 +419,7 @@ class ProxyResponse:
         checked, so it is not relayed; the worker's fault (another worker may do better)."""
         name = encoding[:40].decode("latin-1")
         attempt.worker_failed("garbage", f"answered with Content-Encoding {name!r}")
-        self._settle_held(request_caused=False)
+        self.settle_held(request_caused=False)
         self.error_class = "bad_engine_answer"
         raise _Retry(UpstreamError(502, f"The engine ({attempt.worker_id}) answered HTTP {status} with Content-Encoding "
                                         f"{name!r}; the gateway asks engines for identity encoding (uncompressed) "
@@ -435,18 +435,18 @@ class ProxyResponse:
             err.headers["Retry-After"] = classify.retry_after(retry_after, self.rt.config.gateway.retry_after_s)
         if status not in classify.RETRY_STATUSES:
             attempt.request_failed(alive=True)
-            self._settle_held(request_caused=True)
+            self.settle_held(request_caused=True)
             self.error_class = "engine_rejected"
             raise err
         if self._judge.same_again(status):  # the same 5xx on a second worker: the request's doing
             attempt.request_failed()
-            self._settle_held(request_caused=True)
+            self.settle_held(request_caused=True)
             self.error_class = "engine_error"
             raise err
         if last_try or not self._other_worker_left(attempt):
             attempt.request_failed()
             self._judge.hold(attempt.worker_id, status)
-            self._settle_held(request_caused=False)
+            self.settle_held(request_caused=False)
             self.error_class = "engine_error"
             raise err
         attempt.request_failed()  # provisionally: judged by the next try
@@ -457,12 +457,15 @@ class ProxyResponse:
         blocked = self.rt.breakers.blocked(self.rt.clock.now())
         return any(w.id not in self._tried and w.id not in blocked for w in self.rt.router.candidates(self.call.model))
 
-    def _settle_held(self, request_caused: bool) -> None:
-        if not self._judge.pending:  # (nothing held: the usual case)
+    def settle_held(self, request_caused: bool, judge: classify.SecondOpinion | None = None) -> None:
+        """Count the failures held for a second opinion against their workers, unless ``request_caused``.
+        ``judge``: another holder than this request's tries (the stream relay's mid-stream breaks)."""
+        judge = judge or self._judge
+        if not judge.pending:  # (nothing held: the usual case)
             return
         rt = self.rt
         now = rt.clock.now()
-        for wid, failure in self._judge.settle(request_caused):
+        for wid, failure in judge.settle(request_caused):
             rt.metrics.upstream_errors.labels(wid, failure if isinstance(failure, str) else f"http_{failure}").inc()
             if failure in classify.BUSY_STATUSES:
                 continue
@@ -492,7 +495,7 @@ class ProxyResponse:
                 self._bad_answer(attempt, status, body, f"has no {need}", f"a JSON object without {need}", last_try)
             if need == "choices" and not answer:  # (an empty output may be a response with nothing to say)
                 self._bad_answer(attempt, status, body, "has no choice in choices", "an empty choices list", last_try)
-        self._settle_held(request_caused=False)
+        self.settle_held(request_caused=False)
         usage = obj.get("usage")
         self.usage = usage if isinstance(usage, dict) else None
         if self.usage is None:
@@ -517,11 +520,11 @@ class ProxyResponse:
         self.error_class = "bad_engine_answer" if failure == classify.GARBAGE else failure
         if self._judge.same_again(failure) and (failure == classify.GARBAGE or self._served_lately(attempt)):
             attempt.request_failed()
-            self._settle_held(request_caused=True)
+            self.settle_held(request_caused=True)
             raise err
         if last_try or not self._other_worker_left(attempt):
             attempt.worker_failed(failure, message, down=failure == classify.DROPPED)  # no second opinion
-            self._settle_held(request_caused=False)
+            self.settle_held(request_caused=False)
             raise err
         attempt.request_failed()  # provisionally: judged by the next try
         self._judge.hold(attempt.worker_id, failure)

@@ -432,16 +432,62 @@ def test_a_stream_that_breaks_the_same_way_on_its_continuation_is_not_continued_
     """A request its engines crash on mid-stream (a query of death) broke the stream on every worker it was
     continued on (prompt + text so far: the same input), and each reset took that worker out of rotation:
     with ``max_failovers`` 2, three workers out for one request. A second reset of the same stream is the
-    request's doing: that worker stays, and the stream ends with its error event, not continued again."""
+    request's doing: that worker stays, and the stream ends with its error event, not continued again. The
+    first reset is judged by the continuation too: the same break there makes it the request's as well, so
+    such requests, one after another, take no worker out and open no breaker."""
     fleet = engines("poison_midreset", "poison_midreset", "poison_midreset")
     with gateway(fleet, health={"interval_s": 30}) as gw:
         healthy(gw)
-        r = complete(gw, stream=True, prompt="POISON pill")
-        assert r.status_code == 200 and events(r)[-1] == "[DONE]" and "error" in events(r)[-2], r.text
-        assert sum(1 for e in fleet if e.bodies) == 2  # the first worker, one continuation: no more
-        down = [w.id for w in gw.runtime.fleet.workers() if not w.health_ok]
-        assert len(down) <= 1, down  # (the first reset still looks like a crash: taken out at once)
-        assert complete(gw).status_code == 200
+        for i in range(4):  # (breakers open after 3 here)
+            r = complete(gw, stream=True, prompt="POISON pill")
+            assert r.status_code == 200 and events(r)[-1] == "[DONE]" and "error" in events(r)[-2], r.text
+            if i == 0:
+                assert sum(1 for e in fleet if e.bodies) == 2  # the first worker, one continuation: no more
+            assert complete(gw, stream=True).status_code == 200
+        assert sum(len(e.bodies) for e in fleet) == 4 * 3
+        assert breakers(gw) == {}
+        assert [w.id for w in gw.runtime.fleet.workers() if not w.health_ok] == []
+        assert sample(gw, "dyad_upstream_errors_total", {"worker": "w0", "kind": "stream"}) == 0
+
+
+def test_a_query_of_death_mid_stream_leaves_the_workers_other_streams_alone():
+    """The first mid-stream reset of a stream took its worker out of rotation at once and pulled every
+    other stream in flight on it (each continued elsewhere, at a cost to its client): one bad request
+    disturbed everyone on that worker. Now the worker stays until the continuation shows whose the break
+    was, and the others' streams end on the workers they began on, untouched."""
+    fleet = [FakeEngine("poison_midreset", tokens=300).start() for _ in range(2)]
+    with gateway(fleet, health={"interval_s": 30}) as gw:
+        healthy(gw)
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            long_ones = [pool.submit(complete, gw, True, max_tokens=300) for _ in range(2)]
+            while sum(len(e.bodies) for e in fleet) < 2:
+                time.sleep(0.01)
+            poisoned = complete(gw, stream=True, prompt="POISON pill")
+            assert "error" in events(poisoned)[-2], poisoned.text  # (it broke on both workers)
+            assert not any(f.done() for f in long_ones)  # (the others were in flight meanwhile)
+            results = [f.result(timeout=60) for f in long_ones]
+        for r in results:
+            ev = events(r)
+            assert ev[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in ev), r.text
+            assert "".join(e["choices"][0]["text"] for e in ev if isinstance(e, dict)) == \
+                "".join(f"w{i} " for i in range(300))
+        assert sum(len(e.bodies) for e in fleet) == 2 + 2  # the two long ones once each; poison + its continuation
+        assert sample(gw, "dyad_stream_failovers_total", {"outcome": "continued"}) == 1
+        assert breakers(gw) == {} and all(w.health_ok for w in gw.runtime.fleet.workers())
+
+
+def test_a_stream_continued_well_elsewhere_counts_its_break_against_the_first_worker():
+    """The second opinion's other side: where the continuation ends well, the break was the worker's."""
+    broken, good = engines("reset", "ok")
+    with gateway([broken, good], resilience={"breaker_failure_threshold": 2}) as gw:
+        healthy(gw)
+        for _ in range(4):  # (round robin: some begin on the broken worker)
+            r = complete(gw, stream=True)
+            assert events(r)[-1] == "[DONE]" and "error" not in r.text, r.text
+        assert len(broken.bodies) >= 2
+        assert sample(gw, "dyad_upstream_errors_total", {"worker": "w0", "kind": "stream"}) == len(broken.bodies)
+        assert breakers(gw) == {"w0": "open"}
 
 
 def test_a_worker_marked_down_fails_its_in_flight_requests_over_at_once():
