@@ -37,12 +37,12 @@ from adapters.base import EngineAdapter, EngineKind
 from orchestrator.clock import Clock
 from orchestrator.config import DisaggConfig
 from orchestrator.disagg import sglang_flow, vllm_flow
-from orchestrator.errors import NoHealthyWorker
+from orchestrator.errors import NoHealthyWorker, UpstreamError
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway.classify import ACCESS_STATUSES
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
-from orchestrator.gateway.transport import AnswerTooLarge, raw_headers, read_all, send_post
+from orchestrator.gateway.transport import AnswerTooLarge, MalformedAnswer, raw_headers, read_all, send_post
 from orchestrator.router.types import RouteDecision
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.metrics import DyadMetrics
@@ -65,10 +65,23 @@ SGLANG_MAX_PREFILL_TRIES = 3
 
 
 class _PrefillFailed(Exception):
-    def __init__(self, reason: str, reachable: bool = True) -> None:
+    """A prefill leg that gave no hand-off. ``reachable`` False: the worker cannot be reached at all (out of
+    rotation at once). ``dropped``: it closed the connection after taking the request, which a request can
+    cause as well as a dying engine: held until another worker shows what the same request does there."""
+
+    def __init__(self, reason: str, reachable: bool = True, dropped: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.reachable = reachable
+        self.dropped = dropped
+
+
+class _PrefillRefused(Exception):
+    """An SGLang prefill server refused the request itself (a 4xx the decode server would answer too)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"HTTP {response.status_code}")
+        self.response = response
 
 
 class _Chained(httpx.AsyncByteStream):
@@ -147,7 +160,11 @@ class PdExecutor:
             if not e.reachable:
                 self.fleet.mark_failed(prefill, self.clock.now(), e.reason)
             self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
-            return await self._send_local(call, decode)
+            response = await self._send_local(call, decode)  # (raises: the drop was the request's as well)
+            if e.dropped and response.status_code == 200:
+                # the decode worker answers the same request: the drop was the prefill worker's doing
+                self.fleet.mark_failed(prefill, self.clock.now(), e.reason)
+            return response
         if isinstance(answer, httpx.Response):  # the request itself is bad: pass the engine's 4xx on
             return answer
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
@@ -182,8 +199,11 @@ class PdExecutor:
         except TimeoutError:
             raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s") \
                 from None
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
+        except (httpx.ConnectError, httpx.ConnectTimeout, MalformedAnswer) as e:
             raise _PrefillFailed(f"cannot reach {prefill.url}: {type(e).__name__}", reachable=False) from e
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            raise _PrefillFailed(f"{prefill.url} closed the connection without answering: {type(e).__name__}",
+                                 dropped=True) from e
         except httpx.HTTPError as e:
             raise _PrefillFailed(f"{type(e).__name__}: {e}") from e
         finally:
@@ -214,7 +234,13 @@ class PdExecutor:
 
     async def _sglang(self, call: UpstreamCall, decode: Worker, prefill: Worker,
                       decision: RouteDecision | None = None) -> httpx.Response:
+        """Dual dispatch, with another prefill worker when one fails (up to ``SGLANG_MAX_PREFILL_TRIES``). A
+        prefill refusing the request itself (4xx) is the client's answer, as it would be from the decode
+        server. A prefill that drops the connection is judged by the next one: dropped there too, it was
+        the request's doing (a 502 naming it, no worker taken out); served there, the dropping worker leaves
+        rotation; with no other prefill worker to ask, it leaves rotation as before."""
         failed: set[str] = set()
+        dropped: list[Worker] = []  # prefill workers that dropped this request, judged by the next one
         last_reason = ""
         current: Worker | None = prefill
         for _ in range(SGLANG_MAX_PREFILL_TRIES):
@@ -222,18 +248,37 @@ class PdExecutor:
                 break
             try:
                 response = await self._sglang_pair(call, decode, current, decision)
+            except _PrefillRefused as e:
+                self._settle_dropped(dropped, request_caused=True)
+                return e.response
             except _PrefillFailed as e:
                 log.warning("SGLang prefill on %s failed (%s)", current.id, e.reason)
                 self.metrics.upstream_errors.labels(current.id, "prefill").inc()
                 if not e.reachable:
                     self.fleet.mark_failed(current, self.clock.now(), e.reason)
+                if e.dropped and dropped:  # the same drop on a second prefill worker: the request's doing
+                    self._settle_dropped(dropped, request_caused=True)
+                    raise UpstreamError(502, f"The prefill engines ({', '.join(sorted(failed | {current.id}))}) "
+                                             "closed the connection without answering this request.",
+                                        code="engine_closed_connection") from None
+                if e.dropped:
+                    dropped.append(current)
                 failed.add(current.id)
                 last_reason = f"prefill worker {current.id}: {e.reason}"
                 current = self.choose_prefill(call.model, failed) if self.choose_prefill else None
                 continue
+            self._settle_dropped(dropped, request_caused=False)  # another prefill worker served it
             self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
             return response
+        self._settle_dropped(dropped, request_caused=False)  # no second opinion: the workers' doing
         raise NoHealthyWorker(call.model, reason=f"no SGLang prefill worker could serve the request ({last_reason})")
+
+    def _settle_dropped(self, dropped: list[Worker], *, request_caused: bool) -> None:
+        """Prefill workers that dropped a request leave rotation, unless the request caused the drops."""
+        if not request_caused:
+            for worker in dropped:
+                self.fleet.mark_failed(worker, self.clock.now(), "closed the connection without answering")
+        dropped.clear()
 
     async def _sglang_pair(self, call: UpstreamCall, decode: Worker, prefill: Worker,
                            decision: RouteDecision | None = None) -> httpx.Response:
@@ -274,6 +319,9 @@ class PdExecutor:
 
     async def _sglang_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> None:
         r = await self._post_prefill(call, prefill, body)
+        if r.status_code in _CLIENT_ERRORS:  # the request itself is refused: the client's answer
+            raise _PrefillRefused(httpx.Response(r.status_code, content=r.content, headers={
+                "content-type": r.headers.get("content-type", "application/json")}))
         if r.status_code >= 300:
             raise _PrefillFailed(f"answered HTTP {r.status_code}: {r.text[:200]}")
 

@@ -518,7 +518,7 @@ class ProxyResponse:
         engine bug, or keeps it busy without a sign), counted against nobody; where another worker answers
         it was the worker's. Tried elsewhere while a worker is left."""
         self.error_class = "bad_engine_answer" if failure == classify.GARBAGE else failure
-        if self._judge.same_again(failure) and (failure == classify.GARBAGE or self._served_lately(attempt)):
+        if self._judge.same_again(failure) and (failure == classify.GARBAGE or self._served_lately(attempt, failure)):
             attempt.request_failed()
             self.settle_held(request_caused=True)
             raise err
@@ -530,14 +530,17 @@ class ProxyResponse:
         self._judge.hold(attempt.worker_id, failure)
         raise _Retry(err)
 
-    def _served_lately(self, attempt: Attempt) -> bool:
-        """Did the worker answer any request shortly before this one stalled or was dropped on it (a first
-        token or an answer within ``classify.SERVED_LATELY_STALLS`` stall timeouts)? An input that stalls
-        or drops every worker leaves them answering others; engines that all hang or drop every request
-        answer nothing, and their failures count."""
-        last = attempt.decision.worker.last_progress_at
+    def _served_lately(self, attempt: Attempt, failure: str) -> bool:
+        """Did a worker this request failed on that way answer any request shortly before (a first token or an
+        answer within ``classify.SERVED_LATELY_STALLS`` stall timeouts of this try)? This try's worker, or one
+        holding the same failure: an idle worker (a second decode worker that light traffic never reached) has
+        no record, yet the same stall or drop on a worker that was serving others shows the input. An input
+        that stalls or drops every worker leaves them answering others; engines that all hang or drop every
+        request answer nothing, and their failures count."""
         window = classify.SERVED_LATELY_STALLS * self.rt.config.resilience.stall_timeout_s
-        return last is not None and attempt.started - last < window
+        workers = [attempt.decision.worker]
+        workers += [w for wid, f in self._judge.pending if f == failure and (w := self.rt.fleet.get(wid)) is not None]
+        return any(w.last_progress_at is not None and attempt.started - w.last_progress_at < window for w in workers)
 
     def _not_sse(self, attempt: Attempt, raw: bytes, last_try: bool) -> None:
         """A stream request answered with something other than server-sent events."""

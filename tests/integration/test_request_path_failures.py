@@ -26,11 +26,11 @@ MODEL = "m"
 
 
 @contextlib.contextmanager
-def gateway(engines: list[FakeEngine], roles: list[str] | None = None, **sections):
+def gateway(engines: list[FakeEngine], roles: list[str] | None = None, engine: str = "vllm", **sections):
     roles = roles or ["both"] * len(engines)
     cfg = {
         "models": [{"name": MODEL, "block_size": 16}],
-        "workers": [{"id": f"w{i}", "url": e.url, "engine": "vllm", "role": r, "models": [MODEL]}
+        "workers": [{"id": f"w{i}", "url": e.url, "engine": engine, "role": r, "models": [MODEL]}
                     for i, (e, r) in enumerate(zip(engines, roles, strict=True))],
         "router": {"policy": "round_robin", "debug_headers": True},
         "health": {"interval_s": 30},
@@ -425,6 +425,79 @@ def test_a_request_every_worker_drops_the_connection_on_is_the_requests_fault():
         healthy(gw)
         while not dropping.bodies:
             assert complete(gw, prompt="POISON pill").status_code == 200  # answered by the good worker
+        assert not gw.runtime.fleet.get("w0").health_ok and gw.runtime.fleet.get("w1").health_ok
+
+
+PD = {"enabled": True, "min_prefill_tokens": 1, "connector": "nixl"}
+LONG = "a long enough prompt " * 5
+
+
+def test_a_request_every_pd_leg_drops_takes_no_prefill_worker_out():
+    """vLLM P/D: a prefill engine that closed the connection on a request was taken out of rotation at once,
+    before anyone knew whether the request did it: one request its engines drop took every prefill worker
+    out (the decode workers' own drops are judged as in the aggregated case). The decode worker prefills the
+    same request locally, which is the second opinion: dropped there too, the prefill worker stays; answered
+    there, the drop was the prefill worker's and it leaves rotation."""
+    fleet = engines("poison_reset", "poison_reset", "poison_reset", "poison_reset")
+    with gateway(fleet, ["prefill", "prefill", "decode", "decode"], disagg=PD) as gw:
+        healthy(gw)
+        for _ in range(3):
+            # (light traffic: pair selection sends all of it to one decode worker; the other one, idle, has served
+            # nothing, yet the same drop on a worker that serves others shows the input: proxy._served_lately)
+            assert complete(gw, prompt=LONG).status_code == 200
+            r = complete(gw, prompt="POISON " + LONG)
+            assert r.status_code == 502 and "closed the connection" in r.json()["error"]["message"], r.text
+        assert fleet[0].bodies
+        assert all(w.health_ok for w in gw.runtime.fleet.workers()), [(w.id, w.last_error) for w in gw.runtime.fleet.workers()]
+        assert breakers(gw) == {}
+        assert all(w.inflight == 0 for w in gw.runtime.fleet.workers())
+    dropping, decode = engines("poison_reset", "ok")
+    with gateway([dropping, decode], ["prefill", "decode"], disagg=PD) as gw:
+        healthy(gw)
+        assert complete(gw, prompt="POISON " + LONG).status_code == 200  # the decode worker prefilled it
+        assert dropping.bodies and not gw.runtime.fleet.get("w0").health_ok  # the drop was the worker's
+
+
+def test_sglang_a_request_its_prefill_servers_refuse_gets_their_4xx_once():
+    """SGLang P/D: a prefill server's 4xx (the request itself refused: a prompt too long, a bad parameter)
+    was taken for a failed prefill server: the request was dual-dispatched again on every other prefill
+    server, and the client got a 503 'no worker can serve the model, retry later' for a request no retry
+    will fix. Now the client gets the engine's 4xx once, and no other prefill server is asked."""
+    fleet = engines("poison", "poison", "poison", status_code=400)
+    fleet[2].delay_s = 0.3  # (the prefill server answers first, as a refusal of a long prompt would)
+    with gateway(fleet, ["prefill", "prefill", "decode"], engine="sglang", disagg={"enabled": True,
+                                                                                    "min_prefill_tokens": 1}) as gw:
+        healthy(gw)
+        for _ in range(2):
+            r = complete(gw, prompt="POISON " + LONG)
+            assert r.status_code == 400 and "fake engine says 400" in r.json()["error"]["message"], r.text
+        assert len(fleet[0].bodies) + len(fleet[1].bodies) == 2  # one prefill server per request
+        assert complete(gw, prompt=LONG).status_code == 200
+        assert all(w.health_ok for w in gw.runtime.fleet.workers()) and breakers(gw) == {}
+        assert all(w.inflight == 0 for w in gw.runtime.fleet.workers())
+
+
+def test_sglang_a_request_every_prefill_server_drops_is_the_requests_fault():
+    """SGLang P/D: each prefill server that closed the connection on a request was taken out of rotation at
+    once, so one such request took out every prefill server it was tried on and the client heard 'no worker
+    can serve the model, retry later'. The next prefill server is the second opinion: the same drop there
+    is the request's doing (a 502 naming it, every server stays); served there, the first one leaves."""
+    sglang = {"engine": "sglang", "disagg": {"enabled": True, "min_prefill_tokens": 1}}
+    fleet = engines("poison_reset", "poison_reset", "ok")
+    fleet[2].delay_s = 0.3
+    with gateway(fleet, ["prefill", "prefill", "decode"], **sglang) as gw:
+        healthy(gw)
+        for _ in range(2):
+            r = complete(gw, prompt="POISON " + LONG)
+            assert r.status_code == 502 and r.json()["error"]["code"] == "engine_closed_connection", r.text
+        assert all(w.health_ok for w in gw.runtime.fleet.workers()) and breakers(gw) == {}
+        assert complete(gw, prompt=LONG).status_code == 200
+    fleet = engines("poison_reset", "ok", "ok")
+    fleet[2].delay_s = 0.3  # (a decode server answers after its prefill server: it waits for the KV)
+    with gateway(fleet, ["prefill", "prefill", "decode"], **sglang) as gw:
+        healthy(gw)
+        while not fleet[0].bodies:
+            assert complete(gw, prompt="POISON " + LONG).status_code == 200  # the other prefill server served it
         assert not gw.runtime.fleet.get("w0").health_ok and gw.runtime.fleet.get("w1").health_ok
 
 
