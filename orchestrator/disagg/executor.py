@@ -170,8 +170,16 @@ class PdExecutor:
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
         params = vllm_flow.handoff_params(answer) if connector == "nixl" else None
         if connector == "nixl" and params is None:
-            log.warning("prefill on %s answered without kv_transfer_params (is it a NIXL producer?); "
-                        "%s prefills locally", prefill.id, decode.id)
+            given = answer.get(vllm_flow.KV_TRANSFER_PARAMS) if isinstance(answer, dict) else None
+            problem = vllm_flow.handoff_problem(given) if isinstance(given, dict) and given.get("do_remote_prefill") \
+                else None
+            if problem is not None:  # garbage where the hand-off goes: never passed to the decode engine
+                log.warning("prefill on %s answered kv_transfer_params that are no hand-off (%s); %s prefills "
+                            "locally", prefill.id, problem, decode.id)
+                self.metrics.upstream_errors.labels(prefill.id, "prefill").inc()
+            else:
+                log.warning("prefill on %s answered without kv_transfer_params (is it a NIXL producer?); "
+                            "%s prefills locally", prefill.id, decode.id)
             self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
             return await self._send_local(call, decode)
         self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()

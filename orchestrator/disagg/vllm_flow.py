@@ -52,13 +52,42 @@ def prefill_body(endpoint: str, body: dict[str, Any], connector: Connector = "ni
 
 def handoff_params(prefill_response: Any) -> dict[str, Any] | None:
     """The ``kv_transfer_params`` a NIXL prefill answer hands to the decode step, or ``None`` when
-    the answer has none (the engine has no connector, or refused to keep the blocks)."""
+    the answer has none (the engine has no connector, or refused to keep the blocks), or when they are
+    not a hand-off a decode engine can act on (``handoff_problem``)."""
     if not isinstance(prefill_response, dict):
         return None
     params = prefill_response.get(KV_TRANSFER_PARAMS)
-    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+    if not isinstance(params, dict) or not params.get("do_remote_prefill") or handoff_problem(params):
         return None
     return params
+
+
+def _block_id(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 2**63
+
+
+def handoff_problem(params: dict[str, Any]) -> str | None:
+    """What makes ``params`` no NIXL hand-off (None when it is one). The decode engine's connector acts on
+    these fields as they are — it connects to ``remote_host:remote_port`` and reads ``remote_block_ids`` from
+    ``remote_engine_id`` — so a prefill answer that is garbage there (an engine bug, something else answering
+    on the worker's port) is never passed on: the decode worker prefills locally instead. Other keys
+    (connector-version specific) are passed on as they are."""
+    if params.get("do_remote_prefill") is not True:
+        return "do_remote_prefill is not true"
+    blocks = params.get("remote_block_ids")
+    if not isinstance(blocks, list) or not all(
+            _block_id(b) or (isinstance(b, list) and all(_block_id(i) for i in b)) for b in blocks):
+        return "remote_block_ids is not a list of block ids (or of lists of them)"
+    engine_id = params.get("remote_engine_id")
+    if not isinstance(engine_id, str) or not engine_id:
+        return "remote_engine_id is not a non-empty string"
+    host = params.get("remote_host")
+    if not isinstance(host, str) or not host or len(host) > 255 or any(c.isspace() or c in "/@?#" for c in host):
+        return "remote_host is not a host name or address"
+    port = params.get("remote_port")
+    if type(port) is not int or not 0 < port < 65536:
+        return "remote_port is not a TCP port"
+    return None
 
 
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ class FakeEngine:
         self.status_code = status_code
         self.kv_producer = kv_producer
         self.delay_s = 0.0  # wait this long before answering a generation request
+        self.kv_params: dict[str, Any] | None = None  # the hand-off a prefill step answers (None: a well-formed one)
         self.healthy = True  # False: /health answers 503 (the health loop marks the worker down)
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
@@ -151,9 +152,9 @@ class FakeEngine:
                 if isinstance(kvp, dict) and kvp.get("do_remote_decode") and not body.get("stream"):
                     out = self._completion(chat, body, 1)
                     if engine.kv_producer:
-                        out["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                                     "remote_engine_id": "fake", "remote_block_ids": [1],
-                                                     "remote_host": "127.0.0.1", "remote_port": 1}
+                        out["kv_transfer_params"] = engine.kv_params or {
+                            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "fake",
+                            "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1}
                     self._send(200, json.dumps(out).encode())
                     return
                 n = body.get("max_tokens") or body.get("max_completion_tokens") or engine.tokens

@@ -458,6 +458,25 @@ def test_a_request_every_pd_leg_drops_takes_no_prefill_worker_out():
         assert dropping.bodies and not gw.runtime.fleet.get("w0").health_ok  # the drop was the worker's
 
 
+def test_a_prefill_answer_with_garbage_for_a_handoff_never_reaches_the_decode_engine():
+    """vLLM P/D: a prefill answer's ``kv_transfer_params`` went to the decode engine as they were, whatever they
+    held (a host that is no host, block ids that are no ids): the decode engine's connector acts on them.
+    Such a hand-off is now dropped: the decode worker prefills locally, the client gets its answer."""
+    prefill, decode = engines("ok", "ok")
+    with gateway([prefill, decode], ["prefill", "decode"], disagg=PD) as gw:
+        healthy(gw)
+        for bad in ({"remote_host": "evil.example/x"}, {"remote_block_ids": "all"}, {"remote_port": "1"}):
+            prefill.kv_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "fake",
+                                 "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1, **bad}
+            r = complete(gw, prompt=LONG)
+            assert r.status_code == 200, r.text
+            assert "kv_transfer_params" not in decode.bodies[-1], (bad, decode.bodies[-1])
+        prefill.kv_params = None
+        assert complete(gw, prompt=LONG).status_code == 200
+        assert decode.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "fake"  # a good hand-off still goes
+        assert sample(gw, "dyad_pd_requests_total", {"mode": "fallback"}) == 3
+
+
 def test_sglang_a_request_its_prefill_servers_refuse_gets_their_4xx_once():
     """SGLang P/D: a prefill server's 4xx (the request itself refused: a prompt too long, a bad parameter)
     was taken for a failed prefill server: the request was dual-dispatched again on every other prefill

@@ -53,6 +53,28 @@ def test_vllm_decode_step_carries_the_prefill_handoff():
     assert vllm_flow.handoff_params([1, 2]) is None
 
 
+def test_a_prefill_answer_with_garbage_where_the_handoff_goes_is_no_handoff():
+    """The decode engine's connector acts on the hand-off as it is (connects to remote_host:remote_port, reads
+    remote_block_ids): garbage there from a prefill answer is never passed on."""
+    good = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [4, 5],
+            "remote_engine_id": "e", "remote_host": "10.0.0.5", "remote_port": 5600, "tp_size": 1}
+    assert vllm_flow.handoff_problem(good) is None
+    assert vllm_flow.handoff_params({"kv_transfer_params": good}) is good
+    assert vllm_flow.handoff_params({"kv_transfer_params": {**good, "remote_block_ids": [[1, 2], [3]]}})
+    assert vllm_flow.handoff_params({"kv_transfer_params": {**good, "remote_host": "::1"}})
+    for field, bad in [("do_remote_prefill", "yes"), ("remote_block_ids", "1,2"), ("remote_block_ids", [1.5]),
+                       ("remote_block_ids", [True]), ("remote_block_ids", [-1]), ("remote_block_ids", [[1, "2"]]),
+                       ("remote_block_ids", None), ("remote_engine_id", 7), ("remote_engine_id", ""),
+                       ("remote_host", None), ("remote_host", "a b"), ("remote_host", "evil.example/x"),
+                       ("remote_host", "h" * 300), ("remote_port", "5600"), ("remote_port", 0),
+                       ("remote_port", 70000), ("remote_port", True)]:
+        params = {**good, field: bad}
+        assert vllm_flow.handoff_problem(params), (field, bad)
+        assert vllm_flow.handoff_params({"kv_transfer_params": params}) is None, (field, bad)
+    missing = {k: v for k, v in good.items() if k != "remote_port"}
+    assert vllm_flow.handoff_params({"kv_transfer_params": missing}) is None
+
+
 def test_sglang_dual_dispatch_shares_one_room_and_points_at_the_prefill_server():
     body = {"model": "m", "prompt": "x", "max_tokens": 20, "stream": True, "stream_options": {"include_usage": True}}
     room = sglang_flow.new_room(random.Random(7))
