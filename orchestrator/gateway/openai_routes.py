@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from orchestrator.errors import ApiError, ModelNotFound, UpstreamError
+from orchestrator.gateway import classify, responses_api
 from orchestrator.gateway import request as rq
-from orchestrator.gateway import responses_api
 from orchestrator.gateway.annotate import annotate
 from orchestrator.gateway.executor import UpstreamCall, worker_headers
 from orchestrator.gateway.fastpath import child, new_request_id
@@ -198,6 +198,8 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
                 raise UpstreamError(502, f"The engine holding response '{response_id}' ({worker.id}) broke off its "
                                          f"answer: {type(e).__name__}.", code="upstream_broke_off") from None
             await upstream.aclose()
+            if upstream.status_code in classify.ACCESS_STATUSES:  # the engine refuses the gateway's key, not the client's
+                raise classify.engine_error(upstream.status_code, raw, worker.id)
             if upstream.status_code < 400 and (upstream.status_code != 200 or not _json_object(raw)):
                 raise UpstreamError(502, f"The engine holding response '{response_id}' ({worker.id}) answered HTTP "
                                          f"{upstream.status_code} with a body that is not a JSON object ({len(raw)} "
@@ -216,12 +218,15 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
         root.end()
         raise
     record.status = upstream.status_code
+    out_headers = {"x-request-id": rid}
     if upstream.status_code >= 400:
         raw = engine_error_body(upstream.status_code, raw)
         record.error_class = "engine_rejected"
+        if upstream.status_code in classify.RETRY_AFTER_STATUSES:  # (as every engine 429/503 the gateway relays)
+            out_headers["retry-after"] = classify.retry_after(
+                upstream.headers.get("retry-after", "").encode("latin-1"), rt.config.gateway.retry_after_s)
     _close_record(rt, record, started, root)
-    return Response(raw, status_code=upstream.status_code, media_type="application/json",
-                    headers={"x-request-id": rid})
+    return Response(raw, status_code=upstream.status_code, media_type="application/json", headers=out_headers)
 
 
 def _json_object(raw: bytes) -> bool:

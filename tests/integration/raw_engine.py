@@ -71,6 +71,7 @@ class RawEngine:
         self.generations = 0  # generation requests answered (in any way)
         self.flood_sent = 0  # bytes of "flood" answers the gateway took
         self.flood_closed = False  # the gateway closed a "flood" answer's connection before its end
+        self.stored_status = 0  # when set: what GET/POST /v1/responses/{id}[/cancel] answer (an error status)
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
@@ -102,6 +103,12 @@ class RawEngine:
                     k, v = h.decode().split(":", 1)
                     headers[k.strip().lower()] = v.strip()
                 body = f.read(int(headers.get("content-length", 0)))
+                if path.startswith("/v1/responses/") and self.stored_status:  # a stored response's GET/cancel
+                    out = json.dumps({"error": {"message": f"raw engine says {self.stored_status}", "type": "X",
+                                                "code": self.stored_status}}).encode()
+                    conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                                 b"retry-after: 7\r\n\r\n%s" % (self.stored_status, len(out), out))
+                    continue
                 if method == "GET":
                     out = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode() \
                         if path == "/v1/models" else b""

@@ -286,6 +286,27 @@ def test_garbage_for_a_stored_response_is_a_clear_502():
         assert err["code"] == "bad_engine_answer" and "w0" in err["message"], err
 
 
+@pytest.mark.parametrize("status", [401, 403, 407, 429, 503])
+def test_a_stored_responses_engine_refusal_is_judged_like_any_engine_answer(status):
+    """GET and cancel of /v1/responses/{id} relayed the holding engine's error status as it was: a 401/403/407
+    (the engine refusing the gateway's own key) told the client its key was wrong, and a 429/503 came without
+    the Retry-After the engine sent. As on every other path: the access refusal is a 502 naming the setting,
+    a 429/503 carries the engine's Retry-After."""
+    raw = _ResponsesEngine("x")
+    with gateway([raw]) as gw:
+        healthy(gw)
+        assert httpx.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": "hi"}, timeout=10).status_code == 200
+        raw.stored_status = status
+        for r in (httpx.get(f"{gw.url}/v1/responses/resp_abc", timeout=10),
+                  httpx.post(f"{gw.url}/v1/responses/resp_abc/cancel", timeout=10)):
+            err = r.json()["error"]
+            if status in (401, 403, 407):
+                assert r.status_code == 502 and err["code"] == "engine_access_refused" and "w0" in err["message"], r.text
+            else:
+                assert r.status_code == status and err["message"] == f"raw engine says {status}", r.text
+                assert r.headers["retry-after"] == "7", r.headers
+
+
 def test_a_200_without_choices_is_retried_elsewhere_then_a_clear_502():
     bad, good = engines("no_choices", "ok")
     with gateway([bad, good]) as gw:
