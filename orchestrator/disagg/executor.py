@@ -156,6 +156,8 @@ class PdExecutor:
                 answer = await self._prefill_step(call, prefill, body)
         except _PrefillFailed as e:
             log.warning("prefill on %s failed (%s); %s prefills locally", prefill.id, e.reason, decode.id)
+            if decision is not None:
+                decision.failed_prefill.append(prefill.id)
             self.metrics.upstream_errors.labels(prefill.id, "prefill").inc()
             if not e.reachable:
                 self.fleet.mark_failed(prefill, self.clock.now(), e.reason)
@@ -180,6 +182,8 @@ class PdExecutor:
             else:
                 log.warning("prefill on %s answered without kv_transfer_params (is it a NIXL producer?); "
                             "%s prefills locally", prefill.id, decode.id)
+            if decision is not None:
+                decision.failed_prefill.append(prefill.id)
             self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
             return await self._send_local(call, decode)
         self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
@@ -271,6 +275,8 @@ class PdExecutor:
                                         code="engine_closed_connection") from None
                 if e.dropped:
                     dropped.append(current)
+                if decision is not None:
+                    decision.failed_prefill.append(current.id)
                 failed.add(current.id)
                 last_reason = f"prefill worker {current.id}: {e.reason}"
                 current = self.choose_prefill(call.model, failed) if self.choose_prefill else None

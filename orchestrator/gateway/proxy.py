@@ -290,9 +290,7 @@ class ProxyResponse:
                 raise
             if attempt_no or retry:
                 rt.metrics.retries.labels(call.model).inc()
-            self._tried.add(decision.worker.id)
-            if decision.prefill_worker is not None:
-                self._tried.add(decision.prefill_worker.id)
+            self._tried.add(decision.worker.id)  # (a prefill worker only once its leg failed: below)
             attempt = Attempt(rt, self.req, decision)
             self.record.attempts += 1
             self.record.workers.extend(attempt.workers())
@@ -307,6 +305,9 @@ class ProxyResponse:
             except _Retry as r:
                 last_error = r.error
                 continue
+            finally:
+                if decision.failed_prefill:  # (P/D) a prefill worker that failed this request is not asked again
+                    self._tried.update(decision.failed_prefill)
             self.attempt = attempt
             return attempt, body
         assert last_error is not None

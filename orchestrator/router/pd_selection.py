@@ -223,12 +223,19 @@ class PdRoutingPolicy:
         return self.inner.name
 
     def choose(self, req: RouteRequest, candidates: Sequence[Worker], now: float) -> RouteDecision:
+        return self.choose_excluding(req, candidates, now, ())
+
+    def choose_excluding(self, req: RouteRequest, candidates: Sequence[Worker], now: float,
+                         exclude: Collection[str]) -> RouteDecision:
+        """``choose``, leaving out the prefill workers named in ``exclude`` too (the router filters the
+        candidates, which are decode workers only; the prefill pool is added here)."""
         if not any(w.role == Role.DECODE for w in candidates):
             # An aggregated fleet; still keep new work off workers moving to another role.
             settled = [w for w in candidates if w.target_role is None]
             return self.inner.choose(req, settled or candidates, now)
         known = {w.id for w in candidates}
-        extra = [w for w in self.prefill_pool(req.model) if w.id not in known] if req.split_allowed else []
+        extra = [w for w in self.prefill_pool(req.model) if w.id not in known and w.id not in exclude] \
+            if req.split_allowed else []
         decision = select_pair(req, [*candidates, *extra], now, self.settings)
         if decision is None:  # every decode worker is draining towards another role
             return self.inner.choose(req, [w for w in candidates if w.target_role is None] or candidates, now)

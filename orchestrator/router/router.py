@@ -118,7 +118,10 @@ class Router:
                 req = req.with_inflight(self.inflight.covered_by_worker(scope, req.block_hashes))
         now = self.clock.now()
         self.inflight.refresh(scope, now)
-        decision = self.policy.choose(req, candidates, now)
+        # (P/D: the policy adds the prefill pool itself, so it is told what to leave out of that too)
+        choose_excluding = getattr(self.policy, "choose_excluding", None) if exclude else None
+        decision = self.policy.choose(req, candidates, now) if choose_excluding is None \
+            else choose_excluding(req, candidates, now, exclude)
         if tracker is not None:
             await tracker.on_routed(req, decision, now)
         if self.metrics is not None:

@@ -97,6 +97,9 @@ class RouteDecision:
     # (disagg/executor.py): prefill legs running now, and when the last one ended (clock time)
     prefill_legs: int = 0
     prefill_ended_at: float | None = None
+    # prefill workers whose leg failed on this try (the P/D executor notes them; the proxy leaves them out of
+    # the request's later tries: router.decide's ``exclude``)
+    failed_prefill: list[str] = field(default_factory=list)
 
 
 class RoutingPolicy(Protocol):

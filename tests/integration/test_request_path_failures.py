@@ -498,6 +498,28 @@ def test_a_prefill_answer_with_garbage_for_a_handoff_never_reaches_the_decode_en
         assert sample(gw, "dyad_pd_requests_total", {"mode": "fallback"}) == 3
 
 
+def test_a_retry_does_not_ask_the_prefill_worker_that_failed_the_request_again():
+    """vLLM P/D: a try whose prefill leg failed (here: no answer within prefill_timeout_s) and whose decode worker
+    then failed too was retried with the same prefill worker: pair selection never read the workers the request
+    had failed on (the proxy's tried set named the prefill worker; only decode candidates were filtered), so the
+    retry waited out the same prefill timeout again. The retry now leaves that prefill worker out (another one,
+    or a local prefill); a prefill worker whose leg succeeded stays usable for the retry."""
+    fleet = engines("poison_hang", "poison", "poison", status_code=500)
+    with gateway(fleet, ["prefill", "decode", "decode"], disagg={**PD, "prefill_timeout_s": 1}) as gw:
+        healthy(gw)
+        r = complete(gw, prompt="POISON " + LONG)
+        assert r.status_code == 500, r.text  # the same 5xx on both decode workers: the request's
+        assert len(fleet[0].bodies) == 1, len(fleet[0].bodies)  # the hung prefill worker was asked once
+        assert len(fleet[1].bodies) == len(fleet[2].bodies) == 1
+        fleet[0].release.set()
+    fleet = engines("ok", "poison", "poison", status_code=500)  # the prefill leg succeeds, both decodes fail
+    with gateway(fleet, ["prefill", "decode", "decode"], disagg=PD) as gw:
+        healthy(gw)
+        assert complete(gw, prompt="POISON " + LONG).status_code == 500
+        assert len(fleet[0].bodies) == 2  # each try had its prefill leg
+        assert "kv_transfer_params" in fleet[1].bodies[-1] and "kv_transfer_params" in fleet[2].bodies[-1]
+
+
 def test_sglang_a_request_its_prefill_servers_refuse_gets_their_4xx_once():
     """SGLang P/D: a prefill server's 4xx (the request itself refused: a prompt too long, a bad parameter)
     was taken for a failed prefill server: the request was dual-dispatched again on every other prefill

@@ -222,3 +222,19 @@ def test_a_request_forked_into_several_sequences_is_prefilled_where_it_is_decode
     assert forked.with_inflight({}).prefer_local and forked.annotated(
         token_ids=None, prompt_tokens=2000, block_size=32, block_hashes=[], overlaps={}, peer_load={},
         session_key=None).prefer_local
+
+
+def test_the_router_policy_leaves_out_the_prefill_workers_a_request_failed_on():
+    """The router filters only its (decode) candidates by a try's ``exclude``; the P/D policy adds the prefill
+    pool itself, so it must leave the excluded prefill workers out of it too (a retry after a failed prefill
+    leg asked the same prefill worker again)."""
+    from orchestrator.router.pd_selection import PdRoutingPolicy
+    from orchestrator.router.policies.round_robin import RoundRobinPolicy
+
+    prefill = [w("p0", Role.PREFILL), w("p1", Role.PREFILL, inflight=3)]
+    policy = PdRoutingPolicy(RoundRobinPolicy(), S, lambda model: prefill)
+    decode = [w("d0", Role.DECODE)]
+    assert policy.choose(req(4000), decode, 0.0).prefill_worker.id == "p0"
+    assert policy.choose_excluding(req(4000), decode, 0.0, {"p0"}).prefill_worker.id == "p1"
+    d = policy.choose_excluding(req(4000), decode, 0.0, {"p0", "p1"})
+    assert d.prefill_worker is None and d.worker.id == "d0"  # a vLLM decode worker prefills locally
