@@ -541,7 +541,8 @@ class ResilienceConfig(_Section):
                                 "metrics) for this long, plus the prompt's and queue's prefill time at "
                                 "stall_prefill_tokens_per_s, is moved to another worker; the breaker counts it "
                                 "unless the request stalls on that worker too while it was answering others "
-                                "shortly before (then it is the request's doing)")
+                                "shortly before (then it is the request's doing). P/D prefill legs are "
+                                "watched the same way (then the decode worker prefills locally)")
     stall_prefill_tokens_per_s: float = Field(
         500.0, gt=0, description="Slowest prefill rate assumed when sizing the stall budget (CPU-class: "
                                  "GPU engines are 10-100x faster, so the budget is generous there)")

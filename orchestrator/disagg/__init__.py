@@ -45,7 +45,7 @@ class DisaggParts:
 
 
 def build(config: Any, fleet: Any, policy: Any, http: Any, metrics: Any, clock: Any, adapter_for: Any,
-          profile: Any | None = None) -> DisaggParts:
+          profile: Any | None = None, on_prefill_fault: Any | None = None) -> DisaggParts:
     """The P/D parts for a gateway (see the module docstring); no-op parts when ``disagg.enabled`` is false."""
     from orchestrator.disagg.executor import MODE_LOCAL, PdExecutor
     from orchestrator.disagg.roles import RoleManager
@@ -73,5 +73,6 @@ def build(config: Any, fleet: Any, policy: Any, http: Any, metrics: Any, clock: 
         return decision.prefill_worker if decision is not None else pool[0]
 
     parts.policy = PdRoutingPolicy(policy, settings, prefill_pool, count_local)
-    parts.executor = PdExecutor(http, fleet, cfg, metrics, clock, adapter_for, choose_prefill)
+    parts.executor = PdExecutor(http, fleet, cfg, metrics, clock, adapter_for, choose_prefill,
+                                stall=config.resilience, on_prefill_fault=on_prefill_fault)
     return parts

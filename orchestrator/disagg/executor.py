@@ -35,7 +35,7 @@ import orjson
 
 from adapters.base import EngineAdapter, EngineKind
 from orchestrator.clock import Clock
-from orchestrator.config import DisaggConfig
+from orchestrator.config import DisaggConfig, ResilienceConfig
 from orchestrator.disagg import sglang_flow, vllm_flow
 from orchestrator.errors import NoHealthyWorker, UpstreamError
 from orchestrator.fleet.registry import FleetRegistry
@@ -67,13 +67,16 @@ SGLANG_MAX_PREFILL_TRIES = 3
 class _PrefillFailed(Exception):
     """A prefill leg that gave no hand-off. ``reachable`` False: the worker cannot be reached at all (out of
     rotation at once). ``dropped``: it closed the connection after taking the request, which a request can
-    cause as well as a dying engine: held until another worker shows what the same request does there."""
+    cause as well as a dying engine; ``stalled``: it did no work at all for the leg's stall budget (an engine
+    hung while its /health answers, or a request that hangs any engine). Both are held until another worker
+    shows what the same request does there."""
 
-    def __init__(self, reason: str, reachable: bool = True, dropped: bool = False) -> None:
+    def __init__(self, reason: str, reachable: bool = True, dropped: bool = False, stalled: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.reachable = reachable
         self.dropped = dropped
+        self.stalled = stalled  # the worker did no work at all while the leg waited (the stall watchdog's call)
 
 
 class _PrefillRefused(Exception):
@@ -108,7 +111,13 @@ class PdExecutor:
 
     def __init__(self, http: httpx.AsyncClient, fleet: FleetRegistry, config: DisaggConfig, metrics: DyadMetrics,
                  clock: Clock, adapter_for: Callable[[EngineKind], EngineAdapter],
-                 choose_prefill: Callable[[str, set[str]], Worker | None] | None = None) -> None:
+                 choose_prefill: Callable[[str, set[str]], Worker | None] | None = None, *,
+                 stall: ResilienceConfig | None = None,
+                 on_prefill_fault: Callable[[Worker], None] | None = None) -> None:
+        """``stall``: the stall watchdog's settings for prefill legs (None: a leg waits its whole
+        ``prefill_timeout_s``); ``on_prefill_fault``: told of a prefill worker found at fault (its breaker)."""
+        self.stall = stall
+        self.on_prefill_fault = on_prefill_fault
         self.http = http
         self.fleet = fleet
         self.config = config
@@ -163,9 +172,9 @@ class PdExecutor:
                 self.fleet.mark_failed(prefill, self.clock.now(), e.reason)
             self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
             response = await self._send_local(call, decode)  # (raises: the drop was the request's as well)
-            if e.dropped and response.status_code == 200:
-                # the decode worker answers the same request: the drop was the prefill worker's doing
-                self.fleet.mark_failed(prefill, self.clock.now(), e.reason)
+            if (e.dropped or e.stalled) and response.status_code == 200:
+                # the decode worker answers the same request: the drop or stall was the prefill worker's doing
+                self._prefill_fault(prefill, e.reason)
             return response
         if isinstance(answer, httpx.Response):  # the request itself is bad: pass the engine's 4xx on
             return answer
@@ -195,22 +204,54 @@ class PdExecutor:
     async def _post_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> httpx.Response:
         """POST a prefill body (both engines' flows), counted in the worker's inflight and bounded by
         ``disagg.prefill_timeout_s``; no answer raises ``_PrefillFailed`` (``reachable=False`` when
-        the worker cannot be reached at all)."""
+        the worker cannot be reached at all). Watched for a stall as a decode try is (``Attempt.watch``):
+        past ``resilience.stall_timeout_s`` plus the prompt's and the worker's queued prefill at
+        ``stall_prefill_tokens_per_s``, a prefill worker that did no work at all since the leg began (no
+        answer to any leg, no generated tokens in its metrics) is stalled: the leg ends then
+        (``stalled``), instead of holding its request for the whole ``prefill_timeout_s``."""
         prefill.inflight += 1
+        exchange = asyncio.ensure_future(self._exchange_prefill(call, prefill, body))
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + self.config.prefill_timeout_s
         try:
-            async with asyncio.timeout(self.config.prefill_timeout_s):
-                r = await send_post(self.http, prefill.url + call.endpoint, orjson.dumps(body),
-                                    engine_headers(call, prefill))
-                try:  # (read whole, bounded: a prefill answer is one token and the hand-off's parameters)
-                    content = await read_all(r, PREFILL_ANSWER_BYTES)
-                finally:
-                    await r.aclose()
-                return httpx.Response(r.status_code, content=content, headers=raw_headers(r))
+            window = self._stall_budget(call, prefill)
+            since, gen = self.clock.now(), prefill.load.generation_tokens
+            while True:
+                left = ends - loop.time()
+                done, _ = await asyncio.wait({exchange}, timeout=left if window is None else min(window, left))
+                if done:
+                    return exchange.result()
+                if loop.time() >= ends:
+                    raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s")
+                now = self.clock.now()
+                if not _progressed(prefill, since, gen):
+                    raise _PrefillFailed(f"it did no work for {now - since:.1f} s (stalled)", stalled=True)
+                assert self.stall is not None
+                since, gen, window = now, prefill.load.generation_tokens, self.stall.stall_timeout_s
+        finally:
+            if not exchange.done():
+                exchange.cancel()  # (closes the connection: the engine aborts the step)
+                await asyncio.gather(exchange, return_exceptions=True)
+            prefill.inflight = max(0, prefill.inflight - 1)
+
+    def _stall_budget(self, call: UpstreamCall, prefill: Worker) -> float | None:
+        if self.stall is None:
+            return None
+        return self.stall.stall_timeout_s + (call.prompt_tokens + prefill.queued_prefill_tokens) \
+            / self.stall.stall_prefill_tokens_per_s
+
+    async def _exchange_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> httpx.Response:
+        try:
+            r = await send_post(self.http, prefill.url + call.endpoint, orjson.dumps(body),
+                                engine_headers(call, prefill))
+            try:  # (read whole, bounded: a prefill answer is one token and the hand-off's parameters)
+                content = await read_all(r, PREFILL_ANSWER_BYTES)
+            finally:
+                await r.aclose()
+            prefill.last_progress_at = self.clock.now()  # it answered: alive (the stall watchdog's evidence)
+            return httpx.Response(r.status_code, content=content, headers=raw_headers(r))
         except AnswerTooLarge as e:
             raise _PrefillFailed(f"answered more than {e.limit} bytes") from None
-        except TimeoutError:
-            raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s") \
-                from None
         except (httpx.ConnectError, httpx.ConnectTimeout, MalformedAnswer) as e:
             raise _PrefillFailed(f"cannot reach {prefill.url}: {type(e).__name__}", reachable=False) from e
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
@@ -218,8 +259,13 @@ class PdExecutor:
                                  dropped=True) from e
         except httpx.HTTPError as e:
             raise _PrefillFailed(f"{type(e).__name__}: {e}") from e
-        finally:
-            prefill.inflight = max(0, prefill.inflight - 1)
+
+    def _prefill_fault(self, prefill: Worker, reason: str) -> None:
+        """Another worker answered what ``prefill`` dropped or stalled on: out of rotation, and its breaker
+        counts it (the health loop alone would bring back at once an engine whose /health still answers)."""
+        self.fleet.mark_failed(prefill, self.clock.now(), reason)
+        if self.on_prefill_fault is not None:
+            self.on_prefill_fault(prefill)
 
     async def _prefill_step(self, call: UpstreamCall, prefill: Worker,
                             body: dict[str, Any]) -> dict[str, Any] | httpx.Response:
@@ -268,12 +314,12 @@ class PdExecutor:
                 self.metrics.upstream_errors.labels(current.id, "prefill").inc()
                 if not e.reachable:
                     self.fleet.mark_failed(current, self.clock.now(), e.reason)
-                if e.dropped and dropped:  # the same drop on a second prefill worker: the request's doing
+                if (e.dropped or e.stalled) and dropped:  # the same on a second prefill worker: the request's doing
                     self._settle_dropped(dropped, request_caused=True)
                     raise UpstreamError(502, f"The prefill engines ({', '.join(sorted(failed | {current.id}))}) "
-                                             "closed the connection without answering this request.",
+                                             "closed the connection or stalled without answering this request.",
                                         code="engine_closed_connection") from None
-                if e.dropped:
+                if e.dropped or e.stalled:
                     dropped.append(current)
                 if decision is not None:
                     decision.failed_prefill.append(current.id)
@@ -291,7 +337,7 @@ class PdExecutor:
         """Prefill workers that dropped a request leave rotation, unless the request caused the drops."""
         if not request_caused:
             for worker in dropped:
-                self.fleet.mark_failed(worker, self.clock.now(), "closed the connection without answering")
+                self._prefill_fault(worker, "closed the connection or stalled without answering")
         dropped.clear()
 
     async def _sglang_pair(self, call: UpstreamCall, decode: Worker, prefill: Worker,
@@ -357,3 +403,12 @@ class PdExecutor:
             await response.aclose()
             raise
         return response, head, rest
+
+
+def _progressed(worker: Worker, since: float, gen_at_start: float | None) -> bool:
+    """Has ``worker`` done any work since ``since`` (an answer to any leg, or generated tokens in its
+    metrics scraped after ``since``)? As ``Attempt.worker_progressed`` for a decode try."""
+    if worker.last_progress_at is not None and worker.last_progress_at > since:
+        return True
+    gen = worker.load.generation_tokens
+    return gen is not None and gen_at_start is not None and worker.load.scraped_at > since and gen > gen_at_start

@@ -31,7 +31,8 @@ def build_runtime(config: DyadConfig, *, clock: Clock | None = None, metrics: Dy
     """A complete runtime for ``config`` (``runtime``: a pre-built base, e.g. with a test transport)."""
     rt = runtime or GatewayRuntime(config, clock=clock, metrics=metrics)
     telemetry.configure(rt)  # the access log and tracing from the config (orchestrator/telemetry/setup.py)
-    parts = disagg.build(rt.config, rt.fleet, rt.router.policy, rt.http, rt.metrics, rt.clock, rt.adapter_for)
+    parts = disagg.build(rt.config, rt.fleet, rt.router.policy, rt.http, rt.metrics, rt.clock, rt.adapter_for,
+                         on_prefill_fault=lambda w: rt.breakers.record_failure(w.id, rt.clock.now()))
     rt.roles = parts.roles
     if parts.policy is not None:
         rt.router.policy = parts.policy

@@ -39,6 +39,7 @@ class UpstreamCall:
     stream: bool
     headers: dict[str, str] = field(default_factory=dict)  # extra headers for the engine
     generation: bool = True  # False: embeddings, tokenize, detokenize (one worker, no P/D, no token accounting)
+    prompt_tokens: int = 0  # the annotated prompt's tokens (sizes the P/D prefill leg's stall budget)
 
 
 class AttemptFailed(Exception):

@@ -610,7 +610,7 @@ class StreamRelay:
             return _final_length_event(sent, self.chat) + DONE_EVENT, None, None
         self.failovers += 1
         call = UpstreamCall(endpoint=p.call.endpoint, body=body, request_id=p.call.request_id, model=p.call.model,
-                            stream=True, headers=p.call.headers)
+                            stream=True, headers=p.call.headers, prompt_tokens=p.call.prompt_tokens)
         try:
             next_attempt, _ = await p.open_attempt(call)
         except ApiError as e:

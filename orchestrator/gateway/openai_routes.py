@@ -121,7 +121,8 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         rt.access_log.emit(record)
         raise
     strip_usage = stream and not responses and rq.ask_for_usage(body)  # (a Responses stream always has usage)
-    call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream)
+    call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream,
+                        prompt_tokens=route_req.prompt_tokens)
     counted.inflight.inc()
     proxy = ProxyResponse(rt, call, route_req, label, started, record, strip_usage, limit_headers,
                           pinned_away=pinned_away)

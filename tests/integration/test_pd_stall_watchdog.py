@@ -11,6 +11,9 @@ delay is a lower bound, so the assertions hold however slow the machine is.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,6 +38,7 @@ def pd_pair(prefill_delay_s: float, decode_delay_s: float) -> Iterator[GatewayTh
                     {"id": "d", "url": d.url, "engine": "sim", "role": "decode", "models": [MODEL]}],
         "router": {"policy": "least_load", "debug_headers": True},
         "health": {"interval_s": 30},
+        "scrape": {"interval_s": 0.1},
         # prefill_timeout_s is a liveness bound here: the prefill leg must end by itself
         "disagg": {"min_prefill_tokens": 32, "prefill_timeout_s": 120},
         "resilience": {"stall_timeout_s": STALL_S, "stall_prefill_tokens_per_s": 1e9},
@@ -53,12 +57,35 @@ def completion(gw: GatewayThread) -> httpx.Response:
 
 
 def test_a_slow_prefill_leg_does_not_make_the_idle_decode_worker_stalled():
-    with pd_pair(prefill_delay_s=8 * STALL_S, decode_delay_s=0) as gw:
+    """The leg is slow on a prefill worker that is busy meanwhile (a long generation sent to its engine
+    directly: its scraped generated-token counter moves), so the prefill leg's own watchdog sees work and
+    lets it run; the decode worker, idle because the request has not reached it, is not stalled either.
+    (A prefill worker that does no work at all for the budget is stalled: test_request_path_failures.py.)"""
+    with pd_pair(prefill_delay_s=0, decode_delay_s=0) as gw:
+        p = gw.runtime.fleet.get("p")
+        busy = threading.Thread(target=_generate_directly, args=(p.url, 8 * STALL_S + 30), daemon=True)
+        busy.start()
+        deadline = time.monotonic() + 30
+        while not (p.load.generation_tokens or 0) > 0:  # (scraped: the engine is generating)
+            assert time.monotonic() < deadline, "the prefill engine's generated tokens never showed in its scrape"
+            time.sleep(0.05)
+        httpx.post(f"{p.url}/sim/faults", json={"prefill_delay_s": 8 * STALL_S}, timeout=10).raise_for_status()
         r = completion(gw)
         assert r.status_code == 200, r.text
         assert r.headers["x-dyad-prefill-worker"] == "p" and r.headers["x-dyad-worker"] == "d"
         assert gw.runtime.metrics.registry.get_sample_value("dyad_pd_requests_total",
                                                             {"mode": "disaggregated"}) == 1
+
+
+def _generate_directly(url: str, seconds: float) -> None:
+    """A long streamed generation on an engine, not through the gateway, read for ``seconds`` at most."""
+    body = {"model": MODEL, "prompt": "busy", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    ends = time.monotonic() + seconds
+    with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", f"{url}/v1/completions", json=body,
+                                                            timeout=seconds + 10) as r:
+        for _ in r.iter_raw():
+            if time.monotonic() > ends:
+                break
 
 
 def test_a_decode_worker_that_does_nothing_after_the_prefill_is_still_stalled():

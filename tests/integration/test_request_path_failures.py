@@ -479,6 +479,36 @@ def test_a_request_every_pd_leg_drops_takes_no_prefill_worker_out():
         assert dropping.bodies and not gw.runtime.fleet.get("w0").health_ok  # the drop was the worker's
 
 
+def test_a_prefill_worker_that_hangs_while_its_health_answers_is_found_stalled():
+    """vLLM P/D: a prefill engine that takes requests and never answers them (while its /health answers) held
+    each request for the whole ``disagg.prefill_timeout_s`` before the decode worker prefilled locally, and
+    kept its share of prefill legs forever: the stall watchdog watched decode tries only. A prefill leg is
+    watched the same way now: past the stall budget, a prefill worker that did no work at all is stalled; the
+    decode worker prefills locally, and as it answers, the prefill worker leaves rotation (its breaker counts
+    it). An input that hangs every engine is the request's: the prefill worker stays."""
+    hung, decode = engines("hang", "ok")
+    with gateway([hung, decode], ["prefill", "decode"], disagg={**PD, "prefill_timeout_s": 120},
+                 resilience={"stall_timeout_s": 1, "breaker_failure_threshold": 1}) as gw:
+        healthy(gw)
+        t0 = time.monotonic()
+        assert complete(gw, prompt=LONG, timeout=150).status_code == 200
+        took = time.monotonic() - t0
+        assert took < 60, took  # the stall budget (1 s + the prompt at 500 tokens/s), not the 120-s prefill timeout
+        assert len(hung.bodies) == 1 and not gw.runtime.fleet.get("w0").health_ok
+        assert sample(gw, "dyad_pd_requests_total", {"mode": "fallback"}) == 1
+        assert complete(gw, prompt=LONG).status_code == 200 and len(hung.bodies) == 1  # no more legs for it
+        assert breakers(gw) == {"w0": "open"}  # (its health answers: the breaker keeps it out for breaker_open_s)
+    fleet = engines("poison_hang", "poison_hang", "poison_hang")
+    with gateway(fleet, ["prefill", "decode", "decode"], disagg={**PD, "prefill_timeout_s": 120},
+                 resilience={"stall_timeout_s": 1}) as gw:
+        healthy(gw)
+        assert complete(gw, prompt=LONG).status_code == 200
+        assert complete(gw, prompt="POISON " + LONG, timeout=150).status_code >= 500
+        assert fleet[0].bodies and gw.runtime.fleet.get("w0").health_ok and "w0" not in breakers(gw)
+        for e in fleet:
+            e.release.set()
+
+
 def test_a_prefill_answer_with_garbage_for_a_handoff_never_reaches_the_decode_engine():
     """vLLM P/D: a prefill answer's ``kv_transfer_params`` went to the decode engine as they were, whatever they
     held (a host that is no host, block ids that are no ids): the decode engine's connector acts on them.
