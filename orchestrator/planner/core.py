@@ -174,11 +174,6 @@ class PlannerSettings:
     # at most the horizon's largest sizing times that rise, and warm standby only what that capacity needs beyond
     # the serving pool; ``burst_window_s`` and ``standby_*`` stay the bounds, and the insurance until the rise is
     # known (docs/benchmarks.md, Issue 14, helper planner4)
-    rise_floor: bool = True  # proportional insurance: a horizon "held" no less than what the role's minimum pool
-    # (``min_prefill`` / ``min_decode`` workers) holds at the model's sizing, so a rise measured from below one
-    # worker's load counts only the part the minimum pool cannot absorb (``Planner.absorbed_series``; without it,
-    # the ratios of a near-idle trough — ×2 on 19 → 40 decode streams that one worker holds — were applied to the
-    # peak's need: docs/benchmarks.md, Issue 14, helper plan11)
     rise_memory: int = 2880  # intervals of history ``insurance="proportional"`` measures the rise over (a day at
     # 30-s intervals: every run measured here is shorter, so it is "all seen so far"; ``jump_memory``'s 20
     # intervals forgot the two-peak day's first climb and the spiky day's spikes too soon: docs/benchmarks.md)
@@ -278,9 +273,6 @@ class Planner:
         # ``insurance="proportional"``: per interval, what each role's pool absorbed (5-s peak arrival rate, peak
         # decode streams), the exact needs of the last re-start horizon, and what that insurance asks for
         self._absorbed: deque[tuple[float, float]] = deque(maxlen=self.settings.rise_memory + 2 * self.horizon_steps())
-        # per interval, aligned with ``_absorbed``: the load one worker of each role holds at the model's sizing
-        # (5-s peak req/s per prefill worker, decode streams per worker), for ``rise_floor``
-        self._units: deque[tuple[float, float]] = deque(maxlen=self._absorbed.maxlen)
         self._recent: deque[tuple[float, dict[Role, float]]] = deque()
         self._insured: dict[Role, float] | None = None
         self._target: dict[Role, int] = {}
@@ -410,8 +402,9 @@ class Planner:
         if self._insured is None or lo == hi or not self._recent:
             return hi
         s = self.settings
+        hist = list(self._absorbed)
         m = self.horizon_steps()
-        ratios = {r: horizon_ratios(self.absorbed_series(r), m)[-s.rise_memory:] for r in ROLES}
+        ratios = {r: horizon_ratios([h[i] for h in hist], m)[-s.rise_memory:] for i, r in enumerate(ROLES)}
         peak = {r: max(e[r] for _, e in self._recent) for r in ROLES}
         n = min(len(v) for v in ratios.values())
         short = [sum(max(0, math.ceil(peak[r] * ratios[r][k] - 1e-9) - self._target.get(r, 0)) for r in ROLES)
@@ -453,34 +446,9 @@ class Planner:
     def horizon_rises(self) -> dict[Role, float]:
         """``horizon_rise`` per role over this planner's history (``jump_quantile`` over ``rise_memory``)."""
         s = self.settings
+        hist = list(self._absorbed)
         m = self.horizon_steps()
-        return {r: horizon_rise(self.absorbed_series(r), m, s.rise_memory, s.jump_quantile) for r in ROLES}
-
-    def absorbed_series(self, role: Role) -> list[float]:
-        """Per interval, what ``role``'s pool had to absorb (5-s peak arrival rate, peak decode streams) — with
-        ``rise_floor``, never less than what the role's minimum pool holds at the model's sizing then
-        (``min_prefill`` / ``min_decode`` × ``_unit_loads``): the fleet never holds less than that pool, so a rise
-        from below it is absorbed up to that pool's load and only the rest is a rise to insure."""
-        i = ROLES.index(role)
-        vals = [h[i] for h in self._absorbed]
-        if not self.settings.rise_floor or len(self._units) != len(vals):
-            return vals
-        lim = self.settings.limits
-        least = lim.min_prefill if role is Role.PREFILL else lim.min_decode
-        return [max(v, least * u[i]) for v, u in zip(vals, self._units, strict=True)]
-
-    def _unit_loads(self, planned: LoadForecast) -> tuple[float, float]:
-        """The load one worker of each role holds at the model's sizing for ``planned``'s lengths: prefill in req/s
-        (the solver's prefill need is linear in the rate), decode in streams (per worker within the ITL target,
-        net of ``decode_headroom``, as ``_decode_streams`` sizes it). 0 where the model gives nothing."""
-        s = self.settings
-        probe = max(planned.request_rate, 1e-3)
-        z = solve(replace(planned, request_rate=probe), self.perf, s.targets,
-                  replace(s.limits, budget=10**6, max_prefill=None), self.hit_ratio, self.correction,
-                  decode_perf=self.decode_perf)
-        unit_p = probe / z.prefill_exact if z.prefill_exact > 0 else 0.0
-        unit_d = self._decode_per_worker(planned) / (1 + s.decode_headroom)
-        return unit_p, unit_d
+        return {r: horizon_rise([h[i] for h in hist], m, s.rise_memory, s.jump_quantile) for i, r in enumerate(ROLES)}
 
     def _insure(self, exact: dict[Role, float], now: float, reasons: list[str]) -> None:
         """``insurance="proportional"``: the capacity each role should hold (serving or warm) for the next
@@ -682,7 +650,6 @@ class Planner:
         if obs is not None and obs.window_s > 0:
             self._bursts.append((obs.peak_rate if obs.peak_rate is not None else obs.request_rate, peak_d))
             self._absorbed.append(self._bursts[-1])
-            self._units.append(self._unit_loads(planned))
         self._size_standby(planned, reasons)
         decode_saturated = counts[Role.DECODE] > 0 and peak_d >= 0.9 * counts[Role.DECODE] * self._decode_per_worker(planned)
         if sizing.infeasible:

@@ -98,9 +98,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "load's history (not the sum of per-role pools), woken into the role that needs it by a "
                              "role change (--role-change-s); only when both roles run on the same profile at the "
                              "same price (default: PlannerSettings')")
-    parser.add_argument("--rise-floor", action=argparse.BooleanOptionalAction, default=None,
-                        help="proportional insurance measures a role's rise from no less than what its minimum pool "
-                             "holds (a rise the smallest pool absorbs is not one to insure) (default: PlannerSettings')")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--insurance", choices=["fixed", "proportional"], default="proportional",
@@ -202,8 +199,6 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         settings.standby_net_of_spare = args.standby_net_of_spare
     if g(args, "standby_shared", None) is not None:
         settings.standby_shared = args.standby_shared
-    if g(args, "rise_floor", None) is not None:
-        settings.rise_floor = args.rise_floor
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
     return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
 
