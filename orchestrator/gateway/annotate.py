@@ -68,6 +68,21 @@ def forks(body: dict[str, Any]) -> bool:
     return False
 
 
+def recomputes_prompt(endpoint: str, body: dict[str, Any]) -> bool:
+    """True when the request asks for its prompt's logprobs: ``prompt_logprobs``, or ``echo`` with
+    ``logprobs`` (completions) or with ``top_logprobs`` not null (chat, where it defaults to 0). vLLM then
+    reads no cached or transferred KV for it (``SamplingParams.skip_reading_prefix_cache``: the decode
+    engine loads nothing and computes the whole prompt again), so a prefill leg elsewhere would be work
+    for nothing, its blocks held by the prefill engine until they time out: it is prefilled on its decode
+    worker wherever that worker can prefill (``RouteRequest.prefer_local``)."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if body.get("echo") is not True:
+        return False
+    chat = endpoint.endswith("/chat/completions")
+    return body.get("top_logprobs", 0) is not None if chat else body.get("logprobs") is not None
+
+
 async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, model: str,
                    body: dict[str, Any], *, split_allowed: bool = True) -> RouteRequest:
     """The request as routing and admission see it, built once: the prompt's length (the model's
@@ -83,7 +98,8 @@ async def annotate(rt: GatewayRuntime, headers: Any, rid: str, endpoint: str, mo
                        prompt_tokens=estimate_prompt_tokens(endpoint, body) if tracker is None else 0,
                        max_tokens=max_tokens, block_size=canonical.block_size if canonical is not None else 32,
                        session_key=session_key_of(headers.get(session_header), body),
-                       split_allowed=split_allowed and one_prompt(body), prefer_local=forks(body))
+                       split_allowed=split_allowed and one_prompt(body),
+                       prefer_local=forks(body) or recomputes_prompt(endpoint, body))
     if tracker is None:
         return req
     out = await rt.router.annotate(req, body, endpoint)

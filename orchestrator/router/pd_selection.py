@@ -164,8 +164,8 @@ def select_pair(
     elif not can_prefill_locally(decode):
         reason, prefill = f"disaggregated: {decode.engine.value} decode workers cannot prefill", best_prefill
     elif req.prefer_local:
-        reason, prefill = "local prefill: the engine forks this request into several sequences (n/best_of), " \
-                          "which one hand-off does not cover", None
+        reason, prefill = "local prefill: one hand-off does not serve this request (several sequences: " \
+                          "n/best_of; or prompt logprobs, for which the engine recomputes the prompt)", None
     elif local_uncached < settings.min_prefill_tokens:
         reason, prefill = (f"local prefill: {local_uncached} uncached tokens < "
                            f"min_prefill_tokens {settings.min_prefill_tokens}"), None

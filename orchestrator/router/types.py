@@ -67,7 +67,8 @@ class RouteRequest:
     # does not cover: /v1/responses, a batch of prompts)
     split_allowed: bool = True
     # True: prefill on the decode worker whenever it can (a request the engine forks into several sequences,
-    # ``n``/``best_of`` > 1: vLLM's children would share one hand-off); split only where it cannot (SGLang)
+    # ``n``/``best_of`` > 1: vLLM's children would share one hand-off; one asking for prompt logprobs, whose
+    # prompt vLLM computes again whatever was handed off); split only where it cannot (SGLang)
     prefer_local: bool = False
 
     def annotated(self, *, token_ids: Sequence[int] | None, prompt_tokens: int, block_size: int,

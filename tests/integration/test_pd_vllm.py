@@ -192,6 +192,24 @@ def test_short_prompt_is_prefilled_on_the_decode_engine(pd):
     assert pd_mode_count(gw.url, "local") == before_local + 1
 
 
+def test_a_long_prompt_asking_for_its_logprobs_is_prefilled_on_the_decode_engine(pd):
+    """vLLM reads no transferred KV for a request with prompt logprobs (it computes the prompt again), so
+    the gateway does not split it however long the prompt: no prefill leg, and the prompt's logprobs are
+    the engine's own (as an aggregated engine gives them)."""
+    gw, prefill, decode = pd
+    body = completion_body(LONG_PROMPT, 2, echo=True, logprobs=1)
+    ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()
+    before_local = pd_mode_count(gw.url, "local")
+    r = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-dyad-worker"] == "decode" and "x-dyad-prefill-worker" not in r.headers
+    assert pd_mode_count(gw.url, "local") == before_local + 1
+    got, want = r.json()["choices"][0]["logprobs"], ref["choices"][0]["logprobs"]
+    assert got["tokens"] == want["tokens"] and len(got["tokens"]) > 300
+    assert got["token_logprobs"][0] is None
+    assert got["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-3)
+
+
 def test_client_disconnect_stops_the_decode_engine(pd):
     """What is guarded: after the client leaves, the decode engine aborts the request instead of
     generating all 3000 tokens. Timing bounds below are only liveness limits (generous: a loaded

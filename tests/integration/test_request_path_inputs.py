@@ -187,3 +187,26 @@ def test_a_batch_of_prompts_is_never_split_and_several_sequences_are_prefilled_l
         r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 2, "n": 1},
                        timeout=10)
         assert r.status_code == 200 and len(prefill.bodies) == 1 and decode.bodies[-1]["kv_transfer_params"]
+
+
+def test_a_request_for_its_prompts_logprobs_is_prefilled_where_it_is_decoded():
+    """vLLM computes the whole prompt again on the decode engine for a request that asks for its prompt's
+    logprobs (``SamplingParams.skip_reading_prefix_cache``: no cached or transferred KV is read), so a
+    prefill leg on another worker was work for nothing, its blocks held by the prefill engine until they
+    timed out. Such a request (``prompt_logprobs``, or ``echo`` with logprobs) is prefilled on its vLLM
+    decode worker; the same prompt without them is still split."""
+    with fleet([("vllm", "prefill"), ("vllm", "decode")], connector="nixl") as (gw, engines):
+        prefill, decode = engines
+        chat = {"messages": [{"role": "user", "content": LONG}]}
+        for extra, endpoint in (({"echo": True, "logprobs": 0}, "completions"), ({"prompt_logprobs": 1}, "completions"),
+                                ({"echo": True}, "chat/completions"), ({"prompt_logprobs": 0}, "chat/completions")):
+            body = {"model": MODEL, "max_tokens": 2, **extra, **(chat if endpoint.startswith("chat") else {"prompt": LONG})}
+            r = httpx.post(f"{gw.url}/v1/{endpoint}", json=body, timeout=10)
+            assert r.status_code == 200, r.text
+            assert not prefill.bodies and "kv_transfer_params" not in decode.bodies[-1], (extra, decode.bodies[-1])
+        for extra, endpoint in (({"echo": True}, "completions"), ({"logprobs": 2}, "completions"),
+                                ({"echo": True, "top_logprobs": None}, "chat/completions")):
+            body = {"model": MODEL, "max_tokens": 2, **extra, **(chat if endpoint.startswith("chat") else {"prompt": LONG})}
+            n = len(prefill.bodies)
+            r = httpx.post(f"{gw.url}/v1/{endpoint}", json=body, timeout=10)
+            assert r.status_code == 200 and len(prefill.bodies) == n + 1, (extra, r.text)  # no prompt logprobs: split
