@@ -54,7 +54,7 @@ def _view(roles: RoleManager, worker_id: str) -> dict[str, Any]:
 @audit.audited("worker.role_change")
 async def set_role(request: Request) -> Response:
     roles = _roles(request)
-    body = rq.parse_json_object(await rq.read_body(request, ADMIN_BODY_LIMIT))
+    body = await rq.read_json_object(request, ADMIN_BODY_LIMIT)
     role = body.get("role")
     if not isinstance(role, str):
         raise InvalidRequest("'role' is required: one of prefill, decode, both.", param="role", code="invalid_role")

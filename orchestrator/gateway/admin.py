@@ -62,7 +62,7 @@ async def add_worker(request: Request) -> Response:
     """Body: a worker as in the config file (``url`` required; ``id``, ``engine``, ``role``,
     ``models``, ``labels``, ...). The worker is probed at once and joins when healthy."""
     rt = admin_runtime(request)
-    body = rq.parse_json_object(await rq.read_body(request, ADMIN_BODY_LIMIT))
+    body = await rq.read_json_object(request, ADMIN_BODY_LIMIT)
     try:
         wc = WorkerConfig.model_validate(body)
     except ValidationError as e:

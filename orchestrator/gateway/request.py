@@ -77,6 +77,22 @@ async def read_body(request: Request, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object (``read_body`` + ``parse_json_object``). A body the client compressed
+    (``Content-Encoding``: the gateway forwards JSON as it reads it, so it decodes none) is refused with a
+    415 naming the header, not taken for broken JSON (checked only when the body does not parse)."""
+    raw = await read_body(request, limit)
+    try:
+        return parse_json_object(raw)
+    except InvalidRequest:
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+            raise InvalidRequest(f"Content-Encoding {encoding.strip()[:40]!r} is not supported: send the JSON body "
+                                 "uncompressed.", param="content-encoding", code="unsupported_content_encoding",
+                                 status=415) from None
+        raise
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise InvalidRequest("Request body is empty; expected a JSON object.", code="invalid_json")

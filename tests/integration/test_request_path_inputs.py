@@ -210,3 +210,28 @@ def test_a_request_for_its_prompts_logprobs_is_prefilled_where_it_is_decoded():
             n = len(prefill.bodies)
             r = httpx.post(f"{gw.url}/v1/{endpoint}", json=body, timeout=10)
             assert r.status_code == 200 and len(prefill.bodies) == n + 1, (extra, r.text)  # no prompt logprobs: split
+
+
+def test_a_compressed_body_is_refused_naming_the_header_not_taken_for_broken_json():
+    """A client that gzips its JSON body got a 400 "not valid JSON" (the gateway decodes no Content-Encoding):
+    true, but it sent the client looking for a JSON mistake. Now a body that does not parse and came with a
+    Content-Encoding is a 415 naming the header; a JSON body labelled ``identity`` (or gzip, yet plain) is
+    served as before."""
+    import gzip
+    import json
+    with fleet([("vllm", "both")]) as (gw, engines):
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        for path in ("/v1/completions", "/v1/embeddings"):
+            r = httpx.post(f"{gw.url}{path}", content=gzip.compress(json.dumps(body).encode()),
+                           headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=10)
+            assert r.status_code == 415, r.text
+            err = r.json()["error"]
+            assert err["param"] == "content-encoding" and "gzip" in err["message"] and "uncompressed" in err["message"]
+        for encoding in ("identity", "gzip"):
+            r = httpx.post(f"{gw.url}/v1/completions", content=json.dumps(body).encode(),
+                           headers={"content-type": "application/json", "content-encoding": encoding}, timeout=10)
+            assert r.status_code == 200, (encoding, r.text)
+        r = httpx.post(f"{gw.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"},
+                       timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        assert engines[0].bodies and all(b.get("prompt") == "hello" for b in engines[0].bodies)
