@@ -47,9 +47,11 @@ def build_runtime(config: DyadConfig, *, clock: Clock | None = None, metrics: Dy
 
 
 async def start(rt: GatewayRuntime, read_metrics: Callable[[], bytes | str]) -> None:
-    """Start the loops: health, scrape, KV events (``GatewayRuntime.start``), intake, and the planner."""
+    """Start the loops: health, scrape, KV events (``GatewayRuntime.start``), intake, and the planner; connect
+    the shared response-owner map."""
     rt.add_task(rt.intake.run(), name="dyad-intake")
     await rt.start()
+    await responses_api.connect_owners(rt)
     if rt.config.planner.enabled:
         from orchestrator.planner.install import build_service
         service = build_service(rt, read_metrics)

@@ -62,6 +62,7 @@ OWNERS_TTL_S = 24 * 3600.0  # a response older than this is not routed to (its e
 KEY_BYTES = 16
 REDIS_TIMEOUT_S = 0.5  # a shared-map read or write waits at most this long
 REDIS_RETRY_S = 5.0  # after a Redis failure the map is local-only this long
+CONNECT_TIMEOUT_S = 5.0  # the start-up connection (``SharedOwners.connect``) waits at most this long
 # A cluster call may first read the topology (CLUSTER SLOTS) and follow a MOVED: bounded as a whole.
 CLUSTER_CALL_TIMEOUT_S = 2 * REDIS_TIMEOUT_S
 
@@ -263,6 +264,21 @@ class SharedOwners:
                                                 socket_connect_timeout=REDIS_TIMEOUT_S)
         return self._redis
 
+    async def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """Open the connections before a request needs them (the composition root awaits it at start). A
+        client connects on its first call: a cluster client first learns the nodes, then opens a connection
+        (TLS too, with ``rediss://``) to the node of the key. On a loaded machine that can outlast one call's
+        bound (``CLUSTER_CALL_TIMEOUT_S``), and the map would then count Redis as down for
+        ``REDIS_RETRY_S``: the first ids created after start would be known to this replica only. Best
+        effort: a Redis that does not answer here is tried again by the first call."""
+        try:
+            client = self._client()
+            ping = client.ping(target_nodes=client.PRIMARIES) if self.cluster else client.ping()
+            await asyncio.wait_for(ping, timeout_s)
+        except Exception as e:  # noqa: BLE001 - best effort (see the class docstring)
+            log.warning("response owners: Redis did not answer at start (%s: %s); tried again on first use",
+                        type(e).__name__, e)
+
     def _name(self, key: bytes) -> str:
         if self.cluster:
             return f"{self.key_prefix}:resp:{{{key.hex()}}}"
@@ -316,6 +332,13 @@ def build_owners(config: Any) -> ResponseOwners:
     if index.backend in ("redis", "redis_cluster"):
         shared = SharedOwners(index.redis_url, index.key_prefix, cluster=index.backend == "redis_cluster")
     return ResponseOwners(shared=shared)
+
+
+async def connect_owners(rt: Any) -> None:
+    """Connect the shared owner map, when there is one, before the gateway takes requests."""
+    owners = getattr(rt, "response_owners", None)
+    if owners is not None and owners.shared is not None:
+        await owners.shared.connect()
 
 
 async def close_owners(rt: Any) -> None:
