@@ -15,6 +15,7 @@ import ast
 from pathlib import Path
 
 import orchestrator
+from tests.fixtures.source import parse_source
 
 REPO = Path(orchestrator.__file__).resolve().parent.parent
 CORE = ["orchestrator.router.router", "orchestrator.router.pd_selection", "orchestrator.router.estimate",
@@ -42,7 +43,7 @@ def _type_checking_only(node: ast.AST) -> bool:
 def imports_of(src: str, package: str) -> list[str]:
     """Every module ``src`` imports when it runs (at any depth; not under ``if TYPE_CHECKING:``)."""
     out: list[str] = []
-    stack: list[ast.AST] = [ast.parse(src)]
+    stack: list[ast.AST] = [parse_source(src)]
     while stack:
         node = stack.pop()
         if _type_checking_only(node):

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import orchestrator
+from tests.fixtures.source import parse_source
 
 ROOT = Path(orchestrator.__file__).resolve().parent
 REPO = ROOT.parent
@@ -28,7 +29,7 @@ ALLOWED = {
 
 def sim_imports_in(src: str, name: str) -> list[str]:
     found = []
-    for node in ast.walk(ast.parse(src, name)):
+    for node in ast.walk(parse_source(src, name)):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
