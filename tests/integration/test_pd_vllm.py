@@ -194,20 +194,26 @@ def test_short_prompt_is_prefilled_on_the_decode_engine(pd):
 
 def test_a_long_prompt_asking_for_its_logprobs_is_prefilled_on_the_decode_engine(pd):
     """vLLM reads no transferred KV for a request with prompt logprobs (it computes the prompt again), so
-    the gateway does not split it however long the prompt: no prefill leg, and the prompt's logprobs are
-    the engine's own (as an aggregated engine gives them)."""
+    the gateway does not split a prompt it would otherwise split: no prefill leg, and every prompt position
+    has its logprob."""
     gw, prefill, decode = pd
-    body = completion_body(LONG_PROMPT, 2, echo=True, logprobs=1)
-    ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()
+    # (its own prompt, long enough to be split without logprobs, shorter than LONG_PROMPT: every prompt
+    # position's logprobs cost; its blocks are dropped from both engines after, as the other tests do)
+    prompt = "Score the inventory: " + " ".join(f"item{i} costs {i * 7 % 97}" for i in range(30))
+    body = completion_body(prompt, 2, echo=True, logprobs=1)
     before_local = pd_mode_count(gw.url, "local")
     r = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT)
     assert r.status_code == 200, r.text
     assert r.headers["x-dyad-worker"] == "decode" and "x-dyad-prefill-worker" not in r.headers
     assert pd_mode_count(gw.url, "local") == before_local + 1
-    got, want = r.json()["choices"][0]["logprobs"], ref["choices"][0]["logprobs"]
-    assert got["tokens"] == want["tokens"] and len(got["tokens"]) > 300
-    assert got["token_logprobs"][0] is None
-    assert got["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-3)
+    got = r.json()["choices"][0]
+    assert got["text"].startswith(prompt)  # echoed
+    logprobs = got["logprobs"]["token_logprobs"]
+    assert r.json()["usage"]["prompt_tokens"] > 64  # (above the fixture's min_prefill_tokens: split without logprobs)
+    assert logprobs[0] is None and len(logprobs) == r.json()["usage"]["prompt_tokens"] + 2
+    assert all(isinstance(x, float) and x <= 0 for x in logprobs[1:])  # every prompt position's, computed
+    for engine in (prefill, decode):
+        assert httpx.post(f"{engine.url}/reset_prefix_cache", timeout=10).status_code == 200
 
 
 def test_client_disconnect_stops_the_decode_engine(pd):
