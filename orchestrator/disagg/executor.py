@@ -42,6 +42,7 @@ from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
 from orchestrator.gateway.classify import ACCESS_STATUSES
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
+from orchestrator.gateway.resilience import stall_budget, worked_since
 from orchestrator.gateway.transport import AnswerTooLarge, MalformedAnswer, raw_headers, read_all, send_post
 from orchestrator.router.types import RouteDecision
 from orchestrator.telemetry import tracing
@@ -224,7 +225,7 @@ class PdExecutor:
                 if loop.time() >= ends:
                     raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s")
                 now = self.clock.now()
-                if not _progressed(prefill, since, gen):
+                if not worked_since(prefill, since, gen):
                     raise _PrefillFailed(f"it did no work for {now - since:.1f} s (stalled)", stalled=True)
                 assert self.stall is not None
                 since, gen, window = now, prefill.load.generation_tokens, self.stall.stall_timeout_s
@@ -235,10 +236,8 @@ class PdExecutor:
             prefill.inflight = max(0, prefill.inflight - 1)
 
     def _stall_budget(self, call: UpstreamCall, prefill: Worker) -> float | None:
-        if self.stall is None:
-            return None
-        return self.stall.stall_timeout_s + (call.prompt_tokens + prefill.queued_prefill_tokens) \
-            / self.stall.stall_prefill_tokens_per_s
+        return None if self.stall is None else stall_budget(self.stall, call.prompt_tokens,
+                                                            prefill.queued_prefill_tokens)
 
     async def _exchange_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> httpx.Response:
         try:
@@ -403,12 +402,3 @@ class PdExecutor:
             await response.aclose()
             raise
         return response, head, rest
-
-
-def _progressed(worker: Worker, since: float, gen_at_start: float | None) -> bool:
-    """Has ``worker`` done any work since ``since`` (an answer to any leg, or generated tokens in its
-    metrics scraped after ``since``)? As ``Attempt.worker_progressed`` for a decode try."""
-    if worker.last_progress_at is not None and worker.last_progress_at > since:
-        return True
-    gen = worker.load.generation_tokens
-    return gen is not None and gen_at_start is not None and worker.load.scraped_at > since and gen > gen_at_start

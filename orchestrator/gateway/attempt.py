@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from orchestrator.gateway.resilience import stall_budget, worked_since
 from orchestrator.router.types import RouteDecision, RouteRequest
 
 if TYPE_CHECKING:
@@ -77,9 +78,8 @@ class Attempt:
         """How long to wait for the first byte before asking whether the worker is stalled: the base
         ``resilience.stall_timeout_s`` plus this prompt's and the worker's queued prefill at the
         slowest assumed rate (``stall_prefill_tokens_per_s``)."""
-        res = self.rt.config.resilience
-        queued = self.decision.worker.queued_prefill_tokens
-        return res.stall_timeout_s + (self.req.prompt_tokens + queued) / res.stall_prefill_tokens_per_s
+        return stall_budget(self.rt.config.resilience, self.req.prompt_tokens,
+                            self.decision.worker.queued_prefill_tokens)
 
     def watch(self) -> None:
         """Start the stall watchdog (until ``first_token``): past the budget, a worker that did no
@@ -126,12 +126,7 @@ class Attempt:
         d = self.decision
         if d.prefill_legs > 0 or (d.prefill_ended_at is not None and d.prefill_ended_at > self.started):
             return True
-        w = d.worker
-        if w.last_progress_at is not None and w.last_progress_at > self.started:
-            return True
-        gen = w.load.generation_tokens
-        return (gen is not None and self.gen_at_start is not None and w.load.scraped_at > self.started
-                and gen > self.gen_at_start)
+        return worked_since(d.worker, self.started, self.gen_at_start)
 
     # --- the end ------------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ Both are decision logic (plain data, a ``now`` from the caller's clock, no I/O),
   worker-caused failures open it (the router skips the worker), after ``open_s`` it is
   half-open (up to ``half_open_probes`` requests at a time may try it), and ``success_threshold``
   successes close it again; a failure while half-open re-opens it for another ``open_s``.
+* ``stall_budget`` / ``worked_since``: the stall watchdog's budget and its evidence of work, shared by
+  decode tries (``attempt.py``) and P/D prefill legs (``disagg/executor.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,27 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from orchestrator.config import ResilienceConfig
+
+if TYPE_CHECKING:
+    from orchestrator.fleet.worker import Worker
+
+
+def stall_budget(res: ResilienceConfig, prompt_tokens: int, queued_tokens: float) -> float:
+    """How long a try may wait for its first sign of work before its worker is asked whether it is stalled:
+    ``stall_timeout_s`` plus the prompt's and the worker's queued prefill at the slowest assumed rate."""
+    return res.stall_timeout_s + (prompt_tokens + queued_tokens) / res.stall_prefill_tokens_per_s
+
+
+def worked_since(worker: Worker, since: float, gen_at_start: float | None) -> bool:
+    """Has ``worker`` done any work since ``since`` (a first token or a whole answer for any request, or
+    generated tokens in its metrics scraped after ``since``, against ``gen_at_start`` read then)?"""
+    if worker.last_progress_at is not None and worker.last_progress_at > since:
+        return True
+    gen = worker.load.generation_tokens
+    return gen is not None and gen_at_start is not None and worker.load.scraped_at > since and gen > gen_at_start
 
 
 @dataclass(frozen=True)
