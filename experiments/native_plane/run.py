@@ -14,10 +14,15 @@ before writing it. This script supplies those two callbacks from Dyad's own modu
   in flight); on the answer side: parse, ``classify.error_in_answer``, usage, ``Router.finish``, the e2e and
   token histograms and an ``AccessRecord`` (the access log off, as by default).
 
+A streamed answer (``py-dyad``) is screened in Rust as ``stream_protocol.py`` screens it for the OpenAI
+chunk protocol: whole events only, each ``data:`` a JSON object or ``[DONE]``, the usage chunk the gateway
+asked for withheld, and an end without ``[DONE]`` closed with an SSE error event and ``[DONE]``; then
+``check_stream(context, usage, events, ended)`` does the accounting in Python after the last byte.
+
 What ``py-dyad`` leaves out of the real request path (so its numbers are a lower bound for this design):
 intake (auth, rate and concurrency limits, the admission queue), the request and stall timers, tracing
-checks, failover and second opinions, and all stream screening (a streamed answer is passed through as
-the engine sent it: no SSE check, no usage chunk withheld, no honest ending). See
+checks, failover and second opinions, the first-token accounting of a stream (TTFT, ITL), and the
+Responses API's event protocol. See
 docs/benchmarks.md, "Session 12: a native data plane, measured (spike)".
 
     experiments/native_plane/build.sh
@@ -88,9 +93,6 @@ def dyad_callbacks(engine: str, model: str):
         decision = drive(router.decide(req))
         router.begin(decision, req)
         counted.inflight.inc()
-        if stream:  # (not checked: see the docstring) accounted at once
-            router.finish(decision, req, True)
-            counted.inflight.dec()
         return decision.worker.url + path, orjson.dumps(obj), stream, (req, decision, counted, started)
 
     def check(status: int, body: bytes, context: tuple) -> bool:
@@ -114,7 +116,22 @@ def dyad_callbacks(engine: str, model: str):
         access_log.emit(record)
         return ok
 
-    return decide, check
+    def check_stream(context: tuple, usage: str | None, events: int, ended: bool) -> None:
+        """After a streamed answer's last byte (screened in Rust): the accounting."""
+        req, decision, counted, started = context
+        router.finish(decision, req, ended)
+        counted.inflight.dec()
+        counted.requests("200").inc()
+        elapsed = time.perf_counter() - started
+        counted.e2e.observe(elapsed)
+        used = orjson.loads(usage) if usage else {}
+        counted.prompt_tokens.observe(used.get("prompt_tokens") or req.prompt_tokens)
+        counted.generation_tokens.observe(used.get("completion_tokens") or events)
+        record = AccessRecord(request_id=req.request_id, endpoint="/v1/completions", model=req.model, stream=True)
+        record.status, record.total_s = 200, elapsed
+        access_log.emit(record)
+
+    return decide, check, check_stream
 
 
 def main() -> None:
@@ -125,13 +142,13 @@ def main() -> None:
     ap.add_argument("--mode", choices=("native", "py-rr", "py-dyad"), default="py-dyad")
     ap.add_argument("--threads", type=int, default=2, help="tokio worker threads")
     a = ap.parse_args()
-    decide = check = None
+    decide = check = check_stream = None
     if a.mode == "py-rr":
         def decide(path: str, body: bytes):
             return a.engine + path, None, orjson.loads(body).get("stream") is True, None
     elif a.mode == "py-dyad":
-        decide, check = dyad_callbacks(a.engine, a.model)
-    dyad_native.serve(a.port, [a.engine], decide, check, a.threads)
+        decide, check, check_stream = dyad_callbacks(a.engine, a.model)
+    dyad_native.serve(a.port, [a.engine], decide, check, check_stream, a.threads)
 
 
 if __name__ == "__main__":
