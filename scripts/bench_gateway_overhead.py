@@ -72,9 +72,9 @@ def start_targets(ps: Processes, args: argparse.Namespace) -> dict[str, str]:
     for spec in args.native_spike:  # experiments/native_plane (a spike: built by its build.sh, never shipped)
         mode, _, threads = spec.partition(":")
         port = free_port()
-        p = ps.start(f"native-{mode}-{threads or 2}", [
+        p = ps.start(f"native-{mode}-{threads or 1}", [
             py, str(ROOT / "experiments/native_plane/run.py"), "--engine", engine, "--port", str(port),
-            "--model", MODEL, "--mode", mode, "--threads", threads or "2"])
+            "--model", MODEL, "--mode", mode, "--threads", threads or "1"])
         wait_http(f"http://127.0.0.1:{port}/v1/models", p)
         targets[f"native spike ({spec})"] = f"http://127.0.0.1:{port}"
     venv = Path(args.anchors_venv).expanduser()
@@ -215,7 +215,7 @@ def main() -> int:
     ap.add_argument("--native-spike", action="append", default=[], metavar="MODE[:THREADS]",
                     help="also measure experiments/native_plane (run its build.sh first): a Rust data plane "
                          "with the decision in Python (a spike, not part of Dyad); MODE native, py-rr or py-dyad, "
-                         "THREADS its tokio worker threads (2)")
+                         "THREADS its tokio worker threads (1)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="prompt length in tokens (simulator tokenizer: words); 0 = a 9-word sentence")
     ap.add_argument("--fresh-prompts", action="store_true",

@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model", default="bench")
     ap.add_argument("--mode", choices=("native", "py-rr", "py-dyad"), default="py-dyad")
-    ap.add_argument("--threads", type=int, default=2, help="tokio worker threads")
+    ap.add_argument("--threads", type=int, default=1, help="tokio worker threads (1: the GIL is never handed between threads)")
     a = ap.parse_args()
     decide = check = check_stream = None
     if a.mode == "py-rr":
