@@ -8,6 +8,7 @@ rotates, and CA); ``api_url``/``token`` point it elsewhere (``kubectl proxy``, t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
@@ -56,6 +57,7 @@ class KubeApi:
                  ca_file: str | None = None, timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self._token = token
         self._token_file = token_file if token is None else None
         self._token_read_at = -1e18
@@ -95,15 +97,19 @@ class KubeApi:
         raise (Gone if r.status_code == 410 else KubeApiError)(r.status_code, message[:300])
 
     async def get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        r = await self.http.get(path, params=params, headers=self._headers())
-        self._raise(r)
-        return r.json()
+        # every call within ``timeout_s`` in all (httpx's timeout bounds each read, not the answer): the
+        # planner's actuator and the discovery list wait on these
+        async with asyncio.timeout(self.timeout_s):
+            r = await self.http.get(path, params=params, headers=self._headers())
+            self._raise(r)
+            return r.json()
 
     async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        r = await self.http.patch(path, content=json.dumps(body).encode(),
-                                  headers=self._headers("application/merge-patch+json"))
-        self._raise(r)
-        return r.json()
+        async with asyncio.timeout(self.timeout_s):
+            r = await self.http.patch(path, content=json.dumps(body).encode(),
+                                      headers=self._headers("application/merge-patch+json"))
+            self._raise(r)
+            return r.json()
 
     async def watch(self, path: str, params: dict[str, Any], timeout_s: float) -> AsyncIterator[dict[str, Any]]:
         """The events of one watch request (``{"type": ..., "object": ...}``), until the server ends it.

@@ -33,8 +33,11 @@ class MetricsScraper:
         adapter = self.adapter_for(worker.engine)
         model = worker.models[0] if len(worker.models) == 1 else None
         try:
-            worker.load = await adapter.scrape(self.http, worker.url, self.config.timeout_s, self.clock.now(),
-                                               model)
+            # the whole answer within the timeout (httpx bounds each read): a trickling engine must not
+            # hold the round, in which every other worker's load waits for this one
+            async with asyncio.timeout(self.config.timeout_s):
+                worker.load = await adapter.scrape(self.http, worker.url, self.config.timeout_s, self.clock.now(),
+                                                   model)
             return True
         except Exception:
             if self.metrics is not None:

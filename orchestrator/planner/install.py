@@ -145,12 +145,14 @@ def kubernetes_actuator(cfg: PlannerConfig, runtime: Any) -> KubernetesActuator:
             return False  # this process itself still has requests there
         host = f"[{ip}]" if ":" in ip else ip
         try:
-            load = await runtime.adapter_for(disc.engine).scrape(runtime.http, f"{disc.scheme}://{host}:{port}",
-                                                                 runtime.config.scrape.timeout_s,
-                                                                 runtime.clock.now(), None)
-        except httpx.ConnectError:
-            return True  # the engine is not listening: nothing to finish
-        except Exception:
+            async with asyncio.timeout(runtime.config.scrape.timeout_s):  # the answer, not each read
+                load = await runtime.adapter_for(disc.engine).scrape(runtime.http, f"{disc.scheme}://{host}:{port}",
+                                                                     runtime.config.scrape.timeout_s,
+                                                                     runtime.clock.now(), None)
+        except Exception as e:
+            # the adapter wraps transport errors (AdapterError from httpx.ConnectError): look underneath
+            if isinstance(e, httpx.ConnectError) or isinstance(e.__cause__, httpx.ConnectError):
+                return True  # the engine is not listening: nothing to finish
             return None  # cannot tell: wait (bounded by the drain timeout)
         return load.running == 0 and load.waiting == 0
 

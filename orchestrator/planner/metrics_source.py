@@ -276,6 +276,16 @@ class PrometheusSource:
         return latency_from_engines(parts, prefill_step)
 
     async def observe(self, now: float) -> Observation:
+        """One observation, within ``timeout_s`` in all: httpx's timeout bounds each read, not the
+        answer, and a Prometheus (or a proxy before it) that sends a byte now and then would hold the
+        planner loop for good; past the deadline this raises ``TimeoutError`` and the loop holds."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._observe(now)
+        except TimeoutError:
+            raise TimeoutError(f"Prometheus at {self.url} did not answer within {self.timeout_s:g} s") from None
+
+    async def _observe(self, now: float) -> Observation:
         client = self._client or httpx.AsyncClient()
         try:
             window = f"{max(1, int(round(self.window_s)))}s"
@@ -409,9 +419,12 @@ class DirectSource:
         assert self.metrics_url is not None
         client = self._client or httpx.AsyncClient()
         try:
-            r = await client.get(self.metrics_url, timeout=self.timeout_s)
-            r.raise_for_status()
-            return r.text
+            async with asyncio.timeout(self.timeout_s):  # the whole answer, not each read (see PrometheusSource)
+                r = await client.get(self.metrics_url, timeout=self.timeout_s)
+                r.raise_for_status()
+                return r.text
+        except TimeoutError:
+            raise TimeoutError(f"{self.metrics_url} did not answer within {self.timeout_s:g} s") from None
         finally:
             if self._client is None:
                 await client.aclose()

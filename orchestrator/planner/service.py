@@ -60,9 +60,12 @@ def views_from_workers(workers: Iterable[Worker],
 class PlannerService:
     def __init__(self, planner: Planner, source: Source, actuator: Actuator,
                  fleet: Callable[[], list[WorkerView]], clock: Clock, metrics: DyadMetrics | None = None,
-                 history: int = 50, gate: InputGate | None = None) -> None:
+                 history: int = 50, gate: InputGate | None = None, observe_timeout_s: float | None = None) -> None:
         self.planner = planner
         s = planner.settings
+        # a source that does not answer in this long is unavailable this interval (the loop holds and
+        # says so; without a bound, one hung read would stop the planner, and its status, for good)
+        self.observe_timeout_s = observe_timeout_s if observe_timeout_s is not None else max(s.interval_s, 10.0)
         self.gate = gate or InputGate(max_age_s=3 * s.interval_s, need_latency=s.correct_from_latency)
         self.held: dict[str, Any] | None = None  # why the last interval held (None: it planned)
         self.source = source
@@ -79,7 +82,12 @@ class PlannerService:
     async def run_once(self) -> PlanDecision:
         now = self.clock.now()
         try:
-            raw = await self.source.observe(now)
+            try:
+                async with asyncio.timeout(self.observe_timeout_s):
+                    raw = await self.source.observe(now)
+            except TimeoutError as e:
+                raise TimeoutError(str(e) or f"the metrics source did not answer within "
+                                             f"{self.observe_timeout_s:g} s") from None
         except Exception as e:  # the source is down or has no data: hold (never plan on nothing)
             checked: Observation | Hold = Hold(SOURCE_UNAVAILABLE, f"{type(e).__name__}: {e}")
             raw = None

@@ -1,0 +1,158 @@
+"""Faults of the live control loop's inputs and of fleet membership that earlier probes did not cover
+(issue 14): dependencies that answer too slowly to ever trip a per-read timeout, engines the local
+actuator starts that never become ready or are removed behind its back, a workers file caught
+half-written, malformed KV events. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from adapters.base import EngineKind
+from adapters.vllm import VllmAdapter
+from orchestrator.clock import VirtualClock
+from orchestrator.config import HealthConfig, ScrapeConfig
+from orchestrator.fleet.health import HealthChecker
+from orchestrator.fleet.kube_api import KubeApi
+from orchestrator.fleet.registry import FleetRegistry
+from orchestrator.fleet.scrape import MetricsScraper
+from orchestrator.fleet.worker import Worker, WorkerState
+from orchestrator.planner.metrics_source import DirectSource, PrometheusSource
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+@contextlib.asynccontextmanager
+async def trickling_server() -> AsyncIterator[str]:
+    """An HTTP server that answers 200 with a long body and sends one byte of it every 0.2 s: each
+    read completes well within any per-read timeout, the answer never does."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+            while True:
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        for w in writers:
+            w.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 1)
+
+
+async def _within(coro, bound_s: float):
+    """Run ``coro``; fail the test (instead of hanging) when it takes longer than ``bound_s``."""
+    t = time.monotonic()
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=bound_s)
+    if not done:
+        task.cancel()
+        raise AssertionError(f"still running after {bound_s:g} s")
+    return task.result(), time.monotonic() - t
+
+
+# ---------------------------------------------------------------- deadlines, not per-read timeouts
+
+async def test_a_trickling_prometheus_costs_the_planner_its_timeout_not_forever():
+    async with trickling_server() as url:
+        src = PrometheusSource(url, timeout_s=0.5)
+        with pytest.raises(TimeoutError, match="within 0.5 s"):
+            await _within(src.observe(0.0), 5.0)
+
+
+async def test_a_trickling_gateway_metrics_endpoint_is_bounded_too():
+    async with trickling_server() as url:
+        src = DirectSource(metrics_url=f"{url}/metrics", timeout_s=0.5)
+        with pytest.raises(TimeoutError, match="within 0.5 s"):
+            await _within(src.observe(0.0), 5.0)
+
+
+async def test_one_trickling_engine_does_not_stall_the_health_or_scrape_loop():
+    async with trickling_server() as url, httpx.AsyncClient() as http:
+        fleet = FleetRegistry([Worker("slow", url, engine=EngineKind.VLLM, models=["m"])])
+        adapter = VllmAdapter()
+        checker = HealthChecker(fleet, http, HealthConfig(timeout_s=0.3), VirtualClock(), lambda _: adapter)
+        _, took = await _within(checker.check_all(), 5.0)
+        w = fleet.get("slow")
+        assert w.state is WorkerState.UNHEALTHY and "0.3" in (w.last_error or ""), w.last_error
+        w.state = WorkerState.HEALTHY  # the scrape loop only reads workers in rotation
+        scraper = MetricsScraper(fleet, http, ScrapeConfig(timeout_s=0.3), VirtualClock(), lambda _: adapter)
+        await _within(scraper.scrape_all(), 5.0)
+
+
+async def test_a_trickling_kubernetes_api_answer_is_bounded():
+    async with trickling_server() as url:
+        api = KubeApi(url, timeout_s=0.5)
+        try:
+            with pytest.raises(TimeoutError):
+                await _within(api.get("/api/v1/namespaces/x/pods"), 5.0)
+            with pytest.raises(TimeoutError):
+                await _within(api.merge_patch("/api/v1/namespaces/x/pods/p", {}), 5.0)
+        finally:
+            await api.aclose()
+
+
+
+def _planner(**settings):
+    from orchestrator.planner.core import Planner, PlannerSettings
+    from orchestrator.planner.install import DEFAULT_PROFILE
+    from orchestrator.planner.perf_model import PerfModel
+    from orchestrator.planner.solver import Limits, Targets
+
+    return Planner(PerfModel.load(DEFAULT_PROFILE), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=8),
+                                                                    **settings))
+
+
+async def test_a_source_without_its_own_deadline_makes_the_planner_hold_and_say_why():
+    from orchestrator.planner.actuators import RecommendOnly
+    from orchestrator.planner.service import PlannerService
+
+    class Hung:
+        async def observe(self, now: float):
+            await asyncio.Event().wait()
+
+    service = PlannerService(_planner(interval_s=30.0), Hung(), RecommendOnly(), fleet=lambda: [],
+                             clock=VirtualClock(), observe_timeout_s=0.3)
+    decision, _ = await _within(service.run_once(), 5.0)
+    assert decision.actions == [] and service.held is not None
+    assert service.held["reason"] == "source_unavailable" and "0.3 s" in service.held["detail"], service.held
+
+
+async def test_kubernetes_scale_in_sees_a_pod_whose_engine_is_gone_as_idle_at_once():
+    """The drain check reads a victim's engine; an engine that refuses connections has nothing to
+    finish. It used to read as "cannot tell" (the adapter wraps the connect error), so the scale-in
+    waited out ``kubernetes_drain_timeout_s`` (10 minutes by default) for a dead pod."""
+    from types import SimpleNamespace
+
+    from orchestrator.config import load_config
+    from orchestrator.planner.install import kubernetes_actuator
+    from orchestrator.ports import free_port
+
+    cfg = load_config({"models": [{"name": "m"}], "planner": {
+        "enabled": True, "actuator": "kubernetes", "kubernetes_api": "http://127.0.0.1:9",
+        "kubernetes_workloads": {"decode": "statefulsets/d"}}}, environ={})
+    cfg.discovery.kubernetes.port = free_port()  # nothing listens there
+    async with httpx.AsyncClient() as http:
+        runtime = SimpleNamespace(config=cfg, fleet=FleetRegistry(), http=http, clock=VirtualClock(),
+                                  adapter_for=lambda _: VllmAdapter())
+        actuator = kubernetes_actuator(cfg.planner, runtime)
+        try:
+            pod = {"metadata": {"name": "d-1"}, "status": {"podIP": "127.0.0.1"}}
+            assert await actuator.is_idle(pod) is True
+        finally:
+            await actuator.close()
