@@ -251,16 +251,45 @@ class _DrainingLocal:
         finally:
             self._parking.pop(worker.id, None)
 
+    def start_in_progress(self, worker: Worker, now: float) -> bool:
+        """Is this never-ready engine still starting? Only while its process lives and for at most
+        ``start_timeout_s`` (when set): past that it is not capacity on its way, and the planner must
+        not count it as such (it would never start a replacement)."""
+        p = self.local.processes.get(worker.id)
+        if p is None or (p.proc is not None and p.proc.poll() is not None):
+            return False
+        return self.start_timeout_s <= 0 or now - p.started_at < self.start_timeout_s
+
     async def _reap(self) -> list[str]:
-        """Engines whose process exited (crashed at start, killed) leave the registry and the book: a
-        dead standby engine would otherwise hold a place in the pool for good, and a dead serving one
-        would stay an unhealthy worker the planner counts as its own."""
+        """Engines that will not serve leave the registry and the book:
+
+        - the process exited (crashed at start, killed): a dead standby engine would otherwise hold a
+          place in the pool for good, and a dead serving one would stay an unhealthy worker the
+          planner counts as its own;
+        - it never became ready within ``start_timeout_s`` (hung loading, wrong port, a probe that
+          never passes): its process holds the host's memory and accelerators that a replacement
+          needs, and the planner no longer counts it;
+        - an operator removed it from the registry (``DELETE /admin/workers/{id}``): the process
+          would otherwise run on, out of every view, until the gateway exits."""
         done = []
+        now = self.local.clock.now()
+        fleet = self.runtime.fleet
         for wid, p in list(self.local.processes.items()):
+            if wid in self._stopping:
+                continue
             rc = p.proc.poll() if p.proc is not None else None
-            if rc is not None and wid not in self._stopping:
+            w = fleet.get(wid)
+            if rc is not None:
                 await self.local.stop(wid)
                 done.append(f"reaped {wid}: its process exited with {rc}")
+            elif w is None:
+                await self.local.stop(wid)
+                done.append(f"stopped {wid}: removed from the registry, its process is not left running")
+            elif (self.start_timeout_s > 0 and w.ready_at is None and not w.health_ok
+                  and now - p.started_at >= self.start_timeout_s):
+                await self.local.stop(wid)
+                done.append(f"reaped {wid}: not ready {now - p.started_at:.0f} s after its start "
+                            f"(start timeout {self.start_timeout_s:g} s)")
         return done
 
     async def apply(self, decision: Any) -> list[str]:
@@ -355,6 +384,7 @@ def starting_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
     local = _local_of(actuator)
     if local is None:
         return None
+    wrapper = _draining_of(actuator)
     served: set[str] = set()
 
     def starting(w: Worker) -> bool:
@@ -362,7 +392,10 @@ def starting_by(actuator: Actuator) -> Callable[[Worker], bool] | None:
             return False
         if w.health_ok or w.last_served_at is not None:
             served.add(w.id)
-        return w.id not in served
+        if w.id in served:
+            return False
+        # a start that died or timed out is not capacity on its way (the actuator reaps it)
+        return wrapper is None or wrapper.start_in_progress(w, local.clock.now())
 
     return starting
 

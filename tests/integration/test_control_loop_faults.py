@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from adapters.base import EngineKind
+from adapters.base import EngineKind, Role
 from adapters.vllm import VllmAdapter
 from orchestrator.clock import VirtualClock
 from orchestrator.config import HealthConfig, ScrapeConfig
@@ -156,3 +156,88 @@ async def test_kubernetes_scale_in_sees_a_pod_whose_engine_is_gone_as_idle_at_on
             assert await actuator.is_idle(pod) is True
         finally:
             await actuator.close()
+
+
+# ---------------------------------------------------------------- engines the local actuator starts
+
+def _local_fleet(command: str, start_timeout_s: float = 5.0):
+    """A local actuator starting real processes (``command``, which never serves HTTP) into a registry."""
+    from types import SimpleNamespace
+
+    from orchestrator.planner.actuators import LocalProcessActuator
+    from orchestrator.planner.install import _DrainingLocal
+
+    fleet = FleetRegistry()
+    clock = VirtualClock(100.0)
+    local = LocalProcessActuator({Role.PREFILL: command}, clock=clock, stop_timeout_s=2.0,
+                                 on_started=lambda p: fleet.add(Worker(p.worker_id, p.url, role=p.role, models=["m"],
+                                                                               state=WorkerState.UNHEALTHY)),
+                                 on_stopped=lambda p: fleet.get(p.worker_id) and fleet.remove(p.worker_id))
+    return fleet, clock, local, _DrainingLocal(local, SimpleNamespace(fleet=fleet), min_serve_s=30.0,
+                                               start_timeout_s=start_timeout_s)
+
+
+def _decision(*actions):
+    from orchestrator.planner.core import PlanDecision
+
+    return PlanDecision(at=0.0, observation=None, forecast=None, sizing=None, desired={}, current={},
+                        actions=list(actions), correction={}, predictors={}, reasons=[])
+
+
+async def test_an_engine_that_never_becomes_ready_stops_counting_and_is_reaped():
+    """A started engine whose process lives but never answers its health probe counted as capacity on
+    its way for good (the planner never started a replacement) and held its host's resources."""
+    from orchestrator.planner.core import Action
+    from orchestrator.planner.install import starting_by
+    from orchestrator.planner.service import views_from_workers
+
+    fleet, clock, local, actuator = _local_fleet("sleep 60", start_timeout_s=5.0)
+    try:
+        await actuator.apply(_decision(Action("start", Role.PREFILL)))
+        (wid, p), = local.processes.items()
+        starting = starting_by(actuator)
+        assert views_from_workers(fleet.workers(), starting=starting)[0].state == "starting"
+        clock.advance(4.0)
+        assert views_from_workers(fleet.workers(), starting=starting)[0].state == "starting"
+        clock.advance(2.0)  # past the start timeout, still not ready: not capacity any more
+        assert views_from_workers(fleet.workers(), starting=starting)[0].state == "unhealthy"
+        done = await actuator.apply(_decision())
+        assert any(line.startswith(f"reaped {wid}") and "not ready" in line for line in done), done
+        assert wid not in local.processes and fleet.get(wid) is None
+        assert p.proc.poll() is not None  # the process is gone too
+    finally:
+        await actuator.close()
+
+
+async def test_an_engine_that_exits_at_once_is_not_counted_as_starting():
+    from orchestrator.planner.core import Action
+    from orchestrator.planner.install import starting_by
+    from orchestrator.planner.service import views_from_workers
+
+    fleet, clock, local, actuator = _local_fleet("true")
+    try:
+        await actuator.apply(_decision(Action("start", Role.PREFILL)))
+        (wid, p), = local.processes.items()
+        await asyncio.to_thread(p.proc.wait, 5)
+        assert views_from_workers(fleet.workers(), starting=starting_by(actuator))[0].state == "unhealthy"
+        done = await actuator.apply(_decision())
+        assert any(line.startswith(f"reaped {wid}") for line in done) and fleet.get(wid) is None
+    finally:
+        await actuator.close()
+
+
+async def test_an_engine_an_operator_removed_from_the_registry_is_stopped_not_orphaned():
+    """``DELETE /admin/workers/{id}`` on an engine the planner started: the process ran on, unseen by
+    the planner (not in its fleet) and never stopped until the gateway exited."""
+    from orchestrator.planner.core import Action
+
+    fleet, clock, local, actuator = _local_fleet("sleep 60")
+    try:
+        await actuator.apply(_decision(Action("start", Role.PREFILL)))
+        (wid, p), = local.processes.items()
+        fleet.remove(wid)  # what the admin route does
+        done = await actuator.apply(_decision())
+        assert any(line.startswith(f"stopped {wid}") and "registry" in line for line in done), done
+        assert wid not in local.processes and p.proc.poll() is not None
+    finally:
+        await actuator.close()
