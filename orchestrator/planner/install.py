@@ -191,6 +191,12 @@ def start_timeout_s(cfg: PlannerConfig) -> float:
     return 3 * cfg.start_s + cfg.interval_s
 
 
+def _never_served(w: Worker) -> bool:
+    """Not once ready, in rotation or given a request (a start that has not come up)."""
+    return (w.ready_at is None and not w.health_ok and w.last_served_at is None and w.inflight == 0
+            and w.state in (WorkerState.UNHEALTHY, WorkerState.STANDBY))
+
+
 class _DrainingLocal:
     """The local actuator with drains, warm standby and the churn guard carried out on the registry.
 
@@ -285,8 +291,7 @@ class _DrainingLocal:
             elif w is None:
                 await self.local.stop(wid)
                 done.append(f"stopped {wid}: removed from the registry, its process is not left running")
-            elif (self.start_timeout_s > 0 and w.ready_at is None and not w.health_ok
-                  and now - p.started_at >= self.start_timeout_s):
+            elif (self.start_timeout_s > 0 and now - p.started_at >= self.start_timeout_s and _never_served(w)):
                 await self.local.stop(wid)
                 done.append(f"reaped {wid}: not ready {now - p.started_at:.0f} s after its start "
                             f"(start timeout {self.start_timeout_s:g} s)")

@@ -241,3 +241,32 @@ async def test_an_engine_an_operator_removed_from_the_registry_is_stopped_not_or
         assert wid not in local.processes and p.proc.poll() is not None
     finally:
         await actuator.close()
+
+
+# ---------------------------------------------------------------- a workers file caught mid-write
+
+def test_a_workers_file_caught_half_written_never_withdraws_workers(tmp_path):
+    """Tools that write in place (``open(path, "w")``) truncate first: a poll between the truncation
+    and the write saw an empty list, or the first entries of a YAML list, and withdrew (drained,
+    then removed) every worker missing from it."""
+    from orchestrator.config import FileDiscoveryConfig
+    from orchestrator.fleet.discovery.file import FileSource
+
+    path = tmp_path / "workers.yaml"
+    full = "- id: a\n  url: http://10.0.0.1:8000\n- id: b\n  url: http://10.0.0.2:8000\n"
+    path.write_text(full)
+    src = FileSource(FileDiscoveryConfig(path=str(path), interval_s=0.1))
+    assert sorted(src.poll()) == ["a", "b"]  # the first load applies at once
+    for caught in ("", full[: full.index("- id: b")]):  # truncated; the first entry only
+        path.write_text(caught)
+        assert src.poll() is None, f"applied a file caught mid-write: {caught!r}"
+        path.write_text(full)  # the writer finishes
+        assert src.poll() is None and src.poll() is None
+    # a writer that stops after truncating leaves an empty file: refused, the list stays
+    path.write_text("")
+    assert src.poll() is None and src.poll() is None and "empty" in (src.last_error or "")
+    # deliberate changes apply one poll later: removing every worker is written as []
+    path.write_text("- id: a\n  url: http://10.0.0.1:8000\n")
+    assert src.poll() is None and list(src.poll()) == ["a"]
+    path.write_text("[]\n")
+    assert src.poll() is None and src.poll() == {}

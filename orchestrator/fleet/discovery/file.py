@@ -2,10 +2,12 @@
 
 The file holds a list of worker entries (the fields of the config's ``workers`` entries), or a
 mapping with a ``workers:`` list. A worker's id defaults to its URL, so editing one entry never
-renames another. Adding an entry adds a worker; deleting it withdraws the worker (drained, then
-removed when idle); editing its role switches the role in place; ``draining: true`` on an entry
+renames another. A change applies once the file reads the same at two polls in a row (one
+``interval_s`` later), so a file caught while it is being written in place is never applied; an
+empty file (no document) never replaces a list in force: write ``[]`` to remove every worker.
+Adding an entry adds a worker; deleting it withdraws the worker (drained, then removed when idle); editing its role switches the role in place; ``draining: true`` on an entry
 drains it without removing it. A file that does not parse or validate is reported once and ignored:
-the last good list stays in force (a half-written file never empties the fleet).
+the last good list stays in force.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class FileSource:
         self.on_error = on_error
         self.path = Path(cfg.path)
         self.interval_s = cfg.interval_s
-        self._digest: str | None = None
+        self._digest: str | None = None  # the contents last applied (or refused)
+        self._pending: str | None = None  # changed contents seen once, applied if unchanged at the next poll
         self.loads = 0
         self.last_error: str | None = None
 
@@ -87,9 +90,20 @@ class FileSource:
             return None
         digest = hashlib.sha256(data).hexdigest()
         if digest == self._digest:
+            self._pending = None
             return None
+        if self._digest is not None and digest != self._pending:
+            # Changed since the list in force: apply it once it reads the same at the next poll. A file
+            # written in place (``open(path, "w")``: truncated, then written) is caught half-way now and
+            # then; its prefix often parses (empty, or the first entries of a YAML list), and applying it
+            # would withdraw, i.e. drain and remove, every worker not in it yet.
+            self._pending = digest
+            return None
+        self._pending = None
         self._digest = digest
         try:
+            if self.loads and not data.strip():
+                raise WorkersFileError(f"{self.path}: empty (being rewritten?); write [] to remove every worker")
             workers = parse_workers_file(data.decode(errors="replace"), str(self.path))
         except WorkersFileError as e:
             self.last_error = str(e)
