@@ -64,11 +64,25 @@ class KvEventMapper:
         self.engine_to_ours: dict[int, tuple[int, int, int, int]] = {}
         self.unmapped = 0  # stored blocks whose parent we never saw (cannot be chained)
         self.skipped = 0  # blocks we do not index (multimodal keys, non-primary KV groups)
+        self.malformed = 0  # events whose fields have the wrong shape (skipped; see ``apply``)
 
     def reset(self) -> None:
         self.engine_to_ours.clear()
 
     def apply(self, event: dict[str, Any]) -> IndexOp | None:
+        """One event → its index operation (None: nothing to do). An event whose fields have the wrong
+        shape (another engine version, a bug) is skipped and counted in ``malformed``: the index is a
+        routing hint, and one bad event must not stop the engine's whole stream."""
+        try:
+            return self._apply(event)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
+            self.malformed += 1
+            if self.malformed == 1 or self.malformed % 1000 == 0:
+                log.warning("kv events for %s: skipped a malformed %s event (%d so far)", self.worker_id,
+                            str(event.get("type"))[:40], self.malformed)
+            return None
+
+    def _apply(self, event: dict[str, Any]) -> IndexOp | None:
         kind = event.get("type")
         if kind == "BlockStored":
             return self._stored(event)
@@ -197,6 +211,7 @@ class KvEventSubscriber:
         self.gaps = 0
         self.replayed = 0
         self.restarts = 0
+        self.failed = 0  # batches ``on_batch`` raised on (skipped; the subscriber goes on)
         self._task: asyncio.Task[None] | None = None
         # On start, learn what the engine already holds (its replay buffer) before following it live.
         self._want_full_replay = self.replay_endpoint is not None
@@ -274,7 +289,11 @@ class KvEventSubscriber:
             return
         self.next_seq = seq + 1
         self.batches += 1
-        await self.on_batch(self.worker_id, ts, events)
+        try:
+            await self.on_batch(self.worker_id, ts, events)
+        except Exception as e:  # noqa: BLE001 - one batch that cannot be applied must not end the stream
+            self.failed += 1
+            log.warning("kv events for %s: batch %d not applied: %s: %s", self.worker_id, seq, type(e).__name__, e)
 
     async def _replay(self, start: int, stop: int | None) -> None:
         """Fetch and apply batches ``start <= seq < stop`` (or all buffered when stop is None)."""

@@ -270,3 +270,68 @@ def test_a_workers_file_caught_half_written_never_withdraws_workers(tmp_path):
     assert src.poll() is None and list(src.poll()) == ["a"]
     path.write_text("[]\n")
     assert src.poll() is None and src.poll() == {}
+
+
+# ---------------------------------------------------------------- KV events an engine gets wrong
+
+MALFORMED = [
+    {"type": "BlockStored", "block_hashes": ["zz"], "token_ids": list(range(4)), "block_size": 4},
+    {"type": "BlockStored", "block_hashes": [1], "token_ids": list(range(4)), "block_size": "four"},
+    {"type": "BlockStored", "block_hashes": [1], "token_ids": ["a"] * 4, "block_size": 4},
+    {"type": "BlockStored", "block_hashes": [1], "token_ids": list(range(4)), "block_size": 4, "extra_keys": 3},
+    {"type": "BlockStored", "block_hashes": [2], "token_ids": list(range(4)), "block_size": 4, "parent_block_hash": [1]},
+    {"type": "BlockRemoved", "block_hashes": 5},
+]
+
+
+def test_each_malformed_kv_event_is_skipped_and_counted():
+    """Any of these raised out of the mapper, and with it out of the engine's subscriber, which then
+    stopped for good: the worker's index entries froze (stale hits, no new ones) until it was removed."""
+    from orchestrator.kv.events import KvEventMapper
+
+    m = KvEventMapper("w", lambda: "m")
+    for ev in MALFORMED:
+        assert m.apply(ev) is None, ev
+    assert m.malformed == len(MALFORMED)
+    ok = m.apply({"type": "BlockStored", "block_hashes": [7], "token_ids": list(range(4)), "block_size": 4})
+    assert ok is not None and ok.kind == "store"
+
+
+async def test_the_subscriber_outlives_a_batch_it_cannot_apply():
+    import zmq.asyncio
+
+    from orchestrator.kv.events import KvEventMapper, KvEventSubscriber
+    from tests.integration.test_kv_events import TOKENS, Publisher, stored, until
+
+    ctx = zmq.asyncio.Context()
+    pub = Publisher(ctx)
+    mapper = KvEventMapper("w", lambda: "m")
+    stores: list[list[int]] = []
+    fail = [True]
+
+    async def on_batch(wid, ts, events):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("a bug while applying this batch")
+        for ev in events:
+            op = mapper.apply(ev)
+            if op is not None and op.kind == "store":
+                stores.append(op.hashes)
+
+    async def on_reset(wid, why):
+        mapper.reset()
+
+    sub = KvEventSubscriber("w", f"tcp://127.0.0.1:{pub.port}", on_batch, on_reset, context=ctx)
+    sub.start()
+    try:
+        await asyncio.sleep(0.3)  # SUB connects
+        await pub.publish([stored([1], TOKENS[:4])])  # on_batch fails on this one
+        await pub.publish([MALFORMED[0], stored([2], TOKENS[:4])])
+        await until(lambda: len(stores) == 1)
+        await pub.publish([stored([3], TOKENS[4:8], parent=2)])
+        await until(lambda: len(stores) == 2)
+        assert not sub._task.done() and sub.failed == 1 and mapper.malformed == 1
+    finally:
+        await sub.stop()
+        pub.close()
+        ctx.term()
