@@ -7,6 +7,8 @@ back to 1 token would scale the fleet in while it saturates).
 
 What "fresh" means, per input:
 
+- Every value must be one a fleet can produce (``implausible``): a negative or absurdly large one is
+  garbage from the source and holds (``invalid_input``).
 - **Rate** (arrivals per second) must be measured this interval. ``None`` (the first scrape only
   primes the counters, the series is absent, the source failed) holds. A measured 0 is a real
   answer: nothing arrived, and lengths and latency are then not needed.
@@ -33,7 +35,24 @@ RATE_MISSING = "rate_missing"
 ISL_MISSING = "isl_missing"
 OSL_MISSING = "osl_missing"
 LATENCY_MISSING = "latency_missing"
-REASONS = (SOURCE_UNAVAILABLE, RATE_MISSING, ISL_MISSING, OSL_MISSING, LATENCY_MISSING)
+INVALID_INPUT = "invalid_input"  # a value no fleet can produce (negative, or beyond PLAUSIBLE)
+REASONS = (SOURCE_UNAVAILABLE, RATE_MISSING, ISL_MISSING, OSL_MISSING, LATENCY_MISSING, INVALID_INPUT)
+
+# Upper bounds of what a measurement can be, far beyond any fleet (not tuned: a value above one is
+# garbage from the source, e.g. a misbehaving Prometheus or a proxy before it). Negative values are
+# garbage too: a negative rate used to read as a measured zero load (scale in), and values near the
+# float range overflowed inside the solver, failing the interval with an OverflowError.
+PLAUSIBLE = {"request_rate": 1e6, "peak_rate": 1e6, "mean_isl": 1e8, "mean_osl": 1e8, "ttft_mean": 1e6,
+             "ttft_p90": 1e6, "ttft_p99": 1e6, "itl_mean": 1e6, "itl_p90": 1e6}
+
+
+def implausible(obs: Observation) -> str | None:
+    """The first field of ``obs`` that no fleet can produce, described (None: all plausible)."""
+    for name, bound in PLAUSIBLE.items():
+        v = getattr(obs, name)
+        if v is not None and not 0.0 <= v <= bound:
+            return f"{name} = {v:g} (expected 0..{bound:g})"
+    return None
 # what a latency hold names: both places latency can come from (``metrics_source``) had none
 NO_LATENCY_SOURCE = (" (sources tried: the gateway's streamed requests, and the engines' own TTFT/ITL histograms "
                      "through the gateway's scrape of their /metrics or Prometheus)")
@@ -80,6 +99,9 @@ class InputGate:
         if obs.request_rate is None or obs.window_s <= 0:
             return Hold(RATE_MISSING, "no arrival rate measured this interval (first scrape primes the counters, "
                                       "or the gateway exports no dyad_request_arrivals_total)")
+        bad = implausible(obs)
+        if bad is not None:
+            return Hold(INVALID_INPUT, f"the source reported {bad}: not a measurement, nothing to plan on")
         self._remember(obs)
         if obs.request_rate <= 0:
             return obs  # nothing arrived: a measured zero load, no lengths or latency needed

@@ -151,9 +151,9 @@ class DyadMetrics:
         self.planner_decisions = Counter("dyad_planner_decisions_total", "Planner decisions", ["action"],
                                          registry=r)
         self.planner_held = Counter("dyad_planner_held_total",
-                                    "Planner intervals that held the current sizes because an input was "
-                                    "missing or stale (reason: source_unavailable, rate_missing, isl_missing, "
-                                    "osl_missing, latency_missing)", ["reason"], registry=r)
+                                    "Planner intervals that held the current sizes because an input was missing, "
+                                    "stale or invalid (reason: source_unavailable, rate_missing, isl_missing, "
+                                    "osl_missing, latency_missing, invalid_input)", ["reason"], registry=r)
         # --- overload / admission
         self.rejected = Counter("dyad_rejected_requests_total", "Requests refused before dispatch",
                                 ["reason"], registry=r)

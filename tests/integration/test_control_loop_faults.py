@@ -335,3 +335,35 @@ async def test_the_subscriber_outlives_a_batch_it_cannot_apply():
         await sub.stop()
         pub.close()
         ctx.term()
+
+
+# ---------------------------------------------------------------- values no fleet can produce
+
+@pytest.mark.parametrize("garbage", [
+    {"request_rate": -5.0},  # read as a measured zero load: the planner scaled in
+    {"mean_isl": -100.0, "mean_osl": -5.0},
+    {"request_rate": 1e300, "mean_isl": 1e300, "mean_osl": 1e300, "ttft_mean": 1e300, "itl_mean": 1e300},
+    {"peak_rate": 1e300},
+])
+async def test_a_source_reporting_garbage_makes_the_planner_hold_not_act_or_crash(garbage):
+    from orchestrator.planner.actuators import RecommendOnly
+    from orchestrator.planner.core import WorkerView
+    from orchestrator.planner.metrics_source import Observation
+    from orchestrator.planner.service import PlannerService
+
+    class Garbage:
+        async def observe(self, now: float):
+            base = {"request_rate": 5.0, "mean_isl": 500.0, "mean_osl": 50.0, "ttft_mean": 0.2, "itl_mean": 0.02}
+            return Observation(at=now, window_s=30.0, **{**base, **garbage})
+
+    fleet = [WorkerView("p1", Role.PREFILL, "healthy", 0, 0), WorkerView("d1", Role.DECODE, "healthy", 0, 0),
+             WorkerView("d2", Role.DECODE, "healthy", 0, 0)]
+    clock = VirtualClock(1000.0)
+    service = PlannerService(_planner(interval_s=30.0, scale_in_intervals=1), Garbage(), RecommendOnly(),
+                             fleet=lambda: fleet, clock=clock)
+    for _ in range(3):
+        clock.advance(30.0)
+        decision = await service.run_once()
+        assert decision.actions == [], decision.actions
+    assert service.held is not None and service.held["reason"] == "invalid_input", service.held
+    assert next(iter(garbage)) in service.held["detail"]
