@@ -18,6 +18,7 @@ import copy
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -68,6 +69,17 @@ class WorkerConfig(_Section):
     def _url(cls, v: str) -> str:
         if not (v.startswith("http://") or v.startswith("https://")):
             raise ValueError("must start with http:// or https://")
+        # the address must be usable: a host, a port in range, nothing a request line cannot carry
+        # (a half-written workers file or a typo otherwise becomes a worker no probe can ever reach)
+        if any(c.isspace() or ord(c) < 32 for c in v):
+            raise ValueError("must not contain spaces or control characters")
+        parts = urlsplit(v)
+        if not parts.hostname:
+            raise ValueError("must name a host (http://host:port)")
+        try:
+            parts.port  # noqa: B018 - raises on a port that is not a number in 0..65535
+        except ValueError:
+            raise ValueError("has an invalid port (a number in 1..65535)") from None
         return v.rstrip("/")
 
 

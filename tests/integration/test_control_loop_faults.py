@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -367,3 +368,30 @@ async def test_a_source_reporting_garbage_makes_the_planner_hold_not_act_or_cras
         assert decision.actions == [], decision.actions
     assert service.held is not None and service.held["reason"] == "invalid_input", service.held
     assert next(iter(garbage)) in service.held["detail"]
+
+
+# ---------------------------------------------------------------- worker addresses that cannot work
+
+@pytest.mark.parametrize("url", ["http://", "https:///v1", "http://:8000", "http://a b:8000", "http://host:99999",
+                                 "http://host:port", "http://ho\nst:1"])
+def test_a_worker_url_without_a_usable_address_is_refused_where_workers_come_in(url, tmp_path):
+    """The config, the admin API and the workers file share ``WorkerConfig``: it checked the scheme only,
+    so a half-written file entry (``url: http://``) or a typo became a worker that can never be probed
+    (an InvalidURL on every round), registered under an id taken from the broken URL."""
+    from pydantic import ValidationError
+
+    from orchestrator.config import WorkerConfig
+    from orchestrator.fleet.discovery.file import WorkersFileError, parse_workers_file
+
+    with pytest.raises(ValidationError):
+        WorkerConfig(url=url)
+    with pytest.raises(WorkersFileError, match=r"workers\.0\.url"):
+        parse_workers_file(json.dumps([{"url": url}]))
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "https://engine.ns.svc:443/", "http://[fd00::1]:8000",
+                                 "http://localhost:8000/prefix"])
+def test_ordinary_worker_urls_still_pass(url):
+    from orchestrator.config import WorkerConfig
+
+    assert WorkerConfig(url=url).url == url.rstrip("/")
