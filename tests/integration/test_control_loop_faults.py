@@ -395,3 +395,58 @@ def test_ordinary_worker_urls_still_pass(url):
     from orchestrator.config import WorkerConfig
 
     assert WorkerConfig(url=url).url == url.rstrip("/")
+
+
+# ---------------------------------------------------------------- a pod watch that gets odd answers
+
+async def test_a_pod_watch_survives_answers_of_the_wrong_shape():
+    """A watch line that is JSON but not an event object (a proxy's answer, a truncated rewrite), or a
+    list item without metadata, raised AttributeError/KeyError/TypeError, which the watch loop did not
+    catch: the loop ended for good and the gateway's fleet froze at its last report."""
+    from orchestrator.fleet.discovery.kubernetes import PodListWatch
+
+    pod = {"metadata": {"name": "p-0", "resourceVersion": "5"},
+           "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+    calls = {"list": 0, "watch": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.params.get("watch") == "true":
+            calls["watch"] += 1
+            if calls["watch"] == 1:  # not an event object
+                return httpx.Response(200, content=b'["not", "an", "event"]\n')
+            if calls["watch"] == 2:  # an event whose object is not an object
+                return httpx.Response(200, content=b'{"type": "ADDED", "object": "p-1"}\n')
+            return httpx.Response(200, content=b'{"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}}\n')
+        calls["list"] += 1
+        items = [{"kind": "Pod"}, pod] if calls["list"] == 1 else [pod]  # the first list has a pod without metadata
+        return httpx.Response(200, json={"metadata": {"resourceVersion": "5"}, "items": items})
+
+    api = KubeApi("http://kube.test", transport=httpx.MockTransport(handler))
+    changes: list[int] = []
+    watch = PodListWatch(api, "ns", "app=x", lambda: changes.append(1), backoff_max_s=0.05)
+    task = asyncio.create_task(watch.run())
+    try:
+        for _ in range(200):
+            if watch.bookmarks >= 1 or task.done():
+                break
+            await asyncio.sleep(0.02)
+        assert not task.done(), task.exception() if task.done() else None
+        assert list(watch.pods) == ["p-0"] and watch.errors >= 2 and watch.bookmarks >= 1
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await api.aclose()
+
+
+def test_one_pod_that_cannot_be_mapped_does_not_stop_the_report_of_the_others():
+    from orchestrator.config import KubernetesDiscoveryConfig
+    from orchestrator.fleet.discovery.kubernetes import desired_from_pods
+
+    def pod(name: str, port) -> dict:
+        return {"metadata": {"name": name}, "spec": {"containers": [{"ports": [{"name": "http", "containerPort": port}]}]},
+                "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    out = desired_from_pods([(Role.BOTH, {"good": pod("good", 8000), "bad": pod("bad", "eighty")})],
+                            KubernetesDiscoveryConfig())
+    assert list(out) == ["good"]

@@ -28,12 +28,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-
 from adapters.base import Role
 from orchestrator.config import KubernetesDiscoveryConfig, KvEventsConfig, WorkerConfig
 from orchestrator.fleet.discovery.reconcile import WorkerSpec
-from orchestrator.fleet.kube_api import Gone, KubeApi, KubeApiError, pod_namespace
+from orchestrator.fleet.kube_api import Gone, KubeApi, pod_namespace
 
 log = logging.getLogger("dyad.discovery")
 
@@ -115,7 +113,12 @@ def desired_from_pods(caches: list[tuple[Role, dict[str, Pod]]], cfg: Kubernetes
             if hit is not None and rv is not None and hit[0] == rv:
                 spec = hit[1]
             else:
-                spec = pod_to_spec(pod, role, cfg)
+                try:
+                    spec = pod_to_spec(pod, role, cfg)
+                except (TypeError, ValueError, KeyError, AttributeError) as e:
+                    # a pod of an unexpected shape is not a worker; it must not stop the report of the others
+                    log.warning("discovery: pod %s cannot be a worker: %s: %s", name, type(e).__name__, e)
+                    spec = None
             if memo is not None:
                 memo[(role, name)] = (rv, spec)
                 seen.add((role, name))
@@ -130,10 +133,17 @@ def desired_from_pods(caches: list[tuple[Role, dict[str, Pod]]], cfg: Kubernetes
 def apply_event(cache: dict[str, Pod], event: dict[str, Any]) -> str | None:
     """One watch event into ``cache``; returns the resourceVersion to resume from (None: unchanged).
     Pure: the watch loop and the tests share it."""
+    if not isinstance(event, dict):
+        raise ValueError(f"watch event is not an object: {str(event)[:80]}")
     kind = event.get("type")
     obj = event.get("object") or {}
-    meta = obj.get("metadata") or {}
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    if kind != "BOOKMARK" and not isinstance(meta, dict):
+        raise ValueError(f"{kind} event without an object's metadata: {str(obj)[:80]}")
+    meta = meta or {}
     name = meta.get("name")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"{kind} event with a pod name that is not a string: {name!r}"[:120])
     if kind in ("ADDED", "MODIFIED") and name:
         cache[name] = obj
     elif kind == "DELETED" and name:
@@ -169,7 +179,14 @@ class PodListWatch:
 
     async def relist(self) -> None:
         body = await self.api.get(self.path, {"labelSelector": self.selector})
-        self.pods = {p["metadata"]["name"]: p for p in body.get("items") or []}
+        pods: dict[str, Pod] = {}
+        for p in body.get("items") or []:
+            name = ((p.get("metadata") or {}) if isinstance(p, dict) else {}).get("name")
+            if isinstance(name, str) and name:
+                pods[name] = p
+            else:  # nothing to key it by: not a pod we can follow
+                log.warning("pod list (%s): skipped an item without metadata.name", self.selector)
+        self.pods = pods
         self.resource_version = (body.get("metadata") or {}).get("resourceVersion")
         self.lists += 1
         self.synced.set()
@@ -205,7 +222,8 @@ class PodListWatch:
                 self.gone += 1
                 self.resource_version = None  # too old: list again
                 log.info("pod watch (%s): resourceVersion expired, re-listing", self.selector)
-            except (httpx.HTTPError, KubeApiError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - an answer of any odd shape: retry, never end the watch
+                # (httpx.HTTPError, KubeApiError, a line that is not JSON or not an event, ...)
                 self.errors += 1
                 if self.on_error is not None:
                     self.on_error()
