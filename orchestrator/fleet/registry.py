@@ -15,6 +15,7 @@ change, no I/O) when its last probe passed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from urllib.parse import urlsplit
 
 from adapters.base import Role
 from orchestrator.config import DyadConfig, HealthConfig, WorkerConfig
@@ -22,6 +23,21 @@ from orchestrator.fleet.worker import Worker, WorkerState
 
 # Called with (event, worker) where event is "added", "removed", "state" or "role".
 FleetListener = Callable[[str, Worker], None]
+
+
+def url_key(url: str) -> str:
+    """One engine address however it is spelled: scheme and host in lower case, the default port made
+    explicit, no trailing slash (``http://Host/`` and ``http://host:80`` are the same engine)."""
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:
+        port = None
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def worker_from_config(wc: WorkerConfig) -> Worker:
@@ -83,6 +99,11 @@ class FleetRegistry:
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
+
+    def by_url(self, url: str) -> Worker | None:
+        """The registered worker for the engine at ``url`` (``url_key``), if any."""
+        key = url_key(url)
+        return next((w for w in self._snapshot if url_key(w.url) == key), None)
 
     def workers(self) -> list[Worker]:
         """Every worker in insertion order (a copy: callers may keep it)."""

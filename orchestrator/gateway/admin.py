@@ -80,6 +80,10 @@ async def add_worker(request: Request) -> Response:
     if rt.fleet.get(wc.id) is not None:
         raise ApiError(f"A worker with id '{wc.id}' already exists.", status=409, type="invalid_request_error",
                        param="id", code="worker_exists")
+    same = rt.fleet.by_url(wc.url)
+    if same is not None:  # one engine, two workers: twice its share of requests, capacity counted twice
+        raise ApiError(f"Worker '{same.id}' already stands for the engine at {wc.url}.", status=409,
+                       type="invalid_request_error", param="url", code="worker_url_exists")
     worker = rt.fleet.add(worker_from_config(wc))
     await rt.health.check_worker(worker)
     request.state.audit["state"] = worker.state.value

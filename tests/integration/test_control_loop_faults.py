@@ -450,3 +450,47 @@ def test_one_pod_that_cannot_be_mapped_does_not_stop_the_report_of_the_others():
     out = desired_from_pods([(Role.BOTH, {"good": pod("good", 8000), "bad": pod("bad", "eighty")})],
                             KubernetesDiscoveryConfig())
     assert list(out) == ["good"]
+
+
+# ---------------------------------------------------------------- one engine registered twice
+
+def test_one_engine_is_never_registered_twice_under_two_ids():
+    """A workers-file entry (id defaults to its URL) for an engine that is also a static worker, or two
+    entries for one URL, or an admin add of a known URL: the engine became two workers, so the router
+    sent it twice its share and the planner counted capacity that does not exist."""
+    from orchestrator.config import WorkerConfig
+    from orchestrator.fleet.discovery.file import WorkersFileError, parse_workers_file
+    from orchestrator.fleet.discovery.reconcile import Reconciler, WorkerSpec
+    from orchestrator.fleet.registry import worker_from_config
+
+    with pytest.raises(WorkersFileError, match=r"workers\.1\.url.*workers\.0"):
+        parse_workers_file(json.dumps([{"id": "a", "url": "http://10.0.0.1:8000"},
+                                       {"id": "b", "url": "http://10.0.0.1:8000/"}]))
+    fleet = FleetRegistry([worker_from_config(WorkerConfig(id="static", url="http://10.0.0.1:8000"))])
+    changes: list = []
+    rec = Reconciler(fleet, "file", grace_s=5.0, on_change=changes.append)
+    spec = WorkerSpec(WorkerConfig(id="http://10.0.0.1:8000", url="http://10.0.0.1:8000"))
+    other = WorkerSpec(WorkerConfig(id="f2", url="http://10.0.0.2:8000"))
+    rec.update({spec.id: spec, other.id: other}, 0.0)
+    assert sorted(w.id for w in fleet.workers()) == ["f2", "static"]
+    assert [c.kind for c in changes] == ["conflict", "add"] and "static" in changes[0].reason
+    rec.sweep(0.5)
+    rec.sweep(1.0)
+    assert [c.kind for c in changes].count("conflict") == 1  # reported once, not every sweep
+    fleet.remove("static")  # the other registration goes: the source's own entry joins
+    rec.sweep(1.5)
+    assert fleet.get("http://10.0.0.1:8000") is not None
+
+
+def test_the_admin_api_refuses_a_second_worker_for_a_registered_url():
+    from orchestrator.config import load_config
+    from orchestrator.gateway.serve import GatewayThread
+
+    cfg = load_config({"gateway": {"admin_token": "adm"}, "models": [{"name": "m"}],
+                       "workers": [{"id": "w0", "url": "http://127.0.0.1:9", "models": ["m"]}]}, environ={})
+    with GatewayThread(cfg) as gw, httpx.Client(base_url=gw.url, headers={"authorization": "Bearer adm"},
+                                                timeout=10) as admin:
+        r = admin.post("/admin/workers", json={"id": "w1", "url": "http://127.0.0.1:9/", "models": ["m"]})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "worker_url_exists", r.text
+        assert "w0" in r.json()["error"]["message"]
+        assert [w.id for w in gw.runtime.fleet.workers()] == ["w0"]

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from orchestrator.config import FileDiscoveryConfig, WorkerConfig
 from orchestrator.fleet.discovery.reconcile import WorkerSpec
+from orchestrator.fleet.registry import url_key
 
 log = logging.getLogger("dyad.discovery")
 
@@ -45,6 +46,7 @@ def parse_workers_file(text: str, origin: str = "workers file") -> dict[str, Wor
     if not isinstance(raw, list):
         raise WorkersFileError(f"{origin}: expected a list of workers or a mapping with 'workers'")
     out: dict[str, WorkerSpec] = {}
+    urls: dict[str, int] = {}  # url_key → the entry that has it
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict):
             raise WorkersFileError(f"{origin}: workers.{i}: expected a mapping")
@@ -60,6 +62,10 @@ def parse_workers_file(text: str, origin: str = "workers file") -> dict[str, Wor
             wc.id = wc.url
         if wc.id in out:
             raise WorkersFileError(f"{origin}: workers.{i}.id: duplicate worker id '{wc.id}'")
+        key = url_key(wc.url)
+        if key in urls:
+            raise WorkersFileError(f"{origin}: workers.{i}.url: the engine at {wc.url} is already workers.{urls[key]}")
+        urls[key] = i
         out[wc.id] = WorkerSpec(wc, draining=draining)
     return out
 

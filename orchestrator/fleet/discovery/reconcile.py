@@ -11,6 +11,8 @@ carries it out on a ``FleetRegistry``. The rules:
   deleted) is **drained**: no new requests, its in-flight ones finish; unmarked, it is undrained;
 - a worker the source marks standby (a pod annotated by the planner's actuator) is **parked**:
   probed, never routed to; unmarked, it is **activated** (in rotation at once when its probe passed);
+- a worker whose engine (URL) is already registered under another id is a **conflict**, reported
+  once and not added until the other registration has gone;
 - a worker that left the source (deleted from the file, a pod gone or no longer Ready) is
   **withdrawn**: drained at once, and **removed** when its in-flight requests are done or
   ``grace_s`` has passed. If it comes back before that, it is restored.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from orchestrator.config import WorkerConfig
-from orchestrator.fleet.registry import FleetRegistry, worker_from_config
+from orchestrator.fleet.registry import FleetRegistry, url_key, worker_from_config
 
 # A change of these means another engine: replace the worker rather than edit it.
 IDENTITY_FIELDS = ("url", "engine", "api_key", "bootstrap_port", "kv_events")
@@ -80,18 +82,29 @@ def _identity(c: WorkerConfig) -> tuple:
 
 
 def plan_changes(desired: Mapping[str, WorkerSpec], owned: Mapping[str, Owned], inflight: Mapping[str, int],
-                 foreign: set[str], now: float, grace_s: float) -> list[Change]:
+                 foreign: set[str], now: float, grace_s: float, urls: Mapping[str, str] | None = None) -> list[Change]:
     """What to do so that the registry matches ``desired``.
 
     ``owned``: the workers this source added; ``inflight``: their in-flight request counts;
     ``foreign``: ids in the registry that the source does not own (static or admin-added workers,
-    never touched: a clash is reported as ``conflict``)."""
+    never touched: a clash is reported as ``conflict``); ``urls``: the engine address (``url_key``)
+    of every registered worker → its id. A worker whose engine is already registered under another id
+    is a ``conflict`` too, not added (one engine as two workers gets twice its share of requests and
+    counts twice as capacity); it joins once the other registration has gone."""
     out: list[Change] = []
+    urls = urls or {}
+
+    def taken(wid: str, spec: WorkerSpec) -> str | None:
+        other = urls.get(url_key(spec.config.url))
+        return other if other is not None and other != wid else None
+
     for wid, spec in desired.items():
         o = owned.get(wid)
         if o is None:
             if wid in foreign:
                 out.append(Change("conflict", wid, spec, "id already used by a worker the source does not own"))
+            elif (other := taken(wid, spec)) is not None:
+                out.append(Change("conflict", wid, spec, f"the engine at {spec.config.url} is already worker '{other}'"))
             elif not spec.draining:
                 out.append(Change("add", wid, spec))
             continue
@@ -99,7 +112,10 @@ def plan_changes(desired: Mapping[str, WorkerSpec], owned: Mapping[str, Owned], 
                 and o.parked == (spec.standby and not spec.draining)):
             continue  # the same report object as last time (sources memoize): nothing to compare
         if _identity(o.config) != _identity(spec.config):
-            out.append(Change("replace", wid, spec, f"{o.config.url} -> {spec.config.url}"))
+            if (other := taken(wid, spec)) is not None:
+                out.append(Change("conflict", wid, spec, f"the engine at {spec.config.url} is already worker '{other}'"))
+            else:
+                out.append(Change("replace", wid, spec, f"{o.config.url} -> {spec.config.url}"))
             continue
         if o.config.role is not spec.config.role:
             out.append(Change("set_role", wid, spec, f"{o.config.role.value} -> {spec.config.role.value}"))
@@ -142,6 +158,7 @@ class Reconciler:
         self.on_change = on_change
         self.owned: dict[str, Owned] = {}
         self.desired: dict[str, WorkerSpec] = {}
+        self._conflicts: set[tuple[str, str]] = set()  # conflicts already reported (worker id, reason)
 
     def update(self, desired: Mapping[str, WorkerSpec], now: float) -> list[Change]:
         self.desired = dict(desired)
@@ -153,11 +170,18 @@ class Reconciler:
         workers = {w.id: w for w in self.fleet.workers()}
         inflight = {wid: workers[wid].inflight for wid in self.owned}
         foreign = set(workers) - set(self.owned)
-        changes = plan_changes(self.desired, self.owned, inflight, foreign, now, self.grace_s)
+        urls = {url_key(w.url): w.id for w in workers.values()}
+        changes = plan_changes(self.desired, self.owned, inflight, foreign, now, self.grace_s, urls)
+        conflicts = set()
         for c in changes:
             self._apply(c, now)
+            if c.kind == "conflict":  # standing until resolved: told once, not at every sweep
+                conflicts.add((c.worker_id, c.reason))
+                if (c.worker_id, c.reason) in self._conflicts:
+                    continue
             if self.on_change is not None:
                 self.on_change(c)
+        self._conflicts = conflicts
         return changes
 
     def _apply(self, c: Change, now: float) -> None:
