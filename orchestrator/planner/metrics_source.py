@@ -222,6 +222,14 @@ def prometheus_queries(window: str, model: str | None = None) -> dict[str, str]:
     }
 
 
+class PrometheusAnswerError(RuntimeError):
+    """Prometheus (or something answering in its place: a proxy's error page) sent an answer of the
+    wrong shape; the planner holds, and this names what came back."""
+
+    def __init__(self, url: str, what: str) -> None:
+        super().__init__(f"Prometheus at {url} answered {what}")
+
+
 class NoPrometheusData(RuntimeError):
     """Prometheus answered but has no recent request series from the gateway: nothing to plan on."""
 
@@ -248,10 +256,23 @@ class PrometheusSource:
     async def _vector(self, client: httpx.AsyncClient, expr: str) -> list[dict[str, Any]]:
         r = await client.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=self.timeout_s)
         r.raise_for_status()
-        body = r.json()
+        try:
+            body = r.json()
+        except ValueError:
+            raise PrometheusAnswerError(self.url, f"with something that is not JSON ({r.headers.get('content-type')}: "
+                                                  f"{r.text[:60]!r})") from None
+        if not isinstance(body, dict):
+            raise PrometheusAnswerError(self.url, f"with JSON that is not a query result ({type(body).__name__})")
         if body.get("status") != "success":
             raise RuntimeError(f"prometheus query failed: {body.get('error')}")
-        return list(body["data"]["result"])
+        data = body.get("data")
+        rows = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or data.get("resultType") not in (None, "vector") or not isinstance(rows, list) \
+                or not all(isinstance(row, dict) and isinstance(row.get("metric", {}), dict)
+                           and isinstance(row.get("value"), list) and len(row["value"]) == 2 for row in rows):
+            kind = data.get("resultType") if isinstance(data, dict) else type(data).__name__
+            raise PrometheusAnswerError(self.url, f"with a result that is not an instant vector ({kind})")
+        return rows
 
     async def _query(self, client: httpx.AsyncClient, expr: str) -> float | None:
         result = await self._vector(client, expr)

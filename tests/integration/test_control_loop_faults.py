@@ -494,3 +494,32 @@ def test_the_admin_api_refuses_a_second_worker_for_a_registered_url():
         assert r.status_code == 409 and r.json()["error"]["code"] == "worker_url_exists", r.text
         assert "w0" in r.json()["error"]["message"]
         assert [w.id for w in gw.runtime.fleet.workers()] == ["w0"]
+
+
+# ---------------------------------------------------------------- Prometheus answering garbage
+
+@pytest.mark.parametrize(("body", "says"), [
+    (b"<html><body>502 Bad Gateway</body></html>", "not JSON (text/html"),
+    (b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{}', "not JSON"),
+    (b"[]", "not a query result (list)"),
+    (b'{"status":"success","data":{"resultType":"scalar","result":[1.0,"5"]}}', "not an instant vector (scalar)"),
+    (b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{}}]}}', "not an instant vector"),
+])
+async def test_a_prometheus_answering_garbage_holds_the_planner_and_names_what_came_back(body, says):
+    """Each held before too, but with 'AttributeError: 'list' object has no attribute 'get'' and the
+    like on /admin/planner: nothing an SRE could act on."""
+    from orchestrator.planner.actuators import RecommendOnly
+    from orchestrator.planner.service import PlannerService
+
+    ctype = "text/html" if body.startswith(b"<") else "application/json"
+    client = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda _: httpx.Response(200, content=body, headers={"content-type": ctype})))
+    try:
+        service = PlannerService(_planner(interval_s=30.0), PrometheusSource("http://prom:9090", client=client),
+                                 RecommendOnly(), fleet=lambda: [], clock=VirtualClock())
+        decision = await service.run_once()
+        assert decision.actions == [] and service.held["reason"] == "source_unavailable"
+        assert "Prometheus at http://prom:9090 answered" in service.held["detail"] and says in service.held["detail"], \
+            service.held["detail"]
+    finally:
+        await client.aclose()
