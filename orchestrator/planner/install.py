@@ -41,6 +41,7 @@ from orchestrator.planner.solver import Limits, Targets
 log = logging.getLogger("dyad.planner")
 
 STOP_GRACE_S = 30.0  # longest a stop waits (in the background) for requests routed after the planner saw it idle
+START_BACKOFF_MAX = 5  # doublings of the pause after starts that do not come up (32 × the first pause)
 ROLE_CHANGE_S = 1.0  # what a role change costs when the config does not say: a drain, no restart
 
 
@@ -115,7 +116,8 @@ def actuator_from_config(cfg: PlannerConfig, runtime: Any) -> Actuator:
     local = LocalProcessActuator(dict(cfg.local_commands), on_started=_registrar(runtime, cfg),
                                  on_stopped=lambda p: _unregister(runtime, p),
                                  clock=getattr(runtime, "clock", None) or SYSTEM_CLOCK)
-    draining = _DrainingLocal(local, runtime, min_serve_s=min_serve_s(cfg), start_timeout_s=start_timeout_s(cfg))
+    draining = _DrainingLocal(local, runtime, min_serve_s=min_serve_s(cfg), start_timeout_s=start_timeout_s(cfg),
+                              start_backoff_s=cfg.interval_s)
     if cfg.role_change_s is not None and cfg.role_change_s < cfg.start_s:
         return RoleChangeActuator(set_role, drain=lambda wid: runtime.fleet.drain(wid), fallback=draining)
     return draining
@@ -208,16 +210,25 @@ class _DrainingLocal:
     - churn guard (``keep_reason``): a worker still starting, or in rotation for less than
       ``min_serve_s``, is not stopped or drained-to-stop unless the action says ``force``; the
       refusal is one line in what was applied, and the planner re-plans next interval.
+    - starts that do not come up (``_reap``): a process that exited, a start past ``start_timeout_s``
+      and an engine removed from the registry are stopped; each failed start of a role doubles the
+      pause before the next start of that role (``start_held_back``), one that comes up resets it.
     """
 
     name = "local"
 
     def __init__(self, local: LocalProcessActuator, runtime: Any, min_serve_s: float = 0.0,
-                 start_timeout_s: float = 0.0) -> None:
+                 start_timeout_s: float = 0.0, start_backoff_s: float = 0.0) -> None:
         self.local = local
         self.runtime = runtime
         self.min_serve_s = min_serve_s
         self.start_timeout_s = start_timeout_s
+        # starts that did not come up, in a row, per role; the next start of that role waits
+        # start_backoff_s × 2^(n-1) (capped at START_BACKOFF_MAX doublings); one that comes up resets it
+        self.start_backoff_s = start_backoff_s
+        self.failed_starts: dict[Role, int] = {}
+        self._retry_at: dict[Role, float] = {}
+        self._last_failure: dict[Role, str] = {}
         self._stopping: dict[str, asyncio.Task[None]] = {}  # worker id → stop once idle
         self._parking: dict[str, asyncio.Task[None]] = {}  # worker id → park once idle
         self._rotation_at: dict[str, float] = {}  # worker id → when it was last activated from standby
@@ -285,9 +296,15 @@ class _DrainingLocal:
                 continue
             rc = p.proc.poll() if p.proc is not None else None
             w = fleet.get(wid)
+            if w is not None and not _never_served(w):
+                self.failed_starts.pop(p.role, None)  # this role's engines do come up
+                self._retry_at.pop(p.role, None)
             if rc is not None:
+                never = w is not None and _never_served(w)
                 await self.local.stop(wid)
                 done.append(f"reaped {wid}: its process exited with {rc}")
+                if never:
+                    self._start_failed(p.role, now, f"{wid} exited with {rc} before it was ready")
             elif w is None:
                 await self.local.stop(wid)
                 done.append(f"stopped {wid}: removed from the registry, its process is not left running")
@@ -295,7 +312,24 @@ class _DrainingLocal:
                 await self.local.stop(wid)
                 done.append(f"reaped {wid}: not ready {now - p.started_at:.0f} s after its start "
                             f"(start timeout {self.start_timeout_s:g} s)")
+                self._start_failed(p.role, now, f"{wid} was not ready {now - p.started_at:.0f} s after its start")
         return done
+
+    def _start_failed(self, role: Role, now: float, why: str) -> None:
+        n = self.failed_starts.get(role, 0) + 1
+        self.failed_starts[role] = n
+        self._last_failure[role] = why
+        if self.start_backoff_s > 0:
+            self._retry_at[role] = now + self.start_backoff_s * 2 ** min(n - 1, START_BACKOFF_MAX)
+
+    def start_held_back(self, role: Role, now: float) -> str | None:
+        """Why a start of ``role`` must wait (None: it may go)."""
+        at = self._retry_at.get(role)
+        if at is None or now >= at:
+            return None
+        n = self.failed_starts.get(role, 0)
+        return (f"start of {role.value} held back {at - now:.0f} s: {n} start(s) in a row did not come up "
+                f"(last: {self._last_failure.get(role, '?')})")
 
     async def apply(self, decision: Any) -> list[str]:
         done = await self._reap()
@@ -340,6 +374,9 @@ class _DrainingLocal:
                     done.append(f"stopping {w.id} once its {w.inflight} request(s) finish")
                 else:
                     rest.append(a)
+            elif a.kind == "start" and (why := self.start_held_back(a.role, now)):
+                if why not in done:
+                    done.append(why)
             elif a.kind in ("start", "stop"):
                 rest.append(a)
         return done + await self.local.apply(replace(decision, actions=rest))

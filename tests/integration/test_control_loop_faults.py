@@ -244,6 +244,41 @@ async def test_an_engine_an_operator_removed_from_the_registry_is_stopped_not_or
         await actuator.close()
 
 
+
+async def test_a_role_whose_engines_never_come_up_is_started_again_only_after_a_growing_pause():
+    """A broken command template (a missing GPU, a bad flag) exits at once every time; the planner asked
+    for a start every interval and the actuator started one every interval, for good. Now each start that
+    did not come up doubles the pause before the next one of that role; one that comes up resets it."""
+    from orchestrator.planner.core import Action
+
+    fleet, clock, local, actuator = _local_fleet("false")
+    actuator.start_backoff_s = 10.0
+    start = _decision(Action("start", Role.PREFILL))
+    try:
+        pauses = []
+        for _ in range(3):
+            done = await actuator.apply(start)
+            assert any(line.startswith("started") for line in done), done
+            (wid, p), = local.processes.items()
+            await asyncio.to_thread(p.proc.wait, 5)
+            done = await actuator.apply(start)  # reaps it; the new start is held back
+            assert any(line.startswith(f"reaped {wid}") for line in done), done
+            held = [line for line in done if "held back" in line]
+            assert held and not local.processes, done
+            pauses.append(float(held[0].split("held back ")[1].split(" s")[0]))
+            clock.advance(pauses[-1] + 0.1)
+        assert pauses == [10.0, 20.0, 40.0]
+        # a start that comes up resets the pause
+        local.commands[Role.PREFILL] = "sleep 60"
+        await actuator.apply(start)
+        (wid, _), = local.processes.items()
+        fleet.record_health(fleet.get(wid), True, clock.now())
+        await actuator.apply(_decision())
+        assert actuator.failed_starts.get(Role.PREFILL, 0) == 0
+    finally:
+        await actuator.close()
+
+
 # ---------------------------------------------------------------- a workers file caught mid-write
 
 def test_a_workers_file_caught_half_written_never_withdraws_workers(tmp_path):
