@@ -149,7 +149,7 @@ async def test_a_dropped_watch_resumes_from_its_version_and_replays_the_gap(fake
             await until(lambda: fake.active_watches == 1, what="the watch connected")
             fake.drop_watches()
             await until(lambda: fake.active_watches == 0, what="the watch cut")
-            fake.add_pod(f"e-{i + 1}", SEL, 8001 + i)  # while disconnected: only a resume from the version sees it
+            fake.add_pod(f"e-{i + 1}", SEL, 8002 + i)  # while disconnected: only a resume from the version sees it
         await until(lambda: len(fleet.workers()) == 4, what="the pods added during the gaps")
         assert w.lists == 1 and w.gone == 0 and w.errors == 3 and w.resumes >= 3
 
