@@ -377,9 +377,21 @@ class _DrainingLocal:
             elif a.kind == "start" and (why := self.start_held_back(a.role, now)):
                 if why not in done:
                     done.append(why)
-            elif a.kind in ("start", "stop"):
+            elif a.kind == "start":
+                done.append(await self._start(a.role, standby=a.then == "standby", now=now))
+            elif a.kind == "stop":
                 rest.append(a)
         return done + await self.local.apply(replace(decision, actions=rest))
+
+    async def _start(self, role: Role, standby: bool, now: float) -> str:
+        """One start; a command that cannot be run (no such program, no permission) is a failed start of
+        the role (paused like one that exits), not an exception that fails the interval's other actions."""
+        try:
+            p = await self.local.start(role, standby=standby)
+        except (OSError, ValueError) as e:
+            self._start_failed(role, now, f"could not run its command: {type(e).__name__}: {e}")
+            return f"start of {role.value} failed: {type(e).__name__}: {e}"
+        return f"started {p.worker_id} ({role.value}{', standby' if p.standby else ''}) on port {p.port}"
 
 
 def _draining_of(actuator: Actuator) -> _DrainingLocal | None:

@@ -279,6 +279,25 @@ async def test_a_role_whose_engines_never_come_up_is_started_again_only_after_a_
         await actuator.close()
 
 
+
+async def test_a_command_that_cannot_be_run_is_a_failed_start_not_a_failed_interval():
+    """A template naming a program that is not installed raised FileNotFoundError out of the actuator:
+    the whole interval failed (other actions in it were not carried out) and it did so every interval."""
+    from orchestrator.planner.core import Action
+
+    fleet, clock, local, actuator = _local_fleet("/nonexistent/engine --port {port}")
+    actuator.start_backoff_s = 10.0
+    local.commands[Role.DECODE] = "sleep 60"
+    try:
+        done = await actuator.apply(_decision(Action("start", Role.PREFILL), Action("start", Role.DECODE)))
+        assert any("start of prefill failed" in line and "nonexistent" in line for line in done), done
+        assert any(line.startswith("started local-decode") for line in done), done  # the rest was carried out
+        done = await actuator.apply(_decision(Action("start", Role.PREFILL)))
+        assert any("held back" in line for line in done), done
+    finally:
+        await actuator.close()
+
+
 # ---------------------------------------------------------------- a workers file caught mid-write
 
 def test_a_workers_file_caught_half_written_never_withdraws_workers(tmp_path):
