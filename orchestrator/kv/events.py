@@ -9,8 +9,8 @@ Two parts:
 * ``KvEventSubscriber`` (I/O, one per worker): a ZMQ SUB socket on the engine's publisher.
   Multipart ``[topic, seq (8-byte big-endian), msgpack [ts, [event...], dp_rank]]``. A jump in
   ``seq`` is a gap: the missed batches are fetched from the engine's replay endpoint (DEALER, send
-  ``[b"", start_seq]``, receive ``[b"", topic, seq, payload]`` until seq = -1). A ``seq`` that goes
-  backwards means the engine restarted: its old entries are cleared first. A subscriber that joins
+  ``[b"", start_seq]``, receive ``[b"", topic, seq, payload]`` until seq = -1). A live ``seq`` that goes
+  back (below the previous live one) means the engine restarted: its old entries are cleared first. A subscriber that joins
   late (first seq > 0) replays from 0 to learn what the engine already holds.
 """
 
@@ -207,6 +207,7 @@ class KvEventSubscriber:
         self._ctx = context or zmq.asyncio.Context.instance()
         self.replay_timeout_s = replay_timeout_s
         self.next_seq: int | None = None  # the seq we expect next; None = nothing seen yet
+        self._last_live: int | None = None  # the last seq the live socket delivered
         self.batches = 0
         self.gaps = 0
         self.replayed = 0
@@ -258,11 +259,14 @@ class KvEventSubscriber:
 
     async def _on_live(self, seq: int, payload: bytes) -> None:
         expected = self.next_seq
-        if expected is not None and seq < expected - 1:
-            # Sequence went backwards: the engine restarted with an empty cache.
+        last, self._last_live = self._last_live, seq
+        if last is not None and seq <= last:
+            # The live sequence went back: a new publisher, i.e. the engine restarted with an empty cache.
+            # (One publisher's live stream only goes forward. Compared with ``next_seq`` instead, the live
+            # batches that queued up during a full replay, older than what the replay applied, read as a
+            # restart: the entries were cleared and replayed once more.)
             self.restarts += 1
-            log.info("kv events for %s: sequence reset (%d after %d): engine restarted", self.worker_id, seq,
-                     expected - 1)
+            log.info("kv events for %s: sequence reset (%d after %d): engine restarted", self.worker_id, seq, last)
             await self.on_reset(self.worker_id, "restart")
             expected = None
             self.next_seq = None

@@ -577,3 +577,53 @@ async def test_a_prometheus_answering_garbage_holds_the_planner_and_names_what_c
             service.held["detail"]
     finally:
         await client.aclose()
+
+
+async def test_a_full_replay_on_a_busy_engine_is_not_taken_for_a_restart():
+    """When a worker turns healthy again the tracker asks for a full replay; the live batches the engine
+    published meanwhile wait in the socket and arrive after it, older than what the replay applied.
+    Those read as 'the sequence went backwards: the engine restarted', so its index entries were cleared
+    and replayed once more, and the restart count lied. A restart is a live sequence that goes back, not
+    a replay that got ahead of the live stream."""
+    import zmq.asyncio
+
+    from orchestrator.kv.events import KvEventSubscriber
+    from tests.integration.test_kv_events import TOKENS, Publisher, stored, until
+
+    ctx = zmq.asyncio.Context()
+    pub = Publisher(ctx)
+    resets: list[str] = []
+    hold = asyncio.Event()
+    applied: list[int] = []
+
+    async def on_batch(wid, ts, events):
+        applied.append(1)
+        if len(applied) == 10:
+            await hold.wait()  # busy applying batch 9 while the engine publishes on
+
+    async def on_reset(wid, why):
+        resets.append(why)
+
+    sub = KvEventSubscriber("w", f"tcp://127.0.0.1:{pub.port}", on_batch, on_reset,
+                            replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}", context=ctx)
+    sub.start()
+    try:
+        await asyncio.sleep(0.3)
+        for i in range(10):
+            await pub.publish([stored([i + 1], TOKENS[:4])])
+        await until(lambda: len(applied) == 10)
+        for i in range(10, 30):  # queued in the socket
+            await pub.publish([stored([i + 1], TOKENS[:4])])
+        await asyncio.sleep(0.1)
+        sub.request_full_replay()  # the worker turned healthy again
+        hold.set()
+        await until(lambda: sub.next_seq == 30 and sub.replayed >= 30)
+        await asyncio.sleep(0.2)  # the queued live batches arrive
+        assert sub.restarts == 0 and resets == [], (sub.restarts, resets)
+        pub.restart()  # a real restart is still seen
+        await pub.publish([stored([99], TOKENS[:4])])
+        await until(lambda: resets == ["restart"])
+    finally:
+        await sub.stop()
+        pub.close()
+        ctx.term()
