@@ -9,9 +9,10 @@ Two parts:
 * ``KvEventSubscriber`` (I/O, one per worker): a ZMQ SUB socket on the engine's publisher.
   Multipart ``[topic, seq (8-byte big-endian), msgpack [ts, [event...], dp_rank]]``. A jump in
   ``seq`` is a gap: the missed batches are fetched from the engine's replay endpoint (DEALER, send
-  ``[b"", start_seq]``, receive ``[b"", topic, seq, payload]`` until seq = -1). A live ``seq`` that goes
-  back (below the previous live one) means the engine restarted: its old entries are cleared first. A subscriber that joins
-  late (first seq > 0) replays from 0 to learn what the engine already holds.
+  ``[b"", start_seq]``, receive ``[b"", topic, seq, payload]`` until seq = -1). A live ``seq`` that
+  goes back (below the previous live one) means the engine restarted: its old entries are cleared
+  first. A subscriber that joins late (first seq > 0) replays from 0 to learn what the engine
+  already holds.
 """
 
 from __future__ import annotations
