@@ -58,6 +58,7 @@ class KubeApi:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.deadline_s = 3 * timeout_s  # a whole answer (``get``, ``merge_patch``)
         self._token = token
         self._token_file = token_file if token is None else None
         self._token_read_at = -1e18
@@ -97,15 +98,15 @@ class KubeApi:
         raise (Gone if r.status_code == 410 else KubeApiError)(r.status_code, message[:300])
 
     async def get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        # every call within ``timeout_s`` in all (httpx's timeout bounds each read, not the answer): the
-        # planner's actuator and the discovery list wait on these
-        async with asyncio.timeout(self.timeout_s):
+        # every answer within ``deadline_s`` in all (httpx's timeout bounds each read, not the answer; a
+        # list of a big namespace may take several reads): the actuator and the discovery list wait on these
+        async with asyncio.timeout(self.deadline_s):
             r = await self.http.get(path, params=params, headers=self._headers())
             self._raise(r)
             return r.json()
 
     async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with asyncio.timeout(self.timeout_s):
+        async with asyncio.timeout(self.deadline_s):
             r = await self.http.patch(path, content=json.dumps(body).encode(),
                                       headers=self._headers("application/merge-patch+json"))
             self._raise(r)

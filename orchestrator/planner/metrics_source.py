@@ -297,14 +297,16 @@ class PrometheusSource:
         return latency_from_engines(parts, prefill_step)
 
     async def observe(self, now: float) -> Observation:
-        """One observation, within ``timeout_s`` in all: httpx's timeout bounds each read, not the
-        answer, and a Prometheus (or a proxy before it) that sends a byte now and then would hold the
-        planner loop for good; past the deadline this raises ``TimeoutError`` and the loop holds."""
+        """One observation, within ``2 × timeout_s`` in all (its two rounds of concurrent queries, the
+        second only when no stream gave latency): httpx's timeout bounds each read, not the answer, and
+        a Prometheus (or a proxy before it) that sends a byte now and then would hold the planner loop
+        for good; past the deadline this raises ``TimeoutError`` and the loop holds."""
+        deadline = 2 * self.timeout_s
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(deadline):
                 return await self._observe(now)
         except TimeoutError:
-            raise TimeoutError(f"Prometheus at {self.url} did not answer within {self.timeout_s:g} s") from None
+            raise TimeoutError(f"Prometheus at {self.url} did not answer within {deadline:g} s") from None
 
     async def _observe(self, now: float) -> Observation:
         client = self._client or httpx.AsyncClient()
