@@ -146,13 +146,18 @@ class LocalProcessActuator:
                 p = await self.start(a.role, standby=a.then == "standby")
                 done.append(f"started {p.worker_id} ({a.role.value}{', standby' if p.standby else ''}) "
                             f"on port {p.port}")
-            elif a.kind == "stop" and a.worker_id and await self.stop(a.worker_id):
-                done.append(f"stopped {a.worker_id}")
-        return done
+        # stops together: each may wait ``stop_timeout_s`` for its engine to exit (one after another, a
+        # scale-in of N slow-to-exit engines held the planner loop N times that long)
+        ids = list(dict.fromkeys(a.worker_id for a in decision.actions if a.kind == "stop" and a.worker_id))
+        stopped = await self.stop_all(ids)
+        return done + [f"stopped {wid}" for wid, ok in zip(ids, stopped, strict=True) if ok]
+
+    async def stop_all(self, worker_ids: list[str]) -> list[bool]:
+        """``stop`` each, concurrently."""
+        return list(await asyncio.gather(*(self.stop(wid) for wid in worker_ids)))
 
     async def close(self) -> None:
-        for wid in list(self.processes):
-            await self.stop(wid)
+        await self.stop_all(list(self.processes))
 
 
 def keep_reason(now: float, *, started_at: float, ready_at: float | None, alive: bool, min_serve_s: float,

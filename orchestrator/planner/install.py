@@ -291,6 +291,7 @@ class _DrainingLocal:
         done = []
         now = self.local.clock.now()
         fleet = self.runtime.fleet
+        going: list[str] = []  # stopped together below (each stop may wait for its engine to exit)
         for wid, p in list(self.local.processes.items()):
             if wid in self._stopping:
                 continue
@@ -300,19 +301,19 @@ class _DrainingLocal:
                 self.failed_starts.pop(p.role, None)  # this role's engines do come up
                 self._retry_at.pop(p.role, None)
             if rc is not None:
-                never = w is not None and _never_served(w)
-                await self.local.stop(wid)
+                going.append(wid)
                 done.append(f"reaped {wid}: its process exited with {rc}")
-                if never:
+                if w is not None and _never_served(w):
                     self._start_failed(p.role, now, f"{wid} exited with {rc} before it was ready")
             elif w is None:
-                await self.local.stop(wid)
+                going.append(wid)
                 done.append(f"stopped {wid}: removed from the registry, its process is not left running")
             elif (self.start_timeout_s > 0 and now - p.started_at >= self.start_timeout_s and _never_served(w)):
-                await self.local.stop(wid)
+                going.append(wid)
                 done.append(f"reaped {wid}: not ready {now - p.started_at:.0f} s after its start "
                             f"(start timeout {self.start_timeout_s:g} s)")
                 self._start_failed(p.role, now, f"{wid} was not ready {now - p.started_at:.0f} s after its start")
+        await self.local.stop_all(going)
         return done
 
     def _start_failed(self, role: Role, now: float, why: str) -> None:

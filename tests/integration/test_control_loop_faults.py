@@ -298,6 +298,38 @@ async def test_a_command_that_cannot_be_run_is_a_failed_start_not_a_failed_inter
         await actuator.close()
 
 
+
+async def test_engines_slow_to_exit_are_stopped_together_not_one_after_another():
+    """``stop`` waits up to ``stop_timeout_s`` for an engine to exit after SIGTERM (a big model takes a
+    while to free its memory; a wedged one never does) and then kills it. Stops ran one after another:
+    a scale-in of N such engines held the planner loop N × that long, and the gateway's shutdown too."""
+    import sys
+
+    from orchestrator.planner.core import Action
+
+    deaf = f"{sys.executable} -c 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'"
+    fleet, clock, local, actuator = _local_fleet(deaf)
+    local.stop_timeout_s = 1.0
+    try:
+        await actuator.apply(_decision(*[Action("start", Role.PREFILL)] * 3))
+        ids = sorted(local.processes)
+        procs = [local.processes[w].proc for w in ids]
+        await asyncio.sleep(0.5)  # the interpreters are up and ignore SIGTERM
+        for w in ids:  # they served their minimum time
+            fleet.record_health(fleet.get(w), True, clock.now())
+        clock.advance(60.0)
+        _, took = await _within(actuator.apply(_decision(*[Action("stop", Role.PREFILL, w) for w in ids])), 10.0)
+        assert all(p.poll() is not None for p in procs) and not local.processes
+        assert took < 2.0, f"3 stops took {took:.1f} s"
+        await actuator.apply(_decision(*[Action("start", Role.PREFILL)] * 3))
+        procs = [p.proc for p in local.processes.values()]
+        await asyncio.sleep(0.5)
+        _, took = await _within(actuator.close(), 10.0)
+        assert all(p.poll() is not None for p in procs) and took < 2.0, f"close took {took:.1f} s"
+    finally:
+        await actuator.close()
+
+
 # ---------------------------------------------------------------- a workers file caught mid-write
 
 def test_a_workers_file_caught_half_written_never_withdraws_workers(tmp_path):
