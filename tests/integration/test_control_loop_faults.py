@@ -659,3 +659,38 @@ async def test_a_full_replay_on_a_busy_engine_is_not_taken_for_a_restart():
         await sub.stop()
         pub.close()
         ctx.term()
+
+
+async def test_a_discovery_report_that_fails_to_apply_does_not_end_the_source(tmp_path):
+    """An exception while a report is applied to the registry (here a fleet listener that fails once,
+    e.g. a subscriber that cannot be set up) ended the file source's loop for good, and the worker it
+    had half-added stayed in the registry as a foreign worker the source never withdrew."""
+    from orchestrator.config import load_config
+    from orchestrator.fleet.discovery import build_discovery
+
+    path = tmp_path / "workers.json"
+    path.write_text(json.dumps([{"id": "a", "url": "http://10.0.0.1:8000"}]))
+    cfg = load_config({"discovery": {"source": "file", "remove_grace_s": 30,
+                                     "file": {"path": str(path), "interval_s": 0.05}}}, environ={})
+    fleet = FleetRegistry()
+    failed = []
+
+    def flaky(event, worker):
+        if event == "added" and not failed:
+            failed.append(worker.id)
+            raise RuntimeError("listener failed")
+
+    fleet.subscribe(flaky)
+    d = build_discovery(cfg.discovery, fleet)
+    await d.start()
+    try:
+        assert failed == ["a"] and fleet.get("a") is not None
+        path.write_text(json.dumps([{"id": "b", "url": "http://10.0.0.2:8000"}]))
+        for _ in range(100):
+            if fleet.get("b") is not None and fleet.get("a") is None:
+                break
+            await asyncio.sleep(0.05)
+        assert fleet.get("b") is not None, "the source stopped reading its file"
+        assert fleet.get("a") is None, "the half-added worker was never withdrawn"
+    finally:
+        await d.stop()

@@ -62,14 +62,26 @@ class Discovery:
 
     def report(self, desired: dict[str, WorkerSpec]) -> None:
         self.reports += 1
-        self.reconciler.update(desired, self.clock.now())
-        self._first.set()
+        try:
+            self.reconciler.update(desired, self.clock.now())
+        except Exception as e:  # noqa: BLE001 - a report that fails to apply must not end the source's loop
+            self._failed("applying a report", e)  # the next sweep or report tries again
+        finally:
+            self._first.set()
+
+    def _failed(self, what: str, e: Exception) -> None:
+        log.warning("discovery (%s): %s failed: %s: %s", self.source.name, what, type(e).__name__, e)
+        if self.metrics is not None:
+            self.metrics.discovery_errors.labels(self.source.name).inc()
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_S)
-            if self.reconciler.owned:
-                self.reconciler.sweep(self.clock.now())
+            if self.reconciler.owned or self.reconciler.desired:
+                try:
+                    self.reconciler.sweep(self.clock.now())
+                except Exception as e:  # noqa: BLE001 - keep sweeping
+                    self._failed("a sweep", e)
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self.source.run(self.report), name=f"dyad-discovery-{self.source.name}"),

@@ -190,8 +190,10 @@ class Reconciler:
             assert c.spec is not None
             if c.kind == "replace":
                 fleet.remove(wid)
-            fleet.add(worker_from_config(c.spec.config))
+            # owned before it is added: a listener that fails during ``add`` leaves a worker this source
+            # still answers for (withdrawn when it leaves), not a foreign one it would never touch
             self.owned[wid] = Owned(c.spec.config)
+            fleet.add(worker_from_config(c.spec.config))
             if c.spec.draining:
                 fleet.drain(wid)
                 self.owned[wid].marked = True
