@@ -436,6 +436,11 @@ class PlannerConfig(_Section):
     fast_interval_s: float = Field(
         0.0, ge=0, description="Load-reactive mode (0 = off): every this many seconds between intervals, scale a "
                                "role out at once when its queue is beyond what its workers clear within target")
+    fast_lookahead: bool = Field(
+        True, description="Load-reactive mode: wake warm decode standby for the streams in flight extrapolated to "
+                          "when a worker woken at the next look would serve (fast_interval_s + standby_wake_s "
+                          "ahead, from their growth over that span), not for the streams now; cold starts stay on "
+                          "the load now")
     prefill_cost: float = Field(1.0, ge=0, description="Price of one prefill worker-hour (any currency)")
     decode_cost: float = Field(1.0, ge=0, description="Price of one decode worker-hour")
     cost_budget: float | None = Field(

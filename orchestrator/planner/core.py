@@ -143,6 +143,11 @@ class PlannerSettings:
     fast_confirm: int = 1  # consecutive fast looks over capacity before it wakes warm standby
     fast_confirm_cold: int = 3  # ... and before it starts cold workers (a spike is left to the standby)
     fast_queue_share: float = 0.5  # fast mode: a prefill queue beyond what clears in this share of the TTFT target
+    fast_lookahead: bool = True  # fast mode wakes warm decode standby for the streams it extrapolates to when a
+    # worker woken at the next look would serve (``fast_interval_s + standby_wake_s`` ahead, from the growth over
+    # that span; ``project_ahead``), not for the streams now; cold starts stay on the load now. Decode only: the
+    # prefill trigger already acts before its target is breached (``fast_queue_share``), and on a queue of a few
+    # long prompts the extrapolation woke standby on single arrivals (docs/benchmarks.md, Issue 14, plan12)
     standby_prefill: int = 0  # warm standby workers kept per role (started, out of rotation)
     standby_decode: int = 0
     standby_auto: bool = False  # size the standby pools from observed bursts (``standby_*`` are then floors): the
@@ -265,6 +270,8 @@ class Planner:
         self._samples = 0
         self._over: dict[Role, int] = dict.fromkeys(ROLES, 0)
         self._last_look: tuple[float, float] | None = None  # fast mode: (when, prefill requests in flight)
+        self._looks: deque[tuple[float, dict[Role, float]]] = deque()  # fast mode: (when, decode streams), one lead
+        self._over_ahead = 0  # fast mode: consecutive looks whose decode streams extrapolate beyond the pool
         self._forecast: LoadForecast | None = None
         self._grown: dict[Role, tuple[float, float]] = {}  # role → (when it last grew, the need that grew it)
         # per interval: (5-s peak arrival rate, peak decode streams) — the burst history of ``standby_auto``
@@ -803,6 +810,11 @@ class Planner:
             s.cold_backlog, streams[Role.PREFILL], f.request_rate, arriving, service, s.start_s))
         target = dict(counts)
         reasons: list[str] = []
+        lead = s.fast_interval_s + s.standby_wake_s
+        ahead = dict(streams)
+        if s.fast_lookahead:  # decode streams only (``PlannerSettings.fast_lookahead``)
+            ahead = {**ahead, **project_ahead(self._looks, now, {Role.DECODE: streams[Role.DECODE]}, lead)}
+        ahead_need = math.ceil(ahead[Role.DECODE] * (1 + s.decode_headroom) / per_decode - 1e-9)
         for r in ROLES:
             if need[r] > max(counts[r], serving[r]):
                 self._over[r] += 1
@@ -811,6 +823,15 @@ class Planner:
                     reasons.append(f"{r.value}: load {streams[r]:.0f} in flight > {counts[r]} workers hold")
             else:
                 self._over[r] = 0
+        # warm decode standby for the streams a worker woken at the next look would meet when it serves
+        if ahead_need > max(counts[Role.DECODE], serving[Role.DECODE], target[Role.DECODE]):
+            self._over_ahead += 1
+            if self._over_ahead >= s.fast_confirm:
+                target[Role.DECODE] = ahead_need
+                reasons.append(f"decode: {streams[Role.DECODE]:.0f} streams in flight rising to "
+                               f"{ahead[Role.DECODE]:.0f} within {lead:g}s > {counts[Role.DECODE]} workers hold")
+        else:
+            self._over_ahead = 0
         if target == counts:
             return None
         lim = s.limits
@@ -826,7 +847,7 @@ class Planner:
             # cold starts only for pressure that lasts, and within the budget (standby included)
             if self._over[r] < s.fast_confirm_cold:
                 return
-            while min(target[r], cold_need[r]) > used[r]:
+            while min(target[r], need[r], cold_need[r]) > used[r]:
                 grown = {**used, r: used[r] + 1}
                 pool_n = sum(len(pool[x]) for x in ROLES)
                 if not lim.fits(grown[Role.PREFILL] + (pool_n if r is Role.PREFILL else 0),
@@ -1129,6 +1150,25 @@ class Planner:
             actions.append(Action("stop", r, w.id))
             total -= 1
         return actions
+
+
+def project_ahead(looks: deque[tuple[float, dict[Role, float]]], now: float, load: dict[Role, float],
+                  lead: float) -> dict[Role, float]:
+    """Where each role's load (requests in flight) will be ``lead`` seconds from ``now`` if it keeps growing as it
+    grew over the last ``lead`` seconds: ``load + max(0, growth since the oldest look within lead) x lead / span``.
+    A first-order extrapolation over the same span it is measured on (no other parameter); a falling load is not
+    extrapolated down. Records this look in ``looks`` (kept to the last ``lead`` seconds)."""
+    while looks and now - looks[0][0] > lead + 1e-9:
+        looks.popleft()
+    out = dict(load)
+    if looks and now > looks[0][0]:
+        t0, past = looks[0]
+        for r in load:
+            grew = load[r] - past.get(r, 0.0)
+            if grew > 0:
+                out[r] = load[r] + grew * lead / (now - t0)
+    looks.append((now, dict(load)))
+    return out
 
 
 def _horizon_ratios(series: Sequence[float], steps: int) -> list[float | None]:

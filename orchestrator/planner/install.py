@@ -59,6 +59,7 @@ def settings_from_config(cfg: PlannerConfig) -> PlannerSettings:
         interval_s=cfg.interval_s, predictor=cfg.predictor, season=cfg.season,
         scale_in_margin=cfg.scale_in_margin, scale_in_intervals=cfg.scale_in_intervals,
         scale_in_step=cfg.scale_in_step, decode_headroom=cfg.decode_headroom, fast_interval_s=cfg.fast_interval_s,
+        fast_lookahead=cfg.fast_lookahead,
         cooldown_s=cfg.cooldown_s, role_change_s=role_change_s, start_s=cfg.start_s,
         correct_from_latency=cfg.correct_from_latency, headroom=cfg.headroom,
         burst_window_s=None if cfg.burst_window_s == "auto" else cfg.burst_window_s,

@@ -98,6 +98,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "load's history (not the sum of per-role pools), woken into the role that needs it by a "
                              "role change (--role-change-s); only when both roles run on the same profile at the "
                              "same price (default: PlannerSettings')")
+    parser.add_argument("--fast-lookahead", action=argparse.BooleanOptionalAction, default=None,
+                        help="load-reactive mode: wake warm decode standby for the streams extrapolated to when a "
+                             "worker woken at the next look would serve (fast interval + standby wake, from the "
+                             "growth over that span), not the streams now (default: PlannerSettings')")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--insurance", choices=["fixed", "proportional"], default="proportional",
@@ -197,6 +201,8 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         insurance=g(args, "insurance", "proportional"))
     if g(args, "standby_net_of_spare", None) is not None:
         settings.standby_net_of_spare = args.standby_net_of_spare
+    if g(args, "fast_lookahead", None) is not None:
+        settings.fast_lookahead = args.fast_lookahead
     if g(args, "standby_shared", None) is not None:
         settings.standby_shared = args.standby_shared
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
