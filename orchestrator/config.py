@@ -77,9 +77,11 @@ class WorkerConfig(_Section):
         if not parts.hostname:
             raise ValueError("must name a host (http://host:port)")
         try:
-            parts.port  # noqa: B018 - raises on a port that is not a number in 0..65535
+            port = parts.port  # raises on a port that is not a number in 0..65535
         except ValueError:
-            raise ValueError("has an invalid port (a number in 1..65535)") from None
+            port = 0
+        if port == 0:  # (port 0 is no address a probe can reach either)
+            raise ValueError("has an invalid port (a number in 1..65535)")
         return v.rstrip("/")
 
 

@@ -459,7 +459,7 @@ async def test_a_source_reporting_garbage_makes_the_planner_hold_not_act_or_cras
 # ---------------------------------------------------------------- worker addresses that cannot work
 
 @pytest.mark.parametrize("url", ["http://", "https:///v1", "http://:8000", "http://a b:8000", "http://host:99999",
-                                 "http://host:port", "http://ho\nst:1"])
+                                 "http://host:0", "http://host:port", "http://ho\nst:1"])
 def test_a_worker_url_without_a_usable_address_is_refused_where_workers_come_in(url, tmp_path):
     """The config, the admin API and the workers file share ``WorkerConfig``: it checked the scheme only,
     so a half-written file entry (``url: http://``) or a typo became a worker that can never be probed
