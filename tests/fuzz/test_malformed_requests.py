@@ -139,9 +139,9 @@ def test_http_level_refusals_are_openai_shaped_json(fuzz_gateway, data, status, 
 def test_workers_added_with_an_empty_id_get_fresh_ids(fuzz_gateway):
     """(Found by the schema fuzzer: an empty id fell back to the url, and the second such worker was a 500.)"""
     ids = []
-    for _ in range(2):
-        status, raw = exchange(fuzz_gateway.port, post("/admin/workers", b'{"id": "", "url": "http://127.0.0.1:9"}',
-                                                       "authorization: Bearer fuzz-admin\r\n"))
+    for host in (b"127.0.1.2", b"127.0.1.3"):  # (an address each: one engine is one worker, 409 worker_url_exists)
+        body = b'{"id": "", "url": "http://%s:9"}' % host
+        status, raw = exchange(fuzz_gateway.port, post("/admin/workers", body, "authorization: Bearer fuzz-admin\r\n"))
         assert status == 201, raw[:300]
         ids.append(json.loads(raw.partition(b"\r\n\r\n")[2])["id"])
     assert len(set(ids)) == 2 and "" not in ids

@@ -76,6 +76,9 @@ def test_no_server_errors_from_schema_generated_requests(operations, fuzz_gatewa
     assert total >= len(operations) * 2
 
 
+_ADDED = [0]  # workers the fuzzer asked to add, for an address of their own each
+
+
 def _runner(op, strategy, mode, url: str, sent: dict[int, int], failures: list[str]):
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
               derandomize=True, database=None)
@@ -94,7 +97,10 @@ def _runner(op, strategy, mode, url: str, sent: dict[int, int], failures: list[s
                 and data.draw(st.booleans())):
             case.body["model"] = data.draw(st.sampled_from(["m", "m-alias"]))  # reach the engine, not just a 404
         if op.path == "/admin/workers" and op.method.upper() == "POST" and isinstance(case.body, dict):
-            case.body["url"] = "http://127.0.0.1:9"  # a worker that never answers: probed, stays unhealthy
+            # a worker that never answers (probed, stays unhealthy), at an address no other worker has: one engine
+            # is one worker (a registered URL is 409 worker_url_exists), and the add itself should be reached
+            _ADDED[0] += 1
+            case.body["url"] = f"http://127.0.{_ADDED[0] // 250 % 250}.{_ADDED[0] % 250 + 2}:9"
         response = case.call(base_url=url, headers=headers, timeout=30)
         sent[response.status_code] = sent.get(response.status_code, 0) + 1
         if response.status_code >= 500:
