@@ -17,6 +17,7 @@ import httpx
 from adapters.base import EngineAdapter, EngineKind
 from orchestrator.clock import Clock
 from orchestrator.config import HealthConfig
+from orchestrator.deadline import within
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
 
@@ -34,26 +35,21 @@ class HealthChecker:
         self.clock = clock
         self.adapter_for = adapter_for
 
-    async def _bounded(self, coro: Awaitable[T]) -> T:
-        """``coro`` within ``timeout_s`` in all: httpx's timeout bounds each read, not the answer, and an
-        engine that trickles its answer would otherwise hold this probe, and with it the whole round
-        (``check_all`` waits for every worker), for good."""
-        try:
-            async with asyncio.timeout(self.config.timeout_s):
-                return await coro
-        except TimeoutError:
-            raise TimeoutError(f"no complete answer within {self.config.timeout_s:g} s") from None
+    async def _bounded(self, worker: Worker, call: Awaitable[T]) -> T:
+        """``call`` within ``timeout_s`` in all (``deadline.within``): an engine that trickles its answer
+        would otherwise hold this probe, and with it the whole round (``check_all`` waits for every worker)."""
+        return await within(self.config.timeout_s, call, worker.url)
 
     async def check_worker(self, worker: Worker) -> bool:
         adapter = self.adapter_for(worker.engine)
         error: str | None = None
         timeout = self.config.timeout_s
         try:
-            ok = await self._bounded(adapter.health(self.http, worker.url, timeout))
+            ok = await self._bounded(worker, adapter.health(self.http, worker.url, timeout))
             if not ok:
                 error = "health probe failed"
             elif not worker.models:
-                cards = await self._bounded(adapter.model_cards(self.http, worker.url, timeout))
+                cards = await self._bounded(worker, adapter.model_cards(self.http, worker.url, timeout))
                 self._learn_limits(worker, cards)
                 if cards:
                     worker.models = list(cards)
@@ -61,7 +57,7 @@ class HealthChecker:
                     ok, error = False, "engine reports no models"
             elif not worker.model_cards_read:  # configured models: read the context lengths once
                 try:
-                    self._learn_limits(worker, await self._bounded(adapter.model_cards(self.http, worker.url, timeout)))
+                    self._learn_limits(worker, await self._bounded(worker, adapter.model_cards(self.http, worker.url, timeout)))
                 except Exception:  # noqa: BLE001 - optional information: a failure here is not a failed probe
                     worker.model_cards_read = True
         except Exception as e:  # any failure of the probe is a failed probe, never a dead loop

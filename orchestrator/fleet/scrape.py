@@ -14,6 +14,7 @@ import httpx
 from adapters.base import EngineAdapter, EngineKind
 from orchestrator.clock import Clock
 from orchestrator.config import ScrapeConfig
+from orchestrator.deadline import within
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.telemetry.metrics import DyadMetrics
@@ -33,11 +34,10 @@ class MetricsScraper:
         adapter = self.adapter_for(worker.engine)
         model = worker.models[0] if len(worker.models) == 1 else None
         try:
-            # the whole answer within the timeout (httpx bounds each read): a trickling engine must not
-            # hold the round, in which every other worker's load waits for this one
-            async with asyncio.timeout(self.config.timeout_s):
-                worker.load = await adapter.scrape(self.http, worker.url, self.config.timeout_s, self.clock.now(),
-                                                   model)
+            # the whole answer (``deadline.within``): a trickling engine must not hold the round, in which
+            # every other worker's load waits for this one
+            worker.load = await within(self.config.timeout_s, adapter.scrape(
+                self.http, worker.url, self.config.timeout_s, self.clock.now(), model), f"{worker.url}/metrics")
             return True
         except Exception:
             if self.metrics is not None:

@@ -91,6 +91,11 @@ class LocalProcess:
         return f"http://127.0.0.1:{self.port}"
 
 
+def started_line(p: LocalProcess) -> str:
+    """What a start did, as the planner's applied actions list it."""
+    return f"started {p.worker_id} ({p.role.value}{', standby' if p.standby else ''}) on port {p.port}"
+
+
 @dataclass
 class LocalProcessActuator:
     """Engines as child processes. ``commands`` maps a role to a template such as
@@ -143,9 +148,7 @@ class LocalProcessActuator:
         done = []
         for a in decision.actions:
             if a.kind == "start":
-                p = await self.start(a.role, standby=a.then == "standby")
-                done.append(f"started {p.worker_id} ({a.role.value}{', standby' if p.standby else ''}) "
-                            f"on port {p.port}")
+                done.append(started_line(await self.start(a.role, standby=a.then == "standby")))
         # stops together: each may wait ``stop_timeout_s`` for its engine to exit (one after another, a
         # scale-in of N slow-to-exit engines held the planner loop N times that long)
         ids = list(dict.fromkeys(a.worker_id for a in decision.actions if a.kind == "stop" and a.worker_id))

@@ -21,6 +21,7 @@ import httpx
 from adapters.base import Role
 from orchestrator.clock import SYSTEM_CLOCK
 from orchestrator.config import PlannerConfig
+from orchestrator.deadline import within
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.planner.actuators import (
     Actuator,
@@ -30,6 +31,7 @@ from orchestrator.planner.actuators import (
     RecommendOnly,
     RoleChangeActuator,
     keep_reason,
+    started_line,
 )
 from orchestrator.planner.core import Planner, PlannerSettings
 from orchestrator.planner.inputs import InputGate
@@ -148,10 +150,10 @@ def kubernetes_actuator(cfg: PlannerConfig, runtime: Any) -> KubernetesActuator:
             return False  # this process itself still has requests there
         host = f"[{ip}]" if ":" in ip else ip
         try:
-            async with asyncio.timeout(runtime.config.scrape.timeout_s):  # the answer, not each read
-                load = await runtime.adapter_for(disc.engine).scrape(runtime.http, f"{disc.scheme}://{host}:{port}",
-                                                                     runtime.config.scrape.timeout_s,
-                                                                     runtime.clock.now(), None)
+            url = f"{disc.scheme}://{host}:{port}"
+            timeout = runtime.config.scrape.timeout_s
+            load = await within(timeout, runtime.adapter_for(disc.engine).scrape(
+                runtime.http, url, timeout, runtime.clock.now(), None), f"{url}/metrics")
         except Exception as e:
             # the adapter wraps transport errors (AdapterError from httpx.ConnectError): look underneath
             if isinstance(e, httpx.ConnectError) or isinstance(e.__cause__, httpx.ConnectError):
@@ -393,7 +395,7 @@ class _DrainingLocal:
         except (OSError, ValueError) as e:
             self._start_failed(role, now, f"could not run its command: {type(e).__name__}: {e}")
             return f"start of {role.value} failed: {type(e).__name__}: {e}"
-        return f"started {p.worker_id} ({role.value}{', standby' if p.standby else ''}) on port {p.port}"
+        return started_line(p)
 
 
 def _draining_of(actuator: Actuator) -> _DrainingLocal | None:

@@ -35,6 +35,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.base import Histogram, LoadSnapshot, Role
+from orchestrator.deadline import within
 
 
 @dataclass
@@ -301,12 +302,7 @@ class PrometheusSource:
         second only when no stream gave latency): httpx's timeout bounds each read, not the answer, and
         a Prometheus (or a proxy before it) that sends a byte now and then would hold the planner loop
         for good; past the deadline this raises ``TimeoutError`` and the loop holds."""
-        deadline = 2 * self.timeout_s
-        try:
-            async with asyncio.timeout(deadline):
-                return await self._observe(now)
-        except TimeoutError:
-            raise TimeoutError(f"Prometheus at {self.url} did not answer within {deadline:g} s") from None
+        return await within(2 * self.timeout_s, self._observe(now), f"Prometheus at {self.url}")
 
     async def _observe(self, now: float) -> Observation:
         client = self._client or httpx.AsyncClient()
@@ -442,12 +438,9 @@ class DirectSource:
         assert self.metrics_url is not None
         client = self._client or httpx.AsyncClient()
         try:
-            async with asyncio.timeout(self.timeout_s):  # the whole answer, not each read (see PrometheusSource)
-                r = await client.get(self.metrics_url, timeout=self.timeout_s)
-                r.raise_for_status()
-                return r.text
-        except TimeoutError:
-            raise TimeoutError(f"{self.metrics_url} did not answer within {self.timeout_s:g} s") from None
+            r = await within(self.timeout_s, client.get(self.metrics_url, timeout=self.timeout_s), self.metrics_url)
+            r.raise_for_status()
+            return r.text
         finally:
             if self._client is None:
                 await client.aclose()

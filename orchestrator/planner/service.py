@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from orchestrator.clock import Clock
+from orchestrator.deadline import within
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.planner.actuators import Actuator, export_metrics
 from orchestrator.planner.core import PlanDecision, Planner, WorkerView
@@ -82,12 +83,7 @@ class PlannerService:
     async def run_once(self) -> PlanDecision:
         now = self.clock.now()
         try:
-            try:
-                async with asyncio.timeout(self.observe_timeout_s):
-                    raw = await self.source.observe(now)
-            except TimeoutError as e:
-                raise TimeoutError(str(e) or f"the metrics source did not answer within "
-                                             f"{self.observe_timeout_s:g} s") from None
+            raw = await within(self.observe_timeout_s, self.source.observe(now), "the metrics source")
         except Exception as e:  # the source is down or has no data: hold (never plan on nothing)
             checked: Observation | Hold = Hold(SOURCE_UNAVAILABLE, f"{type(e).__name__}: {e}")
             raw = None
