@@ -8,8 +8,10 @@ the engines with a C parser. ``https://`` URLs go to httpx's own transport.
 Semantics kept from httpx: timeouts from the request's ``timeout`` extension (connect, read =
 longest wait for headers or between body chunks, pool unused: connections are unbounded), errors
 as ``httpx.ConnectError`` / ``ConnectTimeout`` / ``ReadTimeout`` / ``ReadError`` /
-``RemoteProtocolError``. A keep-alive connection that the engine closed while idle is retried
-once on a fresh connection (nothing of the request can have been processed: no response byte came).
+``RemoteProtocolError``. A pooled keep-alive connection that the engine closed without a response
+byte is retried once, always on a freshly opened connection (never a second pooled one: connections
+that went idle together are closed together by the engine's keep-alive timer). Only the fresh
+connection's failure reaches the caller, so a dead engine still shows as one (refused connect).
 
 What an engine sends is bounded and kept to its own exchange: interim ``1xx`` answers are skipped
 (the final answer follows), a status line + headers past ``MAX_HEADER_BYTES`` fail the exchange, a
@@ -286,6 +288,15 @@ class FastTransport(httpx.AsyncBaseTransport):
         conn._reset()
         idle.append(conn)
 
+    def _take_idle(self, key: tuple[str, int]) -> _Conn | None:
+        """The most recently used open pooled connection to ``key`` (closed ones are dropped)."""
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
     def _forget(self, conn: _Conn) -> None:
         self._all.discard(conn)
         idle = self._idle.get(conn.key)
@@ -338,9 +349,13 @@ class FastTransport(httpx.AsyncBaseTransport):
     async def _exchange(self, key: tuple[str, int], head: bytes, body: bytes, connect_timeout: float | None,
                         read_timeout: float | None, request: httpx.Request | None) -> httpx.Response:
         for attempt in range(2):
-            idle = self._idle.get(key)
-            reused = bool(idle)
-            conn = idle.pop() if idle else await self._connect(key, connect_timeout)
+            # The first try takes a pooled connection if there is one; the retry (after a pooled one
+            # closed without answering) always opens a fresh one: connections that went idle together
+            # are closed together by the engine's keep-alive timer, so another pooled one is no better.
+            conn = self._take_idle(key) if attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(key, connect_timeout)
             if conn.closed:
                 continue
             assert conn.transport is not None
@@ -359,7 +374,7 @@ class FastTransport(httpx.AsyncBaseTransport):
                     e.request = request
                 raise
             except httpx.RemoteProtocolError as e:
-                if reused and attempt == 0 and not conn.got_bytes:
+                if reused and not conn.got_bytes:
                     continue  # a stale keep-alive connection: try once more on a fresh one
                 if request is not None:
                     e.request = request

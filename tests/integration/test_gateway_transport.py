@@ -137,6 +137,81 @@ async def test_closing_an_unfinished_stream_closes_the_connection():
     await srv.stop()
 
 
+class KeepAliveTimer:
+    """A keep-alive engine whose idle timer fires just as the next request arrives on every connection it
+    has already answered once: it reads that request and closes without a byte (the race a pooled
+    connection loses when the engine's keep-alive timeout ends as the gateway reuses it)."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.answered = 0
+        self.dropped = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                if length:
+                    await reader.readexactly(length)
+                if served:  # the idle timer won: close without answering
+                    self.dropped += 1
+                    break
+                await asyncio.sleep(0.05)  # (so that concurrent requests need connections of their own)
+                writer.write(ok()[0][1])
+                await writer.drain()
+                served += 1
+                self.answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+@pytest.mark.parametrize("via_post", [False, True])
+async def test_pooled_connections_closed_together_are_retried_on_a_fresh_one(via_post):
+    """Three pooled connections, all closed by the engine's keep-alive timer as they are reused: each
+    request still gets its answer, retried once on a freshly opened connection (never on another pooled
+    one, which the same timer closed too), and no caller sees a RemoteProtocolError."""
+    srv = KeepAliveTimer()
+    url = await srv.start()
+    transport = FastTransport()
+    async with httpx.AsyncClient(transport=transport, timeout=5) as c:
+        async def one() -> int:
+            if via_post:
+                return (await read_all(await send_post(c, url + "/v1/x", b"{}", {}))) and 200
+            return (await c.post(url + "/v1/x", content=b"{}")).status_code
+        assert await asyncio.gather(one(), one(), one()) == [200, 200, 200]
+        assert srv.connections == 3 and len(transport._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]) == 3
+        for _ in range(3):  # one after another: each takes a pooled connection the engine drops
+            assert await one() == 200
+        assert srv.dropped == 3 and srv.answered == 6 and srv.connections == 6
+    await srv.stop()
+
+
+async def test_a_fresh_connection_closed_without_an_answer_is_not_retried():
+    """The retry is for a pooled connection only: a connection opened for this request that closes
+    without a byte is the engine's answer (the caller sees RemoteProtocolError, one connection)."""
+    silent = RawServer(lambda req: [], close_after=True)
+    url = await silent.start()
+    async with httpx.AsyncClient(transport=FastTransport(), timeout=5) as c:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await c.post(url, content=b"{}")
+    assert silent.connections == 1
+    await silent.stop()
+
+
 # --- the direct POST path (FastTransport.post / send_post / read_all) ------------------------------
 
 async def test_post_writes_one_exact_request_and_reuses_the_connection():
