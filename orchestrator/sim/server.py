@@ -1321,19 +1321,19 @@ class SimEngineThread:
         try:
             import uvloop
 
-            loop = uvloop.new_event_loop()
+            factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
         except ImportError:  # pragma: no cover
-            loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self.loop = loop
+            factory = None
         try:
-            loop.run_until_complete(self._serve())
+            # (asyncio.Runner: on the way out, the tasks still pending — uvicorn's lifespan, handlers of
+            # requests in flight — are cancelled and run to their end before the loop closes, instead of
+            # being destroyed pending with the loop)
+            with asyncio.Runner(loop_factory=factory) as runner:
+                self.loop = runner.get_loop()
+                runner.run(self._serve())
         except BaseException as e:  # noqa: BLE001 - reported to the starting thread
             self._error = e
             self._ready.set()
-        finally:
-            with contextlib.suppress(Exception):
-                loop.close()
 
     def uvicorn_config(self) -> uvicorn.Config:
         """How uvicorn serves ``self.app`` (a subclass adds TLS options, say)."""
