@@ -179,6 +179,16 @@ class PlannerSettings:
     # at most the horizon's largest sizing times that rise, and warm standby only what that capacity needs beyond
     # the serving pool; ``burst_window_s`` and ``standby_*`` stay the bounds, and the insurance until the rise is
     # known (docs/benchmarks.md, Issue 14, helper planner4)
+    standby_confirm: bool = False  # a want of the warm standby pool that comes without growth (no role grew this
+    # interval and the load mode grew none since the last one: the serving pool's spare gone for an interval, its
+    # rounding wobbling) is cold-started only once it held over the last ``scale_in_intervals`` intervals (the count
+    # that confirms a scale-in): a worker started into the pool is insurance only once ready, ``start_s`` later, and
+    # idle extras are stopped at once, so such a want started a worker that was stopped as soon as it was ready. A
+    # want that comes with growth is started at once; parking a worker given back is never held back
+    burst_drain: bool = False  # the burst sizing treats the interval's 5-s peak (``Observation.peak_rate``) as a burst of
+    # ``PEAK_WINDOW_S`` seconds that the queue may absorb within the TTFT target, not as a sustained rate: prefill for the
+    # peak is at most what clears the burst's work so that its last request waits no longer than the TTFT's slack
+    # (``burst_drain_need``); never below the sizing for the forecast rate
     rise_memory: int = 2880  # intervals of history ``insurance="proportional"`` measures the rise over (a day at
     # 30-s intervals: every run measured here is shorter, so it is "all seen so far"; ``jump_memory``'s 20
     # intervals forgot the two-peak day's first climb and the spiky day's spikes too soon: docs/benchmarks.md)
@@ -283,6 +293,9 @@ class Planner:
         self._recent: deque[tuple[float, dict[Role, float]]] = deque()
         self._insured: dict[Role, float] | None = None
         self._target: dict[Role, int] = {}
+        # ``standby_confirm``: the standby pool's want (per role, and "shared") at the last intervals
+        self._want_hist: deque[dict[str, int]] = deque(maxlen=max(1, self.settings.scale_in_intervals))
+        self._drawn = False  # the load mode grew a role (woke standby or started workers) since the last interval
         self._spare: dict[Role, int] = {}  # serving workers kept beyond the model's sizing, this interval
         # per interval: [observed rate, the lead rate forecast after it] (``rise_factor``)
         self._leads: deque[list[float | None]] = deque(maxlen=max(2, self.settings.jump_memory + self.lead_steps() + 1))
@@ -877,6 +890,8 @@ class Planner:
                 self._last_change[r] = now
                 self._below[r] = 0
                 self._over[r] = 0 if used[r] >= target[r] else self._over[r]
+        if any(used[r] > counts[r] for r in ROLES):
+            self._drawn = True
         current = {r.value: counts[r] for r in ROLES}
         return PlanDecision(now, None, f, None, {r.value: used[r] for r in ROLES}, current, actions,
                             asdict(self.correction), self.load.chosen(), reasons, mode="load",
@@ -910,6 +925,16 @@ class Planner:
             return sizing
         burst = solve(LoadForecast(peak, forecast.isl, forecast.osl), self.perf, s.targets, s.limits,
                       self.hit_ratio, self.correction, decode_perf=self.decode_perf)
+        if s.burst_drain:
+            hit = min(0.99, max(0.0, self.hit_ratio))
+            service = self.perf.prefill_time(max(1.0, forecast.isl * (1.0 - hit))) * self.correction.ttft
+            drained = burst_drain_need(peak, service, s.targets.ttft_s, PEAK_WINDOW_S)
+            if drained < burst.prefill_exact:
+                exact = max(sizing.prefill_exact, drained)
+                lim = s.limits
+                p = max(lim.min_prefill, math.ceil(exact - 1e-9))
+                burst = replace(burst, prefill=p if lim.max_prefill is None else min(lim.max_prefill, p),
+                                prefill_exact=exact)
         reasons.append(f"burst: prefill sized for the {PEAK_WINDOW_S:g}s peak {peak:.2f} req/s")
         p, d = burst.prefill, sizing.decode
         over = not s.limits.fits(p, d)
@@ -1023,6 +1048,16 @@ class Planner:
         want_pool = self._standby_want()
         pooled = self.standby_pooled()
         shared_want = self._pool_want(want_pool)
+        # what a cold start may refill the pool to: the want, or with ``standby_confirm`` the least want of the last
+        # ``scale_in_intervals`` intervals (stopping idle extras still follows the want now)
+        self._want_hist.append({**{r.value: want_pool[r] for r in ROLES}, "shared": shared_want})
+        start_to = dict(want_pool)
+        start_shared = shared_want
+        rising = self._drawn or any(grow[r] > 0 for r in ROLES)
+        self._drawn = False
+        if s.standby_confirm and not rising:
+            start_to = {r: min(h[r.value] for h in self._want_hist) for r in ROLES}
+            start_shared = min(h["shared"] for h in self._want_hist)
 
         def short(r: Role) -> bool:  # the standby pool that role ``r`` parks into wants another worker
             return sum(len(pool[x]) for x in ROLES) < shared_want if pooled else len(pool[r]) < want_pool[r]
@@ -1081,14 +1116,14 @@ class Planner:
             actions += [Action("start", r) for _ in range(grow[r])]
         # refill the standby pools, within the budget (serving workers first)
         if pooled:
-            return actions + self._refill_shared(target, want_pool, shared_want, pool)
+            return actions + self._refill_shared(target, want_pool, shared_want, pool, start_shared)
         if not s.fixed_fleet and any(want_pool.values()):
             used_p = target[Role.PREFILL] + len(pool[Role.PREFILL])
             used_d = target[Role.DECODE] + len(pool[Role.DECODE])
             for r in ROLES:
                 if self._below[r] > 0:
                     continue  # the role is above its need: a worker will be parked, not started
-                while len(pool[r]) < want_pool[r]:
+                while len(pool[r]) < start_to[r]:
                     np_, nd = (used_p + 1, used_d) if r is Role.PREFILL else (used_p, used_d + 1)
                     if not s.limits.fits(np_, nd):
                         break
@@ -1120,14 +1155,15 @@ class Planner:
         return out
 
     def _refill_shared(self, target: dict[Role, int], want: dict[Role, int], shared_want: int,
-                       pool: dict[Role, list[WorkerView]]) -> list[Action]:
+                       pool: dict[Role, list[WorkerView]], start_to: int | None = None) -> list[Action]:
         """Shared standby: keep ``shared_want`` workers in one pool for both roles (``_pool_want``), within
-        the budget; new ones start in the role that ``_fill_role`` names; idle extras are stopped."""
+        the budget; new ones start in the role that ``_fill_role`` names (up to ``start_to``, by default
+        ``shared_want``); idle extras are stopped."""
         s = self.settings
         actions: list[Action] = []
         total = sum(len(pool[r]) for r in ROLES)
         used = {r: target[r] + len(pool[r]) for r in ROLES}
-        while total < shared_want:
+        while total < (shared_want if start_to is None else min(shared_want, start_to)):
             r = self._fill_role(want, pool)
             if self._below[r] > 0:  # the role is above its need: a worker will be parked, not started
                 break
@@ -1150,6 +1186,18 @@ class Planner:
             actions.append(Action("stop", r, w.id))
             total -= 1
         return actions
+
+
+def burst_drain_need(peak_rate: float, service_s: float, ttft_s: float, window_s: float) -> float:
+    """Prefill workers that absorb a burst of ``peak_rate`` req/s lasting ``window_s`` within the TTFT target, as a
+    fluid: the pool of ``c`` workers clears ``c`` worker-seconds of work a second while ``peak_rate x service_s``
+    arrive, so the backlog at the burst's end is ``(peak_rate x service_s - c) x window_s``, and its last request waits
+    ``backlog / c`` before its own ``service_s``. That wait within the TTFT's slack (``ttft_s - service_s``) needs
+    ``c >= peak_rate x service_s x window_s / (window_s + ttft_s - service_s)``. Infinite when there is no slack."""
+    slack = ttft_s - service_s
+    if slack <= 0:
+        return math.inf
+    return peak_rate * service_s * window_s / (window_s + slack)
 
 
 def project_ahead(looks: deque[tuple[float, dict[Role, float]]], now: float, load: dict[Role, float],
