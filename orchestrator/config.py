@@ -472,10 +472,6 @@ class PlannerConfig(_Section):
                            "load's history (not the sum of per-role pools), woken into the role that needs it by a "
                            "role change; applies only with role_change_s set and both roles on the same profile "
                            "and price")
-    burst_drain: bool = Field(
-        False, description="Size prefill for an interval's 5-s peak as a burst the queue absorbs within the TTFT "
-                           "target (its last request waits no longer than the target's slack), not as a sustained "
-                           "rate; never below the forecast's sizing")
     standby_confirm: bool = Field(
         False, description="A want of the warm standby pool that comes without growth (no role grew this interval or "
                            "in the load mode since the last one) cold-starts a worker only once it held over the last "

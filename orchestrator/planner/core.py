@@ -180,15 +180,12 @@ class PlannerSettings:
     # the serving pool; ``burst_window_s`` and ``standby_*`` stay the bounds, and the insurance until the rise is
     # known (docs/benchmarks.md, Issue 14, helper planner4)
     standby_confirm: bool = False  # a want of the warm standby pool that comes without growth (no role grew this
-    # interval and the load mode grew none since the last one: the serving pool's spare gone for an interval, its
-    # rounding wobbling) is cold-started only once it held over the last ``scale_in_intervals`` intervals (the count
-    # that confirms a scale-in): a worker started into the pool is insurance only once ready, ``start_s`` later, and
-    # idle extras are stopped at once, so such a want started a worker that was stopped as soon as it was ready. A
-    # want that comes with growth is started at once; parking a worker given back is never held back
-    burst_drain: bool = False  # the burst sizing treats the interval's 5-s peak (``Observation.peak_rate``) as a burst of
-    # ``PEAK_WINDOW_S`` seconds that the queue may absorb within the TTFT target, not as a sustained rate: prefill for the
-    # peak is at most what clears the burst's work so that its last request waits no longer than the TTFT's slack
-    # (``burst_drain_need``); never below the sizing for the forecast rate
+    # interval, the load mode grew none since the last one, and the load rose no further than its measured rise,
+    # ``_rose_beyond_noise``: the serving pool's spare gone for an interval, its rounding wobbling) is cold-started
+    # only once it held over the last ``scale_in_intervals`` intervals (the count that confirms a scale-in): a worker
+    # started into the pool is insurance only once ready, ``start_s`` later, and idle extras are stopped at once, so
+    # such a want started a worker that was stopped as soon as it was ready. A want that comes with growth, or before
+    # the rise is measured, is started at once; parking a worker given back is never held back
     rise_memory: int = 2880  # intervals of history ``insurance="proportional"`` measures the rise over (a day at
     # 30-s intervals: every run measured here is shorter, so it is "all seen so far"; ``jump_memory``'s 20
     # intervals forgot the two-peak day's first climb and the spiky day's spikes too soon: docs/benchmarks.md)
@@ -925,16 +922,6 @@ class Planner:
             return sizing
         burst = solve(LoadForecast(peak, forecast.isl, forecast.osl), self.perf, s.targets, s.limits,
                       self.hit_ratio, self.correction, decode_perf=self.decode_perf)
-        if s.burst_drain:
-            hit = min(0.99, max(0.0, self.hit_ratio))
-            service = self.perf.prefill_time(max(1.0, forecast.isl * (1.0 - hit))) * self.correction.ttft
-            drained = burst_drain_need(peak, service, s.targets.ttft_s, PEAK_WINDOW_S)
-            if drained < burst.prefill_exact:
-                exact = max(sizing.prefill_exact, drained)
-                lim = s.limits
-                p = max(lim.min_prefill, math.ceil(exact - 1e-9))
-                burst = replace(burst, prefill=p if lim.max_prefill is None else min(lim.max_prefill, p),
-                                prefill_exact=exact)
         reasons.append(f"burst: prefill sized for the {PEAK_WINDOW_S:g}s peak {peak:.2f} req/s")
         p, d = burst.prefill, sizing.decode
         over = not s.limits.fits(p, d)
@@ -1038,6 +1025,24 @@ class Planner:
         jump = self.burst_jumps()[0 if role is Role.PREFILL else 1]
         return now < t0 + self.horizon_s() and need * (1 + self.settings.scale_in_margin) * jump >= need0
 
+    def _rose_beyond_noise(self) -> bool:
+        """``standby_confirm``: whether this interval's load rose beyond what the load's own variability explains — the
+        pool's absorbed load (5-s peak arrival rate, peak decode streams) above the largest of the re-start horizon
+        before it by more than the rise measured for that role (``horizon_rises``). True while that rise is not
+        measured yet (``_insured`` None): until then a wobble cannot be told from a step."""
+        if self._insured is None:
+            return True
+        hist = list(self._absorbed)
+        m = self.horizon_steps()
+        if len(hist) < m + 1:
+            return True
+        rises = self.horizon_rises()
+        for i, r in enumerate(ROLES):
+            held = max(h[i] for h in hist[-m - 1:-1])
+            if held > 0 and hist[-1][i] > held * rises[r] + 1e-9:
+                return True
+        return False
+
     def _actions(self, target: dict[Role, int], counts: dict[Role, int], fleet: Sequence[WorkerView],
                  now: float, standby: dict[Role, list[WorkerView]] | None = None) -> list[Action]:
         s = self.settings
@@ -1053,9 +1058,8 @@ class Planner:
         self._want_hist.append({**{r.value: want_pool[r] for r in ROLES}, "shared": shared_want})
         start_to = dict(want_pool)
         start_shared = shared_want
-        rising = self._drawn or any(grow[r] > 0 for r in ROLES)
-        self._drawn = False
-        if s.standby_confirm and not rising:
+        drawn, self._drawn = self._drawn, False
+        if s.standby_confirm and not (drawn or any(grow[r] > 0 for r in ROLES) or self._rose_beyond_noise()):
             start_to = {r: min(h[r.value] for h in self._want_hist) for r in ROLES}
             start_shared = min(h["shared"] for h in self._want_hist)
 
@@ -1186,18 +1190,6 @@ class Planner:
             actions.append(Action("stop", r, w.id))
             total -= 1
         return actions
-
-
-def burst_drain_need(peak_rate: float, service_s: float, ttft_s: float, window_s: float) -> float:
-    """Prefill workers that absorb a burst of ``peak_rate`` req/s lasting ``window_s`` within the TTFT target, as a
-    fluid: the pool of ``c`` workers clears ``c`` worker-seconds of work a second while ``peak_rate x service_s``
-    arrive, so the backlog at the burst's end is ``(peak_rate x service_s - c) x window_s``, and its last request waits
-    ``backlog / c`` before its own ``service_s``. That wait within the TTFT's slack (``ttft_s - service_s``) needs
-    ``c >= peak_rate x service_s x window_s / (window_s + ttft_s - service_s)``. Infinite when there is no slack."""
-    slack = ttft_s - service_s
-    if slack <= 0:
-        return math.inf
-    return peak_rate * service_s * window_s / (window_s + slack)
 
 
 def project_ahead(looks: deque[tuple[float, dict[Role, float]]], now: float, load: dict[Role, float],

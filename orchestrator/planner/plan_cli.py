@@ -107,11 +107,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "the load mode since the last one) cold-starts a worker only once it held over the "
                              "last scale-in intervals (a want born of one interval's rounding wobble is gone before "
                              "the worker is ready); parking is not held back (default: PlannerSettings')")
-    parser.add_argument("--burst-drain", action=argparse.BooleanOptionalAction, default=None,
-                        help="size prefill for the interval's 5-s peak as a burst the queue absorbs within the TTFT "
-                             "target (fluid: peak work over 5 s cleared so its last request waits within the TTFT's "
-                             "slack), not as a sustained rate; never below the forecast's sizing (default: "
-                             "PlannerSettings')")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--insurance", choices=["fixed", "proportional"], default="proportional",
@@ -215,8 +210,6 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         settings.fast_lookahead = args.fast_lookahead
     if g(args, "standby_shared", None) is not None:
         settings.standby_shared = args.standby_shared
-    if g(args, "burst_drain", None) is not None:
-        settings.burst_drain = args.burst_drain
     if g(args, "standby_confirm", None) is not None:
         settings.standby_confirm = args.standby_confirm
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None

@@ -23,10 +23,14 @@ def _obs(t: float, rate: float) -> Observation:
     return Observation(at=t, window_s=60, request_rate=rate, mean_isl=1000, mean_osl=50)
 
 
-def _planner(confirm: bool, **kw) -> Planner:
-    return Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
-                                           correct_from_latency=False, standby_prefill=1, standby_confirm=confirm,
-                                           **kw))
+def _planner(confirm: bool, calm: bool = True, **kw) -> Planner:
+    """``calm``: as on a load whose rise is measured and that rose no further than it (``_rose_beyond_noise`` False);
+    its own test below feeds the history instead."""
+    pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
+                                         correct_from_latency=False, standby_prefill=1, standby_confirm=confirm, **kw))
+    if calm:
+        pl._rose_beyond_noise = lambda: False  # type: ignore[method-assign]
+    return pl
 
 
 def _standby_starts(d) -> int:
@@ -78,6 +82,23 @@ def test_shared_pool_waits_for_the_want_to_hold_too():
         assert _standby_starts(d) == (0 if confirm else 1)
 
 
+def test_a_rise_beyond_the_measured_one_or_before_it_is_measured_counts_as_growth():
+    pl = _planner(True, calm=False)
+    fleet = _fleet(2)
+    assert pl._insured is None and pl._rose_beyond_noise()  # nothing measured yet: a wobble cannot be told from a step
+    t = 0.0
+    for k in range(30):  # a noisy flat load, 0.10-0.12 req/s: the rise measured is about x1.2
+        t += 60
+        pl.step(_obs(t, 0.12 if k % 2 else 0.10), fleet, t)
+    assert pl._insured is not None
+    t += 60
+    pl.step(_obs(t, 0.11), fleet, t)
+    assert not pl._rose_beyond_noise()  # within the load's own variability
+    t += 60
+    pl.step(_obs(t, 0.5), fleet, t)
+    assert pl._rose_beyond_noise()  # x4: a step, its want is started at once
+
+
 def test_the_setting_from_the_config_file():
     assert PlannerConfig().standby_confirm is PlannerSettings().standby_confirm
     assert PlannerConfig(standby_confirm=True).standby_confirm is True
@@ -99,6 +120,11 @@ def test_a_want_after_the_load_mode_drew_on_the_pool_is_started_at_once():
     fleet[0].inflight = 40  # a prefill queue beyond what two workers clear within the target: the load mode wakes sb0
     woke = pl.react(fleet, 62)
     assert woke is not None and ("activate", "sb0") in [(a.kind, a.worker_id) for a in woke.actions]
-    # at the next interval the pool is empty and wanted (the spare is gone): drawn on, so refilled at once
-    d = pl.step(_obs(120, NEED_2), _fleet(3), 120)
-    assert d.desired["prefill"] == 3 or _standby_starts(d) == 1
+    # at the next interval 3 serve at a need of 3 (no growth, no spare): the pool was drawn on, so it is refilled at once
+    d = pl.step(_obs(120, 16.0), _fleet(3), 120)
+    assert d.desired["prefill"] == 3 and d.sized["prefill"] == 3
+    assert _standby_starts(d) == 1
+    # the same interval without the load mode's wake before it waits for the want to hold
+    quiet = _planner(True, fast_interval_s=2.0)
+    quiet.step(_obs(60, NEED_1), _fleet(3), 60)
+    assert _standby_starts(quiet.step(_obs(120, 16.0), _fleet(3), 120)) == 0
