@@ -473,7 +473,7 @@ class PlannerConfig(_Section):
                            "role change; applies only with role_change_s set and both roles on the same profile "
                            "and price")
     standby_confirm: bool = Field(
-        False, description="A want of the warm standby pool that comes without growth (no role grew this interval or "
+        True, description="A want of the warm standby pool that comes without growth (no role grew this interval or "
                            "in the load mode since the last one) cold-starts a worker only once it held over the last "
                            "scale_in_intervals intervals (a want born of one interval's rounding wobble is gone before "
                            "the worker is ready); parking a worker given back is not held back")

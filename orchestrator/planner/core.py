@@ -179,13 +179,14 @@ class PlannerSettings:
     # at most the horizon's largest sizing times that rise, and warm standby only what that capacity needs beyond
     # the serving pool; ``burst_window_s`` and ``standby_*`` stay the bounds, and the insurance until the rise is
     # known (docs/benchmarks.md, Issue 14, helper planner4)
-    standby_confirm: bool = False  # a want of the warm standby pool that comes without growth (no role grew this
+    standby_confirm: bool = True  # a want of the warm standby pool that comes without growth (no role grew this
     # interval, the load mode grew none since the last one, and the load rose no further than its measured rise,
     # ``_rose_beyond_noise``: the serving pool's spare gone for an interval, its rounding wobbling) is cold-started
     # only once it held over the last ``scale_in_intervals`` intervals (the count that confirms a scale-in): a worker
     # started into the pool is insurance only once ready, ``start_s`` later, and idle extras are stopped at once, so
     # such a want started a worker that was stopped as soon as it was ready. A want that comes with growth, or before
-    # the rise is measured, is started at once; parking a worker given back is never held back
+    # the rise is measured, is started at once; parking a worker given back is never held back (docs/benchmarks.md,
+    # Issue 14, plan13: cheaper on 15 of 18 workloads, the 3-hour day 0.811x -> 0.801x, no >= 99% lost)
     rise_memory: int = 2880  # intervals of history ``insurance="proportional"`` measures the rise over (a day at
     # 30-s intervals: every run measured here is shorter, so it is "all seen so far"; ``jump_memory``'s 20
     # intervals forgot the two-peak day's first climb and the spiky day's spikes too soon: docs/benchmarks.md)

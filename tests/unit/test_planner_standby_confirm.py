@@ -100,8 +100,8 @@ def test_a_rise_beyond_the_measured_one_or_before_it_is_measured_counts_as_growt
 
 
 def test_the_setting_from_the_config_file():
-    assert PlannerConfig().standby_confirm is PlannerSettings().standby_confirm
-    assert PlannerConfig(standby_confirm=True).standby_confirm is True
+    assert PlannerSettings().standby_confirm is True and PlannerConfig().standby_confirm is True  # the default
+    assert PlannerConfig(standby_confirm=False).standby_confirm is False
 
 
 def test_a_want_that_comes_with_growth_is_started_at_once():
