@@ -28,7 +28,12 @@ T = TypeVar("T")
 
 class HealthChecker:
     def __init__(self, fleet: FleetRegistry, http: httpx.AsyncClient, config: HealthConfig, clock: Clock,
-                 adapter_for: Callable[[EngineKind], EngineAdapter]) -> None:
+                 adapter_for: Callable[[EngineKind], EngineAdapter],
+                 quiet_for: Callable[[Worker], float | None] | None = None) -> None:
+        """``quiet_for``: seconds since a stream on the worker last delivered data (the gateway's attempts);
+        a failed probe of a worker whose streams are delivering is not held against it (the registry's
+        ``serving_window_s``: an engine answering /health late under load is still up)."""
+        self.quiet_for = quiet_for
         self.fleet = fleet
         self.http = http
         self.config = config
@@ -63,7 +68,8 @@ class HealthChecker:
         except Exception as e:  # any failure of the probe is a failed probe, never a dead loop
             ok, error = False, f"{type(e).__name__}: {e}"
         was = worker.state
-        self.fleet.record_health(worker, ok, self.clock.now(), error)
+        quiet = self.quiet_for(worker) if not ok and self.quiet_for is not None else None
+        self.fleet.record_health(worker, ok, self.clock.now(), error, quiet)
         if worker.state is not was:
             log.log(logging.INFO if ok else logging.WARNING,"worker %s (%s): %s -> %s%s", worker.id, worker.url, was.value, worker.state.value,
                         f" ({error})" if error else "")

@@ -151,10 +151,13 @@ class FleetRegistry:
             worker.state = state
             self._notify("state", worker)
 
-    def record_health(self, worker: Worker, ok: bool, now: float, error: str | None = None) -> None:
+    def record_health(self, worker: Worker, ok: bool, now: float, error: str | None = None,
+                      quiet_for: float | None = None) -> None:
         """One probe result. ``failure_threshold`` consecutive failures make a worker unhealthy;
         ``success_threshold`` consecutive successes make it healthy again. A worker never probed
-        before becomes healthy at its first success (nothing to distrust yet)."""
+        before becomes healthy at its first success (nothing to distrust yet). A failure is not held
+        against a healthy worker that is serving traffic (``serving_window_s``): one that completed a
+        request, or whose streams delivered a data event ``quiet_for`` seconds ago."""
         first = worker.last_health_at is None
         worker.last_health_at = now
         if ok:
@@ -165,7 +168,7 @@ class FleetRegistry:
                 worker.health_ok = True
                 if worker.ready_at is None:
                     worker.ready_at = now
-        elif self._recently_served(worker, now):
+        elif self._recently_served(worker, now, quiet_for):
             # Real traffic outranks a missed probe: an engine that just answered a request is up, even if
             # its /health probe timed out on an overloaded machine. Requests that fail mark it at once.
             worker.last_error = error
@@ -178,10 +181,19 @@ class FleetRegistry:
                 worker.health_ok = False
         self._apply_health(worker)
 
-    def _recently_served(self, worker: Worker, now: float) -> bool:
-        if worker.last_served_at is None or worker.health_ok is not True:
+    @property
+    def serving_window_s(self) -> float:
+        """How recent traffic must be to outrank missed probes: the time the health loop takes to mark a
+        worker down (``interval_s * failure_threshold``)."""
+        return self.health.interval_s * self.health.failure_threshold
+
+    def _recently_served(self, worker: Worker, now: float, quiet_for: float | None = None) -> bool:
+        if worker.health_ok is not True:
             return False
-        return now - worker.last_served_at < self.health.interval_s * self.health.failure_threshold
+        window = self.serving_window_s
+        if quiet_for is not None and quiet_for < window:  # a stream on it is delivering tokens right now
+            return True
+        return worker.last_served_at is not None and now - worker.last_served_at < window
 
     def mark_failed(self, worker: Worker, now: float, error: str) -> None:
         """The gateway could not reach the worker (connection refused/reset): take it out at once

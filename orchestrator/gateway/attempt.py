@@ -14,7 +14,10 @@ classified outcome (``classify.py``):
 * ``cancelled`` — the client left, or the gateway gave up on it.
 
 Attempts register in ``AttemptRegistry`` by worker, so a worker the health loop marks down can fail
-its in-flight attempts over at once (``abort``), instead of leaving their clients to a timeout.
+its in-flight attempts over at once (``abort``), instead of leaving their clients to a timeout. A stream
+that is demonstrably progressing (a data event within the fleet's serving window) is left to finish: it
+breaks by itself if the engine really died (and is continued elsewhere then), and once it goes quiet that
+long while its worker is still down it is pulled as well (``AttemptRegistry.sweep``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from orchestrator.fleet.worker import WorkerState
 from orchestrator.gateway.resilience import stall_budget, worked_since
 from orchestrator.router.types import RouteDecision, RouteRequest
 
@@ -39,7 +43,7 @@ CANCELLED = "cancelled"
 
 class Attempt:
     __slots__ = ("rt", "req", "decision", "response", "started", "gen_at_start", "task", "aborted", "outcome",
-                 "stalled", "abortable", "_probe", "deadline", "_first")
+                 "stalled", "abortable", "_probe", "deadline", "_first", "progress", "spared")
 
     def __init__(self, rt: GatewayRuntime, req: RouteRequest, decision: RouteDecision) -> None:
         self.rt = rt
@@ -55,6 +59,8 @@ class Attempt:
         self.abortable = True  # False once the answer is complete (nothing left to fail over)
         self._first = False
         self.deadline: float | None = None  # stall check due (clock time); None = not watched
+        self.progress: Any = None  # its stream's idle timer (failover.IdleTimer: ``quiet_for``), once relayed
+        self.spared: tuple[str, float] | None = None  # (reason, window): left running on a worker marked down
         rt.router.begin(decision, req)
         self._probe = rt.breakers.dispatched(decision.worker.id)
         rt.attempts.add(self)
@@ -114,6 +120,13 @@ class Attempt:
         now = self.rt.clock.now()
         self.decision.worker.last_progress_at = now
         self.rt.router.first_token(self.decision, self.req)
+
+    def quiet_for(self) -> float | None:
+        """Seconds since this try's stream last delivered a data event (after its first token); None when it
+        has delivered none yet, or is no stream being relayed. Read only when asked: no cost per chunk."""
+        if not self._first or self.progress is None or self.outcome is not None:
+            return None
+        return self.progress.quiet_for()
 
     def worker_progressed(self) -> bool:
         """Has the worker done any work since this attempt started (for another request, or by its
@@ -202,22 +215,50 @@ class AttemptRegistry:
     def on_worker(self, worker_id: str) -> list[Attempt]:
         return list(self._by_worker.get(worker_id, ()))
 
-    def abort_worker(self, worker_id: str, reason: str) -> int:
-        """Pull every attempt on ``worker_id``; returns how many."""
-        found = self.on_worker(worker_id)
-        for a in found:
+    def quiet_for(self, worker_id: str) -> float | None:
+        """Seconds since any stream on ``worker_id`` last delivered a data event (None: no stream on it has
+        delivered one): evidence the engine is up, whatever its health probe says."""
+        best: float | None = None
+        for a in self._by_worker.get(worker_id, ()):
+            q = a.quiet_for()
+            if q is not None and (best is None or q < best):
+                best = q
+        return best
+
+    def abort_worker(self, worker_id: str, reason: str, spare_within: float | None = None) -> int:
+        """Pull every attempt on ``worker_id``; returns how many. ``spare_within``: a stream that delivered a
+        data event within this many seconds is left running (``spared``) and pulled by the sweep only once it
+        has been quiet that long while its worker is still out of rotation."""
+        pulled = 0
+        for a in self.on_worker(worker_id):
+            if spare_within is not None:
+                q = a.quiet_for()
+                if q is not None and q < spare_within:
+                    a.spared = (reason, spare_within)
+                    continue
             a.abort(reason)
-        return len(found)
+            pulled += 1
+        return pulled
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._by_worker.values())
 
     def sweep(self, now: float) -> None:
-        """Run the due stall checks (``Attempt.watch``)."""
+        """Run the due stall checks (``Attempt.watch``), and pull a stream left running on a worker marked
+        down (``abort_worker``'s ``spare_within``) once it has gone quiet (back in rotation: no longer watched)."""
         for attempts in list(self._by_worker.values()):
             for a in list(attempts):
                 if a.deadline is not None and now >= a.deadline:
                     a.check_stall(now)
+                if a.spared is not None:
+                    reason, within = a.spared
+                    if a.decision.worker.state is WorkerState.HEALTHY:
+                        a.spared = None
+                    else:
+                        q = a.quiet_for()
+                        if q is None or q >= within:
+                            a.spared = None
+                            a.abort(reason)
 
     async def run(self, clock: Any, interval_s: float = 0.25) -> None:
         """The sweep loop (a runtime task)."""

@@ -350,6 +350,11 @@ class IdleTimer:
             self._handle.cancel()
             self._handle = None
 
+    def quiet_for(self) -> float:
+        """Seconds since the last progress (``resume``), or since the timer started when none came yet:
+        read only when asked (``Attempt.quiet_for``), so a chunk costs nothing more than ``resume``."""
+        return self._loop.time() - (self._due - self._idle)
+
     def _check(self) -> None:
         now = self._loop.time()
         self._handle = None
@@ -470,6 +475,8 @@ class StreamRelay:
             task.cancel()
 
         idle_timer = IdleTimer(loop, expire, first_wait, idle)
+        if p.attempt is not None:
+            p.attempt.progress = idle_timer  # (how long its stream has been quiet: Attempt.quiet_for)
         try:
             async for chunk in chunks:
                 if recorder.done:  # bytes after the stream's end: it is complete, they are not relayed

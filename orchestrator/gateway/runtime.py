@@ -92,7 +92,8 @@ class GatewayRuntime:
         self._adapter_factory = adapter_for or default_adapter_for
         self._adapters: dict[EngineKind, EngineAdapter] = {}
         self.discovery = build_discovery(config.discovery, self.fleet, self.clock, self.metrics)  # file / kubernetes workers
-        self.health = HealthChecker(self.fleet, self.http, config.health, self.clock, self.adapter_for)
+        self.health = HealthChecker(self.fleet, self.http, config.health, self.clock, self.adapter_for,
+                                    quiet_for=lambda w: self.attempts.quiet_for(w.id))
         self.scraper = MetricsScraper(self.fleet, self.http, config.scrape, self.clock, self.adapter_for,
                                       self.metrics)
         self._tasks: list[asyncio.Task[Any]] = []
@@ -115,8 +116,11 @@ class GatewayRuntime:
     def _on_fleet_event(self, event: str, worker: Any) -> None:
         from orchestrator.fleet.worker import WorkerState
         if (event == "removed" or (event == "state" and worker.state is WorkerState.UNHEALTHY)) and self.attempts:
+            # A worker marked down: its streams that are delivering tokens go on (they break by themselves if
+            # the engine died, and are pulled once quiet for the serving window); a removed one: all pulled.
             self.attempts.abort_worker(worker.id, f"worker {worker.id} was marked down "
-                                                  f"({worker.last_error or 'health check failed'})")
+                                                  f"({worker.last_error or 'health check failed'})",
+                                       None if event == "removed" else self.fleet.serving_window_s)
 
     @property
     def prefix_tracker(self) -> PrefixTracker | None:

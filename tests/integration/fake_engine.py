@@ -34,6 +34,8 @@ class FakeEngine:
         self.status_code = status_code
         self.kv_producer = kv_producer
         self.delay_s = 0.0  # wait this long before answering a generation request
+        self.token_delay_s = 0.005  # between two streamed tokens
+        self.health_delay_s = 0.0  # /health answers this late (an engine whose probe is slow under load)
         self.kv_params: dict[str, Any] | None = None  # the hand-off a prefill step answers (None: a well-formed one)
         self.healthy = True  # False: /health answers 503 (the health loop marks the worker down)
         self.bodies: list[dict[str, Any]] = []
@@ -78,6 +80,8 @@ class FakeEngine:
 
             def do_GET(self) -> None:
                 if self.path == "/health":
+                    if engine.health_delay_s:
+                        time.sleep(engine.health_delay_s)
                     self._send(200 if engine.healthy else 503, b"")
                 elif self.path == "/v1/models":
                     self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model",
@@ -216,7 +220,7 @@ class FakeEngine:
                         choice["text"] = piece
                     self._chunk(b"data: " + json.dumps({"id": "c", "object": obj, "created": 1,
                                                         "choices": [choice]}).encode() + b"\n\n")
-                    time.sleep(0.005)
+                    time.sleep(engine.token_delay_s)
                 if mode == "eof":
                     self._chunk(b"")  # a clean end of the HTTP body, without data: [DONE]
                     return

@@ -1,0 +1,115 @@
+"""What makes a healthy engine look dead to the gateway, or a dead one look alive: probes that are slow
+under load, a worker marked down while its streams are still delivering tokens, a non-streamed answer
+that breaks off, stale pooled connections.
+
+A real gateway over real sockets in front of ``FakeEngine`` / ``RawEngine`` test doubles
+(tests/integration/fake_engine.py, raw_engine.py), which misbehave on cue.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from tests.integration.test_request_path_failures import MODEL, engines, events, gateway, healthy
+
+
+def stream_in_thread(gw, tokens: int, prompt: str = "hello") -> tuple[threading.Thread, dict]:
+    """A stream read in a thread; ``out["first"]`` is set once its first bytes arrived, ``out["r"]`` holds
+    the response (its text read) at the end."""
+    out: dict = {"first": threading.Event()}
+
+    def run() -> None:
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": tokens, "stream": True}) as r:
+            raw = b""
+            for chunk in r.iter_raw():
+                raw += chunk
+                out["first"].set()
+        r._content = raw
+        out["r"] = r
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert out["first"].wait(30)
+    time.sleep(0.2)  # (a few tokens out)
+    return t, out
+
+
+def relayed_tokens(r: httpx.Response) -> list[str]:
+    return [c["choices"][0]["text"] for c in events(r)[:-1] if isinstance(c, dict) and c.get("choices")]
+
+
+def wait_for(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_slow_health_probe_does_not_cut_streams_that_are_delivering_tokens():
+    """/health answers later than ``health.timeout_s`` (an engine busy serving) while a stream on it
+    delivers a token every 0.1 s: the worker stays in rotation and the stream ends whole on it (was: marked
+    down after two missed probes, and the stream pulled: an error ending, nowhere to continue it). Once
+    nothing flows, the missed probes count again: the worker is marked down."""
+    (slow,) = engines("ok", tokens=30)
+    slow.token_delay_s = 0.1
+    with gateway([slow], health={"interval_s": 0.2, "timeout_s": 0.3, "failure_threshold": 2}) as gw:
+        healthy(gw)
+        t, out = stream_in_thread(gw, 30)
+        slow.health_delay_s = 1.0
+        t.join(60)
+        r = out["r"]
+        assert events(r)[-1] == "[DONE]" and "error" not in r.text, r.text[-400:]
+        assert relayed_tokens(r) == [f"w{i} " for i in range(30)]
+        assert gw.runtime.metrics.registry.get_sample_value(
+            "dyad_stream_failovers_total", {"outcome": "error_event"}) in (None, 0.0)
+        worker = gw.runtime.fleet.get("w0")
+        assert worker.last_error and "did not answer" in worker.last_error  # the probes did fail meanwhile
+        wait_for(lambda: not worker.health_ok)  # nothing flows now: the missed probes take it out
+
+
+def test_a_worker_marked_down_lets_its_streams_that_deliver_tokens_finish():
+    """A request the engine drops without answering, with no other worker to ask, takes the worker out of
+    rotation (a dead engine looks like that). A stream on the same worker delivering a token every 0.1 s is
+    left to finish there: it would break by itself if the engine had died (was: pulled with it, and ended
+    with an error: nowhere to continue it)."""
+    (eng,) = engines("poison_reset", tokens=30)
+    eng.token_delay_s = 0.1
+    with gateway([eng]) as gw:
+        healthy(gw)
+        t, out = stream_in_thread(gw, 30)
+        dropped = httpx.post(gw.url + "/v1/completions", timeout=30,
+                             json={"model": MODEL, "prompt": "POISON", "max_tokens": 2})
+        assert dropped.status_code == 502 and dropped.json()["error"]["code"] == "engine_closed_connection"
+        assert not gw.runtime.fleet.get("w0").health_ok  # marked down at once
+        t.join(60)
+        r = out["r"]
+        assert events(r)[-1] == "[DONE]" and "error" not in r.text, r.text[-400:]
+        assert relayed_tokens(r) == [f"w{i} " for i in range(30)]
+
+
+def test_a_stream_left_running_on_a_worker_marked_down_is_pulled_once_it_goes_quiet():
+    """The stream spared when its worker was marked down stops delivering (the engine hung after all): it is
+    pulled once it has been quiet for the health loop's window (``interval_s * failure_threshold``), and
+    ends honestly with the error ending, not after the 60 s stream idle timeout."""
+    (eng,) = engines("poison_reset", tokens=30)
+    eng.token_delay_s = 0.1
+    with gateway([eng], health={"interval_s": 0.25, "failure_threshold": 2},
+                 resilience={"stream_idle_timeout_s": 60}) as gw:
+        healthy(gw)
+        t, out = stream_in_thread(gw, 30)
+        eng.healthy = False  # (its probes fail too: the health loop keeps it out once nothing flows)
+        dropped = httpx.post(gw.url + "/v1/completions", timeout=30,
+                             json={"model": MODEL, "prompt": "POISON", "max_tokens": 2})
+        assert dropped.status_code == 502 and not gw.runtime.fleet.get("w0").health_ok
+        t0 = time.monotonic()
+        eng.token_delay_s = 60  # the engine stops sending
+        t.join(60)
+        took = time.monotonic() - t0
+        r = out["r"]
+        assert events(r)[-1] == "[DONE]" and "marked down" in events(r)[-2]["error"]["message"], r.text[-400:]
+        assert 0 < len(relayed_tokens(r)) < 30
+        assert took < 20  # pulled once quiet, not at the 60 s idle timeout
