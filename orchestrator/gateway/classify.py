@@ -4,7 +4,7 @@ Envoy's outlier detection separates what an upstream host does wrong from what a
 wrong; Dyad does the same so that a handful of bad requests cannot open every breaker:
 
 * **worker-caused** — it could not be reached or answered bytes that are not HTTP; or it closed the
-  connection before answering, stalled (did no work at all while a request waited:
+  connection before answering (or in the middle of a non-streamed answer), stalled (did no work at all while a request waited:
   ``Attempt.worker_progressed``) or answered a 5xx or garbage (a body that is not the answer: not JSON,
   no choices, not server-sent events for a stream) that **the same request does not get elsewhere**.
   These feed the worker's breaker (and take it out of rotation when it looks down).

@@ -34,7 +34,14 @@ from orchestrator.gateway.executor import AttemptFailed, UpstreamCall
 from orchestrator.gateway.failover import StreamRelay
 from orchestrator.gateway.responses import send_error
 from orchestrator.gateway.stream_timing import TokenTimer
-from orchestrator.gateway.transport import AnswerTooLarge, discard_connection, header, raw_headers, read_all
+from orchestrator.gateway.transport import (
+    AnswerTooLarge,
+    MalformedAnswer,
+    discard_connection,
+    header,
+    raw_headers,
+    read_all,
+)
 from orchestrator.router.estimate import estimate_text_tokens
 from orchestrator.router.types import RouteRequest
 from orchestrator.telemetry import tracing
@@ -351,9 +358,14 @@ class ProxyResponse:
                     return self._not_sse(attempt, raw, last_try)
             except httpx.HTTPError as e:  # the engine failed while its answer was read (before any byte was relayed)
                 await response.aclose()
-                attempt.worker_failed("protocol", f"answer broke off: {type(e).__name__}: {e}", down=True)
-                raise _Retry(UpstreamError(502, f"The answer from the engine ({worker.id}) broke off: "
-                                                f"{type(e).__name__}: {e}.", code="upstream_broke_off")) from None
+                # Judged as a connection closed before the answer (or, for a body that stopped coming, a stall;
+                # bytes that are not HTTP, garbage): a request can cause it too, so the same break on a second
+                # worker is the request's, and it takes the worker out only once another one answers.
+                failure = classify.GARBAGE if isinstance(e, MalformedAnswer) else \
+                    classify.STALLED if isinstance(e, httpx.TimeoutException) else classify.DROPPED
+                return self._garbage(attempt, last_try, f"answer broke off: {type(e).__name__}: {e}", UpstreamError(
+                    502, f"The answer from the engine ({worker.id}) broke off: {type(e).__name__}: {e}.",
+                    code="upstream_broke_off"), failure)
             self.settle_held(request_caused=False)  # another worker streams it: held 5xx were the workers'
             return None
         except AttemptFailed as e:

@@ -9,7 +9,8 @@ receives is recorded (``bodies``), so tests can check what the gateway forwarded
 
 ``mode`` (settable while running): ok | eof | reset | json_error_200 | garbage | error_event | hang |
 status | poison (500 when the prompt contains ``POISON``, else ok) | poison_hang (hang when it does) | poison_reset (drop
-the connection before answering when it does) | poison_midreset (reset mid-stream when it does) | bad_event (a stream event whose
+the connection before answering when it does) | poison_short (a non-streamed answer that breaks off before its
+Content-Length when it does) | poison_midreset (reset mid-stream when it does) | bad_event (a stream event whose
 data is not JSON, after one good token) | after_done (events after ``data: [DONE]``) | no_choices (a
 200 JSON object without ``choices``) | crlf (a stream whose lines end with CRLF, as SSE allows) | close_delimited (a well-formed answer whose body ends where the
 engine closes the connection: no Content-Length, not chunked). ``status`` answers ``status_code``.
@@ -117,6 +118,19 @@ class FakeEngine:
                     self.connection.close()
                     return
                 if mode == "poison_reset":
+                    mode = "ok"
+                if mode == "poison_short":  # an input its engine breaks off on mid-answer (Content-Length unmet)
+                    if "POISON" in text and not body.get("stream"):
+                        answer = json.dumps(self._completion(chat, body, engine.tokens)).encode()
+                        self.send_response(200)
+                        self.send_header("content-type", "application/json")
+                        self.send_header("content-length", str(len(answer) + 100))
+                        self.end_headers()
+                        self.wfile.write(answer)
+                        self.wfile.flush()
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
                     mode = "ok"
                 if mode == "poison_midreset":  # an input its engine crashes on while generating
                     mode = "reset" if "POISON" in text else "ok"

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from tests.integration.test_request_path_failures import MODEL, engines, events, gateway, healthy
+from tests.integration.test_request_path_failures import MODEL, complete, engines, events, gateway, healthy
 
 
 def stream_in_thread(gw, tokens: int, prompt: str = "hello") -> tuple[threading.Thread, dict]:
@@ -113,3 +113,27 @@ def test_a_stream_left_running_on_a_worker_marked_down_is_pulled_once_it_goes_qu
         assert events(r)[-1] == "[DONE]" and "marked down" in events(r)[-2]["error"]["message"], r.text[-400:]
         assert 0 < len(relayed_tokens(r)) < 30
         assert took < 20  # pulled once quiet, not at the 60 s idle timeout
+
+
+def test_an_answer_every_worker_breaks_off_is_the_requests_fault():
+    """A non-streamed answer that breaks off after its head (the connection closes before its Content-Length
+    is met) for one input, on every worker: each break took its worker out of rotation at once (with every
+    stream on it), so one such request took the whole fleet out until the next health round. Judged as a
+    connection dropped before the answer is: the same break on a second worker that answers others is the
+    request's doing (a 502, every worker stays); a break where another worker answers takes the worker out."""
+    with gateway(engines("poison_short", "poison_short"), health={"interval_s": 30}) as gw:
+        healthy(gw)
+        for _ in range(4):  # (breakers open after 3 here)
+            for _ in range(2):
+                assert complete(gw).status_code == 200
+            r = complete(gw, prompt="POISON pill")
+            assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_broke_off", r.text
+        assert gw.runtime.breakers.snapshot() == {}
+        assert all(w.health_ok for w in gw.runtime.fleet.workers())
+        assert complete(gw).status_code == 200
+    breaking, good = engines("poison_short", "ok")
+    with gateway([breaking, good], health={"interval_s": 30}) as gw:
+        healthy(gw)
+        while not breaking.bodies:
+            assert complete(gw, prompt="POISON pill").status_code == 200  # answered by the good worker
+        assert not gw.runtime.fleet.get("w0").health_ok and gw.runtime.fleet.get("w1").health_ok
