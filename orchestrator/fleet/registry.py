@@ -157,7 +157,8 @@ class FleetRegistry:
         ``success_threshold`` consecutive successes make it healthy again. A worker never probed
         before becomes healthy at its first success (nothing to distrust yet). A failure is not held
         against a healthy worker that is serving traffic (``serving_window_s``): one that completed a
-        request, or whose streams delivered a data event ``quiet_for`` seconds ago."""
+        request, whose generated-token counter rose at its last scrape (``generating_at``), or whose streams
+        delivered a data event ``quiet_for`` seconds ago."""
         first = worker.last_health_at is None
         worker.last_health_at = now
         if ok:
@@ -193,7 +194,7 @@ class FleetRegistry:
         window = self.serving_window_s
         if quiet_for is not None and quiet_for < window:  # a stream on it is delivering tokens right now
             return True
-        return worker.last_served_at is not None and now - worker.last_served_at < window
+        return any(t is not None and now - t < window for t in (worker.last_served_at, worker.generating_at))
 
     def mark_failed(self, worker: Worker, now: float, error: str) -> None:
         """The gateway could not reach the worker (connection refused/reset): take it out at once

@@ -1,7 +1,9 @@
 """The scrape loop: read each worker's ``/metrics`` through its adapter into ``Worker.load``.
 
 Unhealthy workers are skipped (their load is meaningless and the probe is the health loop's job).
-A failed scrape keeps the previous snapshot and counts ``dyad_worker_scrape_errors_total``.
+A failed scrape keeps the previous snapshot and counts ``dyad_worker_scrape_errors_total``. A scrape that
+finds the engine's generated-token counter risen since the last one sets ``Worker.generating_at``: the
+engine is working, which outranks a missed health probe (``FleetRegistry.record_health``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class MetricsScraper:
         try:
             # the whole answer (``deadline.within``): a trickling engine must not hold the round, in which
             # every other worker's load waits for this one
-            worker.load = await within(self.config.timeout_s, adapter.scrape(
+            load = await within(self.config.timeout_s, adapter.scrape(
                 self.http, worker.url, self.config.timeout_s, self.clock.now(), model), f"{worker.url}/metrics")
+            before = worker.load.generation_tokens
+            if before is not None and load.generation_tokens is not None and load.generation_tokens > before:
+                worker.generating_at = load.scraped_at  # evidence of work the health loop weighs (registry)
+            worker.load = load
             return True
         except Exception:
             if self.metrics is not None:

@@ -47,6 +47,7 @@ class Worker:
     last_health_at: float | None = None
     last_served_at: float | None = None  # when a request last completed successfully (passive health)
     last_progress_at: float | None = None  # a first token or a whole answer came back (tells stalls from slow requests)
+    generating_at: float | None = None  # a scrape found its generated-token counter risen (the engine is working)
     last_error: str | None = None
     health_ok: bool | None = None  # last verdict of the health thresholds; None = never probed
     ready_at: float | None = None  # when its health probe first passed (None: never ready yet)

@@ -37,6 +37,8 @@ class FakeEngine:
         self.delay_s = 0.0  # wait this long before answering a generation request
         self.token_delay_s = 0.005  # between two streamed tokens
         self.health_delay_s = 0.0  # /health answers this late (an engine whose probe is slow under load)
+        self.generated = 0  # tokens generated: one per streamed token, one per 50 ms of delay_s (working on it)
+        self.report_generation = False  # /metrics reports ``generated`` as vLLM's generation_tokens_total
         self.kv_params: dict[str, Any] | None = None  # the hand-off a prefill step answers (None: a well-formed one)
         self.healthy = True  # False: /health answers 503 (the health loop marks the worker down)
         self.bodies: list[dict[str, Any]] = []
@@ -88,7 +90,8 @@ class FakeEngine:
                     self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model",
                                                                             "max_model_len": 4096}]}).encode())
                 elif self.path == "/metrics":
-                    self._send(200, b"", "text/plain")
+                    self._send(200, f'vllm:generation_tokens_total{{model_name="m"}} {engine.generated}\n'.encode()
+                               if engine.report_generation else b"", "text/plain")
                 else:
                     self._send(404, b'{"error": {"message": "no route"}}')
 
@@ -101,7 +104,10 @@ class FakeEngine:
                 chat = self.path.endswith("/chat/completions")
                 mode = engine.mode
                 if engine.delay_s:
-                    time.sleep(engine.delay_s)
+                    end = time.monotonic() + engine.delay_s
+                    while time.monotonic() < end:
+                        time.sleep(0.05)
+                        engine.generated += 1
                 text = json.dumps(body.get("messages") if chat else body.get("prompt"))
                 if mode == "poison":
                     mode = "status" if "POISON" in text else "ok"
@@ -234,6 +240,7 @@ class FakeEngine:
                         choice["text"] = piece
                     self._chunk(b"data: " + json.dumps({"id": "c", "object": obj, "created": 1,
                                                         "choices": [choice]}).encode() + b"\n\n")
+                    engine.generated += 1
                     time.sleep(engine.token_delay_s)
                 if mode == "eof":
                     self._chunk(b"")  # a clean end of the HTTP body, without data: [DONE]

@@ -137,3 +137,22 @@ def test_an_answer_every_worker_breaks_off_is_the_requests_fault():
         while not breaking.bodies:
             assert complete(gw, prompt="POISON pill").status_code == 200  # answered by the good worker
         assert not gw.runtime.fleet.get("w0").health_ok and gw.runtime.fleet.get("w1").health_ok
+
+
+def test_a_slow_health_probe_does_not_take_out_an_engine_whose_metrics_show_it_generating():
+    """Long non-streamed requests leave no trace until they complete; while /health answers late the engine's
+    own generated-token counter (its /metrics, scraped) still rises: the worker stays in rotation and the
+    request is answered there (was: marked down after two missed probes, the request pulled and, with no other
+    worker, answered 503)."""
+    (busy,) = engines("ok", tokens=5)
+    busy.report_generation = True
+    with gateway([busy], health={"interval_s": 0.2, "timeout_s": 0.3, "failure_threshold": 2},
+                 scrape={"interval_s": 0.2, "timeout_s": 2}) as gw:
+        healthy(gw)
+        busy.delay_s = 3.0
+        busy.health_delay_s = 1.0
+        r = complete(gw)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "w0 w1 w2 w3 w4", r.text
+        worker = gw.runtime.fleet.get("w0")
+        assert worker.last_error and "did not answer" in worker.last_error  # the probes did fail meanwhile
+        assert len(busy.bodies) == 1  # never pulled and sent again
