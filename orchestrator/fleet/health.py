@@ -20,6 +20,7 @@ from orchestrator.config import HealthConfig
 from orchestrator.deadline import within
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
+from orchestrator.gateway.transport import drop_idle
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class HealthChecker:
                     worker.model_cards_read = True
         except Exception as e:  # any failure of the probe is a failed probe, never a dead loop
             ok, error = False, f"{type(e).__name__}: {e}"
+        if not ok:  # the next probe (and request) opens a fresh connection: pooled ones may lead nowhere
+            drop_idle(self.http, worker.url)
         was = worker.state
         quiet = self.quiet_for(worker) if not ok and self.quiet_for is not None else None
         self.fleet.record_health(worker, ok, self.clock.now(), error, quiet)

@@ -38,6 +38,7 @@ from orchestrator.gateway.transport import (
     AnswerTooLarge,
     MalformedAnswer,
     discard_connection,
+    drop_idle,
     header,
     raw_headers,
     read_all,
@@ -395,6 +396,8 @@ class ProxyResponse:
             kind = "stalled" if attempt.stalled else "down"
             err = NoHealthyWorker(call.model, rt.config.gateway.retry_after_s, reason=attempt.aborted or kind)
             if attempt.stalled:  # judged like garbage: a stall the same request gets on a second worker is its own
+                # (no byte came back: its pooled connections may lead nowhere, so the next try connects afresh)
+                drop_idle(rt.http, worker.url)
                 return self._garbage(attempt, last_try, attempt.aborted or kind, err, classify.STALLED)
             attempt.worker_failed(kind, attempt.aborted or kind, down=False)
             raise _Retry(err) from None

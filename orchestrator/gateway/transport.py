@@ -11,7 +11,9 @@ as ``httpx.ConnectError`` / ``ConnectTimeout`` / ``ReadTimeout`` / ``ReadError``
 ``RemoteProtocolError``. A pooled keep-alive connection that the engine closed without a response
 byte is retried once, always on a freshly opened connection (never a second pooled one: connections
 that went idle together are closed together by the engine's keep-alive timer). Only the fresh
-connection's failure reaches the caller, so a dead engine still shows as one (refused connect).
+connection's failure reaches the caller, so a dead engine still shows as one (refused connect). A
+pooled connection that gives no byte at all before its read timeout closes every idle connection to that
+engine (``drop_idle``: a vanished peer sends no FIN, so they would each hold a request until its timeout).
 
 What an engine sends is bounded and kept to its own exchange: interim ``1xx`` answers are skipped
 (the final answer follows), a status line + headers past ``MAX_HEADER_BYTES`` fail the exchange, a
@@ -297,6 +299,16 @@ class FastTransport(httpx.AsyncBaseTransport):
                 return conn
         return None
 
+    def drop_idle(self, key: tuple[str, int]) -> int:
+        """Close every idle pooled connection to ``key``; returns how many. For when one of them gave no
+        answer at all in time: the others went idle as it did, and a peer that vanished (a host gone, a
+        restarted engine behind the same address) sends no FIN or reset, so they look open and would each
+        hold a request until its timeout. The next request opens a fresh connection."""
+        idle = self._idle.pop(key, None)
+        for conn in idle or ():
+            conn.close()
+        return len(idle or ())
+
     def _forget(self, conn: _Conn) -> None:
         self._all.discard(conn)
         idle = self._idle.get(conn.key)
@@ -370,6 +382,8 @@ class FastTransport(httpx.AsyncBaseTransport):
                 await headers_done  # (cancelled with us: the connection is closed then, nobody else waits on it)
             except httpx.ReadTimeout as e:
                 conn.close()
+                if reused and not conn.got_bytes:  # (a pooled connection no byte came back on: see drop_idle)
+                    self.drop_idle(key)
                 if request is not None:
                     e.request = request
                 raise
@@ -583,6 +597,18 @@ async def read_all(response: httpx.Response, limit: int | None = None) -> bytes:
             await response.aclose()
             raise AnswerTooLarge(limit)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def drop_idle(http: httpx.AsyncClient, url: str) -> int:
+    """Close ``http``'s idle pooled connections to the engine at ``url`` (``FastTransport.drop_idle``), so that
+    its next request opens a fresh connection; 0 when ``http`` runs on another transport."""
+    transport = getattr(http, "_transport", None)
+    if not isinstance(transport, FastTransport):
+        return 0
+    parsed = httpx.URL(url)
+    if parsed.scheme != "http":
+        return 0
+    return transport.drop_idle((parsed.host, parsed.port or 80))
 
 
 def discard_connection(response: httpx.Response) -> None:

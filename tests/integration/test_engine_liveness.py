@@ -8,11 +8,15 @@ A real gateway over real sockets in front of ``FakeEngine`` / ``RawEngine`` test
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import json
 import threading
 import time
 
 import httpx
 
+from tests.integration.test_gateway_transport import VanishedPeer
 from tests.integration.test_request_path_failures import MODEL, complete, engines, events, gateway, healthy
 
 
@@ -47,6 +51,25 @@ def wait_for(cond, timeout: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+class PeerThread:
+    """A ``VanishedPeer`` (test_gateway_transport.py) answering completions, on a loop of its own, shaped as
+    ``gateway()`` takes an engine (``url``, ``stop``)."""
+
+    def __init__(self) -> None:
+        self.peer = VanishedPeer(json.dumps({"id": "x", "object": "text_completion", "created": 1, "choices": [
+            {"index": 0, "text": "a", "finish_reason": "length"}]}).encode())
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.url = asyncio.run_coroutine_threadsafe(self.peer.start(), self.loop).result(10)
+
+    def vanish(self) -> None:
+        self.loop.call_soon_threadsafe(self.peer.vanish)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.peer.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def test_a_slow_health_probe_does_not_cut_streams_that_are_delivering_tokens():
@@ -156,3 +179,42 @@ def test_a_slow_health_probe_does_not_take_out_an_engine_whose_metrics_show_it_g
         worker = gw.runtime.fleet.get("w0")
         assert worker.last_error and "did not answer" in worker.last_error  # the probes did fail meanwhile
         assert len(busy.bodies) == 1  # never pulled and sent again
+
+
+def test_a_worker_whose_pooled_connections_lead_nowhere_stays_in_rotation():
+    """The engine restarted behind the same address and its old connections lead nowhere (no FIN, no reset: a
+    host that went away): every health probe took the next dead pooled connection and timed out, so the worker
+    stayed out of rotation for one probe timeout per pooled connection (here 30 s) although fresh
+    connections were answered at once. A failed probe now closes the worker's idle connections: the next one
+    connects afresh, and the worker never leaves rotation."""
+    peer = PeerThread()
+    with gateway([peer], health={"interval_s": 0.2, "timeout_s": 1.0, "failure_threshold": 2},
+                 scrape={"interval_s": 60}) as gw:
+        healthy(gw)
+        with concurrent.futures.ThreadPoolExecutor(30) as pool:  # 30 connections in the gateway's pool
+            assert set(pool.map(lambda _: complete(gw).status_code, range(30))) == {200}
+        downs: list[str] = []
+        gw.runtime.fleet.subscribe(lambda ev, w: downs.append(w.state.value) if ev == "state" else None)
+        peer.vanish()
+        worker = gw.runtime.fleet.get("w0")
+        wait_for(lambda: worker.last_error is not None)  # a probe found a dead connection
+        time.sleep(2.0)  # (more probe rounds)
+        assert worker.health_ok and "unhealthy" not in downs, downs
+        assert complete(gw).status_code == 200
+
+
+def test_a_try_pulled_as_stalled_takes_the_workers_dead_pooled_connections_with_it():
+    """The request path's side of it: a try sent on a pooled connection that leads nowhere is pulled by the
+    stall watchdog (no byte, no work); the worker's other idle connections went idle as that one did, so the
+    next request connects afresh and is answered (was: it took the next dead pooled connection, and stalled
+    too, once per pooled connection)."""
+    peer = PeerThread()
+    with gateway([peer], health={"interval_s": 60}, scrape={"interval_s": 60},
+                 resilience={"stall_timeout_s": 0.5, "stall_prefill_tokens_per_s": 1e6}) as gw:
+        healthy(gw)
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            assert set(pool.map(lambda _: complete(gw).status_code, range(10))) == {200}
+        peer.vanish()
+        stalled = complete(gw)
+        assert stalled.status_code >= 500 and "stalled" in stalled.text, stalled.text
+        assert complete(gw).status_code == 200

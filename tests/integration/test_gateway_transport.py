@@ -185,6 +185,52 @@ async def test_pooled_connections_closed_together_are_retried_on_a_fresh_one(via
     await srv.stop()
 
 
+class VanishedPeer(RawServer):
+    """An engine restarted behind the same address whose old connections lead nowhere (a host that went away
+    sends no FIN or reset): connections opened before ``vanish()`` are never answered again, newer ones are."""
+
+    def __init__(self, body: bytes = b'{"ok":true}') -> None:
+        # (the delay: so that concurrent requests need connections of their own)
+        super().__init__(lambda req: [(0.05, ok(body)[0][1])])
+        self.epoch = 0
+        self._opened_in: dict[asyncio.Task, int] = {}  # connection (its handler) -> epoch it was opened in
+
+    def vanish(self) -> None:
+        self.epoch += 1
+
+    def answer(self, request: bytes, served: int) -> list[tuple[float, bytes]] | None:
+        task = asyncio.current_task()
+        assert task is not None
+        if not served:
+            self._opened_in[task] = self.epoch
+        if self._opened_in[task] != self.epoch:
+            return [(3600, b"")]  # nothing ever comes back on it
+        return self.respond(request)
+
+    async def stop(self) -> None:
+        for task in self._opened_in:
+            task.cancel()
+        await asyncio.gather(*self._opened_in, return_exceptions=True)
+        await super().stop()
+
+
+async def test_a_pooled_connection_that_gives_no_answer_in_time_takes_the_idle_pool_with_it():
+    """Pooled connections to a peer that vanished (no FIN, no reset) look open: each would hold a request until
+    its read timeout, one after another. The first pooled connection that gives no byte before its timeout
+    closes every idle connection to that engine, so the next request opens a fresh one (answered)."""
+    srv = VanishedPeer()
+    url = await srv.start()
+    async with httpx.AsyncClient(transport=FastTransport(), timeout=httpx.Timeout(5, read=1.0)) as c:
+        assert [r.status_code for r in await asyncio.gather(*(c.post(url, content=b"{}") for _ in range(5)))] == [200] * 5
+        assert srv.connections == 5
+        srv.vanish()
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(url, content=b"{}")
+        assert (await c.post(url, content=b"{}")).status_code == 200  # on a fresh connection
+        assert srv.connections == 6
+    await srv.stop()
+
+
 async def test_a_fresh_connection_closed_without_an_answer_is_not_retried():
     """The retry is for a pooled connection only: a connection opened for this request that closes
     without a byte is the engine's answer (the caller sees RemoteProtocolError, one connection)."""
