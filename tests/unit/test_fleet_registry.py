@@ -125,3 +125,31 @@ def test_missed_probes_do_not_evict_a_worker_that_is_serving_traffic():
     w.last_served_at = 16.5  # a worker already out of rotation is not brought back by stale traffic
     reg.record_health(w, False, 17.0, "ReadTimeout")
     assert w.state is WorkerState.UNHEALTHY
+
+
+def test_missed_probes_do_not_evict_a_worker_whose_streams_deliver_or_whose_engine_generates():
+    """Traffic that has not completed is evidence too: a stream on the worker that delivered a data event
+    ``quiet_for`` seconds ago, or a scrape that found the engine's generated-token counter risen
+    (``generating_at``), within the window in which the probes would take it out (interval x threshold)."""
+    reg = fleet(failure=2, success=1)  # interval 2 s → a window of 4 s
+    assert reg.serving_window_s == 4.0
+    w = reg.add(Worker("a", "http://a", models=["m"]))
+    reg.record_health(w, True, 0.0)
+    for now in (10.0, 12.0, 14.0):  # long streams, none completed, the last event 0.1 s ago at each probe
+        reg.record_health(w, False, now, "ReadTimeout", quiet_for=0.1)
+    assert w.state is WorkerState.HEALTHY and w.consecutive_failures == 0
+    reg.record_health(w, False, 16.0, "ReadTimeout", quiet_for=5.0)  # quiet for longer than the window
+    reg.record_health(w, False, 18.0, "ReadTimeout", quiet_for=7.0)
+    assert w.state is WorkerState.UNHEALTHY
+    reg.record_health(w, False, 19.0, "ReadTimeout", quiet_for=0.1)  # (out of rotation: evidence does not bring it back)
+    assert w.state is WorkerState.UNHEALTHY
+
+    g = reg.add(Worker("g", "http://g", models=["m"]))
+    reg.record_health(g, True, 0.0)
+    g.generating_at = 9.5
+    reg.record_health(g, False, 10.0, "ReadTimeout")
+    reg.record_health(g, False, 12.0, "ReadTimeout")
+    assert g.state is WorkerState.HEALTHY
+    reg.record_health(g, False, 14.0, "ReadTimeout")  # the counter stopped rising 4.5 s ago
+    reg.record_health(g, False, 16.0, "ReadTimeout")
+    assert g.state is WorkerState.UNHEALTHY
