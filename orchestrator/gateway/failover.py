@@ -57,6 +57,10 @@ DONE_EVENT = b"data: [DONE]\n\n"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _CHAT_CONTINUABLE = frozenset({EngineKind.VLLM, EngineKind.SIM})
 MAX_PENDING_EVENT = 1 << 20  # an incomplete event longer than this is not SSE either
+# After the protocol's end (``[DONE]``, a Responses terminal event) the body's own end is waited for this long
+# (it normally comes in the same write); an engine that then closes, resets or keeps the connection open
+# without ending the body has still answered whole: the stream is complete, the connection is not reused.
+DONE_GRACE_S = 1.0
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
@@ -520,17 +524,26 @@ class StreamRelay:
                 if beyond_end:  # (the engine kept sending after its end: the stream is complete)
                     break
                 if progress:
-                    idle_timer.resume(idle if not first else first_wait)
+                    if recorder.done:  # the protocol's end: the answer is whole, only the body's own end is left
+                        if p.attempt is not None:
+                            p.attempt.abortable = False
+                        idle_timer.resume(DONE_GRACE_S)
+                    else:
+                        idle_timer.resume(idle if not first else first_wait)
         except httpx.HTTPError as e:
-            return "reset", f"{type(e).__name__}: {e}"
+            if not recorder.done:  # (after the protocol's end a broken body is no broken answer)
+                return "reset", f"{type(e).__name__}: {e}"
         except asyncio.CancelledError:
+            quiet = False
             if went_idle:
                 task.uncancel()
-                if task.cancelling() == 0:  # nothing else cancelled the task: the engine went quiet
-                    return "idle", f"no data event from the engine for {first_wait if not recorder.sent else idle:g} s"
-            if not aborted_by_gateway(p.attempt):
-                raise
-            return "aborted", p.attempt.aborted if p.attempt is not None and p.attempt.aborted else "aborted"
+                quiet = task.cancelling() == 0  # nothing else cancelled the task: the engine went quiet
+            if not quiet:
+                if not aborted_by_gateway(p.attempt):
+                    raise
+                return "aborted", p.attempt.aborted if p.attempt is not None and p.attempt.aborted else "aborted"
+            if not recorder.done:
+                return "idle", f"no data event from the engine for {first_wait if not recorder.sent else idle:g} s"
         finally:
             idle_timer.cancel()
         if recorder.done and p.attempt is not None:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import socket
+import struct
 import threading
 import time
 
 import httpx
+import pytest
 
-from tests.integration.test_gateway_transport import VanishedPeer
+from tests.integration.test_gateway_transport import RawServer, VanishedPeer
 from tests.integration.test_request_path_failures import MODEL, complete, engines, events, gateway, healthy
 
 
@@ -53,23 +56,30 @@ def wait_for(cond, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-class PeerThread:
-    """A ``VanishedPeer`` (test_gateway_transport.py) answering completions, on a loop of its own, shaped as
-    ``gateway()`` takes an engine (``url``, ``stop``)."""
+class ServerThread:
+    """A raw asyncio test server (test_gateway_transport.py) on a loop of its own, shaped as ``gateway()``
+    takes an engine (``url``, ``stop``)."""
 
-    def __init__(self) -> None:
-        self.peer = VanishedPeer(json.dumps({"id": "x", "object": "text_completion", "created": 1, "choices": [
-            {"index": 0, "text": "a", "finish_reason": "length"}]}).encode())
+    def __init__(self, server) -> None:
+        self.server = server
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.url = asyncio.run_coroutine_threadsafe(self.peer.start(), self.loop).result(10)
-
-    def vanish(self) -> None:
-        self.loop.call_soon_threadsafe(self.peer.vanish)
+        self.url = asyncio.run_coroutine_threadsafe(server.start(), self.loop).result(10)
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.peer.stop(), self.loop).result(10)
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class PeerThread(ServerThread):
+    """A ``VanishedPeer`` answering completions."""
+
+    def __init__(self) -> None:
+        super().__init__(VanishedPeer(json.dumps({"id": "x", "object": "text_completion", "created": 1, "choices": [
+            {"index": 0, "text": "a", "finish_reason": "length"}]}).encode()))
+
+    def vanish(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.vanish)
 
 
 def test_a_slow_health_probe_does_not_cut_streams_that_are_delivering_tokens():
@@ -218,3 +228,57 @@ def test_a_try_pulled_as_stalled_takes_the_workers_dead_pooled_connections_with_
         stalled = complete(gw)
         assert stalled.status_code >= 500 and "stalled" in stalled.text, stalled.text
         assert complete(gw).status_code == 200
+
+
+class EndsWithoutBodyEnd(RawServer):
+    """A streamed answer that is whole by its protocol (tokens, ``data: [DONE]``) but whose HTTP body never ends
+    properly: the engine then closes the connection without the last chunk (``close``), resets it (``reset``),
+    or keeps it open (``hang``)."""
+
+    def __init__(self, after: str) -> None:
+        super().__init__(lambda req: [], close_after=after != "hang")
+        self.after = after
+        self.handlers: set[asyncio.Task] = set()
+
+    def answer(self, request: bytes, served: int) -> list[tuple[float, bytes]] | None:
+        if request.startswith(b"GET"):
+            return [(0, b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")]
+        events = b"".join(b"data: " + json.dumps({"id": "r", "object": "text_completion", "created": 1, "choices": [
+            {"index": 0, "text": t, "finish_reason": f}]}).encode() + b"\n\n" for t, f in (("a ", None), ("b", "length")))
+        body = events + b"data: [DONE]\n\n"
+        parts = [(0, b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                  + b"%x\r\n%s\r\n" % (len(body), body))]
+        return parts + [(3600, b"")] if self.after == "hang" else parts
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.after == "reset":  # (the close below then resets the connection)
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.handlers.add(asyncio.current_task())
+        await super().handle(reader, writer)
+
+    async def stop(self) -> None:
+        for task in self.handlers:
+            task.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
+        await super().stop()
+
+
+@pytest.mark.parametrize("after", ["close", "reset", "hang"])
+def test_a_stream_whole_by_its_protocol_is_no_broken_stream_whatever_its_body_does_after(after):
+    """An engine that ends each stream with its tokens and ``data: [DONE]`` and then closes or resets the
+    connection without the body's last chunk, or keeps it open: each stream was counted as broken against
+    the worker (its breaker opened after three, a healthy engine taken out; with ``hang`` each client also
+    waited out the 60 s idle timeout for the end of its answer). The answer is whole: the stream is
+    complete, and the worker served it."""
+    with gateway([ServerThread(EndsWithoutBodyEnd(after))], resilience={"stream_idle_timeout_s": 60}) as gw:
+        healthy(gw)
+        for _ in range(4):  # (breakers open after 3 here)
+            started = time.monotonic()
+            r = complete(gw, stream=True)
+            assert r.status_code == 200 and events(r)[-1] == "[DONE]" and "error" not in r.text, r.text
+            assert relayed_tokens(r) == ["a ", "b"]
+            assert time.monotonic() - started < 20  # (not the 60 s idle timeout)
+        assert gw.runtime.breakers.snapshot() == {}
+        assert gw.runtime.metrics.registry.get_sample_value(
+            "dyad_upstream_errors_total", {"worker": "w0", "kind": "stream"}) in (None, 0.0)
+        assert gw.runtime.fleet.get("w0").last_served_at is not None
