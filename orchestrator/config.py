@@ -474,7 +474,7 @@ class PlannerConfig(_Section):
                            "and price")
     standby_confirm: bool = Field(
         True, description="A want of the warm standby pool that comes without growth (no role grew this interval or "
-                           "in the load mode since the last one) cold-starts a worker only once it held over the last "
+                           "in the load mode since the last one, and the load rose no further than its measured rise) cold-starts a worker only once it held over the last "
                            "scale_in_intervals intervals (a want born of one interval's rounding wobble is gone before "
                            "the worker is ready); parking a worker given back is not held back")
     rise_quantile: float = Field(

@@ -104,9 +104,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "growth over that span), not the streams now (default: PlannerSettings')")
     parser.add_argument("--standby-confirm", action=argparse.BooleanOptionalAction, default=None,
                         help="a warm standby want that comes without growth (no role grew this interval or in "
-                             "the load mode since the last one) cold-starts a worker only once it held over the "
-                             "last scale-in intervals (a want born of one interval's rounding wobble is gone before "
-                             "the worker is ready); parking is not held back (default: PlannerSettings')")
+                             "the load mode since the last one, and the load rose no further than its measured "
+                             "rise) cold-starts a worker only once it held over the last scale-in intervals (a want "
+                             "born of one interval's rounding wobble is gone before the worker is ready); parking "
+                             "is not held back (default: PlannerSettings')")
     parser.add_argument("--standby-wake-s", type=float, default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--insurance", choices=["fixed", "proportional"], default="proportional",
@@ -190,6 +191,10 @@ def limits_for(args: argparse.Namespace, budget: int) -> Limits:
                   decode_cost=getattr(args, "decode_cost", 1.0), cost_budget=getattr(args, "cost_budget", None))
 
 
+# PlannerSettings fields with a --x / --no-x flag whose default (None) leaves the setting's own default
+ON_OFF_SETTINGS = ("standby_net_of_spare", "fast_lookahead", "standby_shared", "standby_confirm")
+
+
 def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
                  decode_profile: EngineProfile | None = None) -> Planner:
     g = getattr
@@ -204,14 +209,9 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         standby_decode=g(args, "standby_decode", 1),
         standby_wake_s=g(args, "standby_wake_s", 5.0), cold_backlog=g(args, "cold_backlog", "off"),
         insurance=g(args, "insurance", "proportional"))
-    if g(args, "standby_net_of_spare", None) is not None:
-        settings.standby_net_of_spare = args.standby_net_of_spare
-    if g(args, "fast_lookahead", None) is not None:
-        settings.fast_lookahead = args.fast_lookahead
-    if g(args, "standby_shared", None) is not None:
-        settings.standby_shared = args.standby_shared
-    if g(args, "standby_confirm", None) is not None:
-        settings.standby_confirm = args.standby_confirm
+    for name in ON_OFF_SETTINGS:  # --x / --no-x: PlannerSettings' default unless given
+        if g(args, name, None) is not None:
+            setattr(settings, name, g(args, name))
     decode_perf = decode_perf_for(args, decode_profile) if decode_profile is not None else None
     return Planner(perf_model_for(args, profile), settings, decode_perf=decode_perf)
 

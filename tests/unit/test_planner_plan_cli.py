@@ -141,3 +141,20 @@ def test_steps_shape_is_a_seeded_staircase_up_and_down():
     peak_n = sum(1 for r in reqs if spec.rate_at(r.arrival_s) == 12.0)
     trough_n = sum(1 for r in reqs if spec.rate_at(r.arrival_s) == 1.5)
     assert peak_n > 2 * trough_n  # arrivals follow the staircase (8x the rate over half the time)
+
+
+def test_on_off_flags_reach_the_settings_and_their_absence_keeps_the_defaults():
+    from orchestrator.planner.core import PlannerSettings
+    from orchestrator.sim.profiles import load_profile
+
+    parser = argparse.ArgumentParser()
+    plan_cli.configure(parser)
+    defaults = PlannerSettings()
+    base = ["--trace", "x", "--budget", "8"]
+    plain = plan_cli.make_planner(parser.parse_args(base), load_profile("gpu-like"), 8).settings
+    for name in plan_cli.ON_OFF_SETTINGS:
+        default = getattr(defaults, name)
+        assert getattr(plain, name) == default, name
+        flag = ("--no-" if default else "--") + name.replace("_", "-")  # the flag that turns it the other way
+        flipped = plan_cli.make_planner(parser.parse_args([*base, flag]), load_profile("gpu-like"), 8).settings
+        assert getattr(flipped, name) is (not default), (name, flag)
