@@ -1,0 +1,56 @@
+//! Cancel: one per hot request, handed to `lane.admit`. `cancel(reason)` may come from any thread; the
+//! request's current upstream operation (attempt.rs, relay.rs) then ends as kind "cancelled:<reason>".
+//! A cancel is consumed by the operation it ends (a later try is not cancelled by it); `.cancelled` stays.
+
+use pyo3::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::Notify;
+
+#[derive(Default)]
+pub struct CancelInner {
+    pending: Mutex<Option<String>>,
+    ever: AtomicBool,
+    notify: Notify,
+}
+
+impl CancelInner {
+    pub fn cancel(&self, reason: &str) {
+        let mut p = self.pending.lock().unwrap();
+        if p.is_none() {
+            *p = Some(reason.to_string());
+        }
+        self.ever.store(true, Ordering::SeqCst);
+        drop(p);
+        self.notify.notify_waiters();
+    }
+
+    /// Resolves with "cancelled:<reason>" once a cancel is pending (takes it).
+    pub async fn wait(&self) -> String {
+        loop {
+            let n = self.notify.notified();
+            if let Some(r) = self.pending.lock().unwrap().take() {
+                return format!("cancelled:{}", r);
+            }
+            n.await;
+        }
+    }
+}
+
+#[pyclass(module = "dyad_dataplane")]
+pub struct Cancel {
+    pub inner: Arc<CancelInner>,
+}
+
+#[pymethods]
+impl Cancel {
+    /// End the request's current upstream operation as failure kind "cancelled:<reason>". Idempotent.
+    fn cancel(&self, py: Python, reason: &str) {
+        py.allow_threads(|| self.inner.cancel(reason))
+    }
+
+    #[getter]
+    fn cancelled(&self) -> bool {
+        self.inner.ever.load(Ordering::SeqCst)
+    }
+}

@@ -1,0 +1,180 @@
+//! The relay of a streamed 200: the engine's events screened (screen.rs) to the client, timed (idle,
+//! deadline) and cancellable; then `attempt.stream_done` (complete) or `attempt.stream_broken` and its
+//! `("end", data)` or `("continue", ...)` (the fallback's body piped into the client's stream), or
+//! `attempt.client_gone` when the client left. Runs as its own task: the client's head is already sent.
+
+use crate::attempt::{far, Ctx, Stop};
+use crate::forward;
+use crate::pool::{Key, PooledConn};
+use crate::py::{self, AttemptParams, Step};
+use crate::screen::Screener;
+use hyper::body::{Bytes, HttpBody};
+use hyper::{Body, HeaderMap, Method};
+use hyper::header::{HeaderName, HeaderValue};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// After `[DONE]`, how long the engine's body may take to end before its connection is closed, not reused.
+const DONE_GRACE: Duration = Duration::from_secs(1);
+const INTERNAL_END: &[u8] = b"data: {\"error\": {\"message\": \"internal gateway error\", \"type\": \"server_error\", \"code\": \"internal_error\"}}\n\ndata: [DONE]\n\n";
+
+fn error_end(message: &str, code: &str) -> Bytes {
+    let err = serde_json::json!({"error": {"message": message, "type": "upstream_error", "param": null, "code": code}});
+    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", err))
+}
+
+struct Timing {
+    first: Option<f64>,
+    last: Option<f64>,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body, conn: PooledConn, key: Key,
+                   tx: mpsc::Sender<Bytes>, drained: oneshot::Receiver<()>) {
+    let mut scr = Screener::new(a.strip_usage);
+    let mut sent: Vec<u8> = Vec::new();
+    let mut tm = Timing { first: None, last: None };
+    let idle = a.idle_timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+    let idle_sleep = tokio::time::sleep_until(far(idle.map(|d| Instant::now() + d)).into());
+    tokio::pin!(idle_sleep);
+    let broke: (String, String) = loop {
+        let next = tokio::select! {
+            biased;
+            _ = tx.closed() => None,
+            r = ctx.guard(async { tokio::select! {
+                _ = &mut idle_sleep => None,
+                c = body.data() => Some(c),
+            }}) => Some(r),
+        };
+        let r = match next {
+            None => return gone(conn, &attempt),
+            Some(r) => r,
+        };
+        let chunk = match r {
+            Err(Stop::Cancelled(k)) => break (k, "cancelled".into()),
+            Err(Stop::Deadline) => break ("deadline".into(), "the request's deadline passed".into()),
+            Ok(None) => break ("idle".into(), "no event within the idle timeout".into()),
+            Ok(Some(None)) => break ("eof".into(), "the stream ended without [DONE]".into()),
+            Ok(Some(Some(Err(e)))) => break ("reset".into(), format!("the stream broke off: {}", e)),
+            Ok(Some(Some(Ok(c)))) => c,
+        };
+        let f = scr.feed(&chunk);
+        if f.content_events > 0 {
+            let now = ctx.t0.elapsed().as_secs_f64();
+            tm.first.get_or_insert(now);
+            tm.last = Some(now);
+        }
+        if f.data_events > 0 {
+            if let Some(d) = idle {
+                idle_sleep.as_mut().reset((Instant::now() + d).into());
+            }
+        }
+        if !f.out.is_empty() {
+            sent.extend_from_slice(&f.out);
+            if tx.send(Bytes::from(f.out)).await.is_err() {
+                return gone(conn, &attempt);
+            }
+        }
+        if let Some(p) = f.problem {
+            break ("garbage".into(), p);
+        }
+        if f.done {
+            drop(tx);
+            let written = drained.await.is_ok();
+            if !written {
+                return gone(conn, &attempt);
+            }
+            let r = Python::with_gil(|py| {
+                attempt.call_method1(py, "stream_done", (scr.usage.clone(), scr.events, tm.first, tm.last)).map(|_| ())
+            });
+            if let Err(e) = r {
+                py::report(&ctx.sh.lane, "stream_done", e);
+            }
+            // the stream is complete; the connection is reused only if its body ends cleanly soon
+            if let Ok(None) = tokio::time::timeout(DONE_GRACE, body.data()).await {
+                ctx.sh.pool.put(key, conn);
+            }
+            return;
+        }
+    };
+    drop(body);
+    drop(conn); // (a broken stream's connection is not reused)
+    let (kind, detail) = broke;
+    let step = Python::with_gil(|py| {
+        let args = (kind, detail, PyBytes::new(py, &sent), scr.usage.clone(), scr.events, tm.first, tm.last);
+        py::step_of(attempt.call_method1(py, "stream_broken", args)?.as_ref(py))
+    });
+    match step {
+        Ok(Step::End(data)) => {
+            let _ = tx.send(data).await;
+        }
+        Ok(Step::Continue(path, headers, b)) => continuation(&ctx, &tx, &path, headers, b).await,
+        Ok(other) => {
+            let e = pyo3::exceptions::PyValueError::new_err(format!("step {:?} is not allowed from stream_broken", other.name()));
+            py::report(&ctx.sh.lane, "stream_broken", e);
+            let _ = tx.send(Bytes::from_static(INTERNAL_END)).await;
+        }
+        Err(e) => {
+            py::report(&ctx.sh.lane, "stream_broken", e);
+            let _ = tx.send(Bytes::from_static(INTERNAL_END)).await;
+        }
+    }
+}
+
+fn gone(conn: PooledConn, attempt: &PyObject) {
+    drop(conn); // the engine sees its connection close
+    if let Err(e) = py::call_none(attempt, "client_gone", ()) {
+        Python::with_gil(|py| e.print(py));
+    }
+}
+
+/// POST the continuation to the fallback and pipe its body into the client's stream.
+async fn continuation(ctx: &Ctx, tx: &mpsc::Sender<Bytes>, path: &str, headers: py::Headers, body: Bytes) {
+    let mut hm = HeaderMap::new();
+    for (k, v) in &headers {
+        if let (Ok(k), Ok(v)) = (HeaderName::from_bytes(k), HeaderValue::from_bytes(v)) {
+            hm.append(k, v);
+        }
+    }
+    let req = forward::fallback_request(&ctx.sh, Method::POST, path, hm, Body::from(body), None);
+    let resp = match ctx.guard(ctx.sh.fb.request(req)).await {
+        Ok(Ok(r)) if r.status().as_u16() == 200 => r,
+        Ok(Ok(r)) => {
+            let _ = tx.send(error_end(&format!("the continuation failed: status {}", r.status().as_u16()), "continuation_failed")).await;
+            return;
+        }
+        Ok(Err(e)) => {
+            let _ = tx.send(error_end(&format!("the continuation failed: {}", e), "continuation_failed")).await;
+            return;
+        }
+        Err(_) => {
+            let _ = tx.send(error_end("the continuation was cancelled", "continuation_failed")).await;
+            return;
+        }
+    };
+    let mut b = resp.into_body();
+    loop {
+        let next = tokio::select! {
+            _ = tx.closed() => return,
+            r = ctx.guard(b.data()) => r,
+        };
+        match next {
+            Ok(Some(Ok(c))) => {
+                if tx.send(c).await.is_err() {
+                    return;
+                }
+            }
+            Ok(None) => return,
+            Ok(Some(Err(e))) => {
+                let _ = tx.send(error_end(&format!("the continuation broke off: {}", e), "continuation_failed")).await;
+                return;
+            }
+            Err(_) => {
+                let _ = tx.send(error_end("the continuation was cancelled", "continuation_failed")).await;
+                return;
+            }
+        }
+    }
+}
