@@ -530,3 +530,70 @@ async def test_stats_and_stop(plane):
     await asyncio.to_thread(p.stop, 0.5)
     with pytest.raises(httpx.ConnectError):
         await post(base)
+
+
+async def test_a_stream_whole_by_done_is_complete_and_its_open_connection_is_closed_not_reused(plane):
+    closed = asyncio.Event()
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(STREAM_HEAD + _chunk(EV + DONE))  # [DONE], but the body never ends
+        await reader.read()
+        closed.set()
+        writer.close()
+
+    srv = await asyncio.start_server(engine, "127.0.0.1", 0)
+    a = Attempt(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", stream=True)
+    began = time.monotonic()
+    _, _, body = await stream(await plane(send(a)))
+    assert body == EV + DONE and time.monotonic() - began < 0.5, "the client does not wait for the body's end"
+    await until(lambda: a.names() == ["streaming", "stream_done"])
+    await asyncio.wait_for(closed.wait(), 3)  # closed after the 1 s grace
+    assert time.monotonic() - began >= 0.9
+    srv.close()
+
+
+@pytest.mark.parametrize("case", ["deadline", "raises"])
+async def test_a_stream_past_its_deadline_or_whose_callback_raises_ends_with_an_error_event(plane, case):
+    eng = RawServer(lambda req: [(0, STREAM_HEAD + _chunk(EV)), (1.0, _chunk(EV2) + b"0\r\n\r\n")])
+    url = await eng.start()
+    a = Attempt(url, stream=True, deadline_s=0.5 if case == "deadline" else None,
+                then={"stream_broken": RuntimeError("no") if case == "raises" else ("end", END)})
+    lane = send(a)
+    _, _, body = await stream(await plane(lane))
+    if case == "deadline":
+        assert a.calls[-1][:2] == ("stream_broken", "deadline") and body == EV + END
+    else:
+        assert a.calls[-1][:2] == ("stream_broken", "eof")
+        assert body.startswith(EV + EV2) and b'"code": "internal_error"' in body and body.endswith(DONE)
+        assert lane.errors[0][0] == "stream_broken"
+    await eng.stop()
+
+
+async def test_idle_keepalive_connections_and_slow_heads_are_closed(plane):
+    base = await plane(Lane(lambda *_: ("reply", 200, [], b"ok")), keepalive_s=0.3, header_timeout_s=0.3)
+    port = int(base.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}" % CHAT.encode())
+    answer = await reader.readuntil(b"ok")
+    assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" not in answer.lower()
+    assert await asyncio.wait_for(reader.read(), 2) == b""  # idle past keepalive_s: closed
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\n" % CHAT.encode())  # a head that never ends
+    await asyncio.wait_for(reader.read(), 2)
+    assert reader.at_eof()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: 20\r\n\r\n{}" % CHAT.encode())  # a body that stops
+    slow = await asyncio.wait_for(reader.read(), 2)
+    assert slow.startswith(b"HTTP/1.1 408")
+
+
+async def test_stop_waits_for_requests_in_flight(plane):
+    eng = RawServer(lambda req: [(0.3, ok()[0][1])])
+    url = await eng.start()
+    base = await plane(send(Attempt(url)))
+    task = asyncio.create_task(post(base))
+    await until(lambda: eng.requests)
+    await asyncio.to_thread(plane.started[-1].stop, 2.0)
+    assert (await task).status_code == 200
+    await eng.stop()

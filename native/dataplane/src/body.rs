@@ -21,10 +21,13 @@ pub struct Stats {
     pub requests: AtomicU64,
 }
 
-/// One client connection's state (for the keep-alive idle timer).
+/// One client connection's state (for its keep-alive and head timers, server.rs).
 pub struct ConnState {
     pub active: AtomicUsize,
+    /// when the last request ended (or the connection opened)
     pub last: Mutex<Instant>,
+    /// when the first byte of a head that is not yet a request arrived
+    pub head_since: Mutex<Option<Instant>>,
 }
 
 /// Counts a request in flight while alive.

@@ -17,8 +17,12 @@ use pyo3::PyObject;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 pub struct Limits {
@@ -88,10 +92,54 @@ pub async fn serve(listener: TcpListener, sh: Arc<Shared>, mut stop: watch::Rece
     }
 }
 
-async fn connection(io: tokio::net::TcpStream, peer: String, sh: Arc<Shared>, over: bool,
-                    mut shut: watch::Receiver<bool>) {
+/// A client's socket that notes when the first byte of a new head arrives (hyper 0.14.19's own header
+/// timeout only fires when more bytes come: a head that stops is timed here).
+struct ClientIo {
+    io: TcpStream,
+    cs: Arc<ConnState>,
+}
+
+impl AsyncRead for ClientIo {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before && self.cs.active.load(Ordering::Relaxed) == 0 {
+            let mut h = self.cs.head_since.lock().unwrap();
+            if h.is_none() {
+                *h = Some(Instant::now());
+            }
+        }
+        r
+    }
+}
+
+impl AsyncWrite for ClientIo {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, b)
+    }
+    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[io::IoSlice<'_>])
+                           -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, b)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+async fn connection(io: TcpStream, peer: String, sh: Arc<Shared>, over: bool, mut shut: watch::Receiver<bool>) {
     let _ = io.set_nodelay(true);
-    let cs = Arc::new(ConnState { active: Default::default(), last: Mutex::new(Instant::now()) });
+    let cs = Arc::new(ConnState {
+        active: Default::default(),
+        last: Mutex::new(Instant::now()),
+        head_since: Mutex::new(None),
+    });
+    let io = ClientIo { io, cs: cs.clone() };
     let svc = {
         let (sh, cs) = (sh.clone(), cs.clone());
         service_fn(move |req| handle(req, sh.clone(), peer.clone(), cs.clone(), over))
@@ -103,7 +151,8 @@ async fn connection(io: tokio::net::TcpStream, peer: String, sh: Arc<Shared>, ov
         .serve_connection(io, svc);
     tokio::pin!(conn);
     let keepalive = sh.limits.keepalive;
-    let tick = (keepalive / 4).max(Duration::from_millis(10));
+    let head_timeout = sh.limits.header_timeout;
+    let tick = (keepalive.min(head_timeout) / 4).max(Duration::from_millis(10));
     let mut shutting = *shut.borrow();
     if shutting {
         conn.as_mut().graceful_shutdown();
@@ -115,11 +164,16 @@ async fn connection(io: tokio::net::TcpStream, peer: String, sh: Arc<Shared>, ov
                 shutting = true;
                 conn.as_mut().graceful_shutdown();
             }
-            _ = tokio::time::sleep(tick), if !shutting => {
-                let idle = cs.active.load(Ordering::Relaxed) == 0 && cs.last.lock().unwrap().elapsed() >= keepalive;
-                if idle {
-                    shutting = true;
-                    conn.as_mut().graceful_shutdown();
+            _ = tokio::time::sleep(tick) => {
+                if cs.active.load(Ordering::Relaxed) == 0 {
+                    let head = *cs.head_since.lock().unwrap();
+                    let expired = match head {
+                        Some(t) => t.elapsed() >= head_timeout, // a head that stopped arriving
+                        None => cs.last.lock().unwrap().elapsed() >= keepalive, // idle
+                    };
+                    if expired {
+                        break; // (no request in flight: closed by dropping it)
+                    }
                 }
             }
         }
@@ -164,6 +218,7 @@ async fn handle(mut req: Request<Body>, sh: Arc<Shared>, peer: String, cs: Arc<C
                 -> Result<Response<OutBody>, Infallible> {
     let t0 = Instant::now();
     sh.stats.requests.fetch_add(1, Ordering::Relaxed);
+    *cs.head_since.lock().unwrap() = None;
     let guard = InFlight::new(sh.stats.clone(), cs);
     if over {
         let r = respond(503, &[], sh.limits.overloaded.clone(), true);
