@@ -588,6 +588,13 @@ async def test_idle_keepalive_connections_and_slow_heads_are_closed(plane):
     assert slow.startswith(b"HTTP/1.1 408")
 
 
+async def test_start_on_a_port_in_use_raises_oserror(plane):
+    base = await plane(Lane(lambda *_: ("reply", 200, [], b"ok")))
+    taken = dp.Plane("127.0.0.1", int(base.rsplit(":", 1)[1]), Lane(lambda *_: None), "127.0.0.1:9", SECRET, LIMITS)
+    with pytest.raises(OSError):
+        taken.start()
+
+
 async def test_stop_waits_for_requests_in_flight(plane):
     eng = RawServer(lambda req: [(0.3, ok()[0][1])])
     url = await eng.start()

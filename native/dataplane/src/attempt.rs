@@ -81,17 +81,20 @@ fn stopped(s: Stop) -> Outcome {
 
 /// Calls `attempt.client_gone()` if dropped while armed (hyper drops a request's future when its client
 /// goes away; the engine connection, owned by that future, closes with it).
-struct Gone(Option<PyObject>);
+struct Gone<'a>(&'a Shared, Option<PyObject>);
 
-impl Drop for Gone {
+impl Drop for Gone<'_> {
     fn drop(&mut self) {
-        if let Some(a) = self.0.take() {
-            Python::with_gil(|py| {
-                if let Err(e) = a.call_method0(py, "client_gone") {
-                    e.print(py);
-                }
-            });
+        if let Some(a) = self.1.take() {
+            client_gone(self.0, &a);
         }
+    }
+}
+
+/// `attempt.client_gone()` (an exception goes to `lane.internal_error`).
+pub fn client_gone(sh: &Shared, attempt: &PyObject) {
+    if let Err(e) = py::call_none(attempt, "client_gone", ()) {
+        py::report(&sh.lane, "client_gone", e);
     }
 }
 
@@ -164,9 +167,9 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                     Err(e) => return internal(&sh, "attempt", e),
                 };
                 ctx.deadline = a.deadline_s.map(|d| rq.t0 + Duration::from_secs_f64(d.max(0.0)));
-                let mut gone = Gone(Some(attempt.clone()));
+                let mut gone = Gone(&sh, Some(attempt.clone()));
                 let outcome = try_once(&ctx, &a).await;
-                gone.0 = None;
+                gone.1 = None;
                 let r = match outcome {
                     Outcome::Failed(kind, detail) => py::call_step(&attempt, "failed", (kind, detail)),
                     Outcome::Answered { status, headers, body } => {

@@ -1,5 +1,8 @@
-//! `dyad_dataplane`: Dyad's native data plane (contract: docs in dataplane_spec / orchestrator/gateway/native).
-//! Compiled code carries the bytes; Python (`NativeLane`) decides through synchronous callbacks.
+//! `dyad_dataplane`: Dyad's native data plane. Compiled code carries the bytes; Python decides, judges and
+//! accounts through synchronous callbacks under the GIL (the lane: `orchestrator/gateway/native/lane.py`).
+//! What is not the plain case goes to the Python gateway behind it on loopback ("the fallback").
+//! One OS thread runs a current-thread tokio runtime; the GIL is held only inside a callback.
+//! Build: `bash scripts/build_dataplane.sh` (`--test`: also the Rust unit tests).
 //!
 //! - `server`: client connections, routing hot vs. not, limits
 //! - `forward`: the fallback proxy to the Python gateway (and stream continuations)

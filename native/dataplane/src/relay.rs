@@ -3,7 +3,8 @@
 //! `("end", data)` or `("continue", ...)` (the fallback's body piped into the client's stream), or
 //! `attempt.client_gone` when the client left. Runs as its own task: the client's head is already sent.
 
-use crate::attempt::{far, Ctx, Stop};
+use crate::attempt::{self, far, Ctx, Stop};
+use crate::server::Shared;
 use crate::forward;
 use crate::pool::{Key, PooledConn};
 use crate::py::{self, AttemptParams, Step};
@@ -49,7 +50,7 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
             }}) => Some(r),
         };
         let r = match next {
-            None => return gone(conn, &attempt),
+            None => return gone(&ctx.sh, conn, &attempt),
             Some(r) => r,
         };
         let chunk = match r {
@@ -74,7 +75,7 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
         if !f.out.is_empty() {
             sent.extend_from_slice(&f.out);
             if tx.send(Bytes::from(f.out)).await.is_err() {
-                return gone(conn, &attempt);
+                return gone(&ctx.sh, conn, &attempt);
             }
         }
         if let Some(p) = f.problem {
@@ -84,7 +85,7 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
             drop(tx);
             let written = drained.await.is_ok();
             if !written {
-                return gone(conn, &attempt);
+                return gone(&ctx.sh, conn, &attempt);
             }
             let r = Python::with_gil(|py| {
                 attempt.call_method1(py, "stream_done", (scr.usage.clone(), scr.events, tm.first, tm.last)).map(|_| ())
@@ -123,11 +124,9 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
     }
 }
 
-fn gone(conn: PooledConn, attempt: &PyObject) {
+fn gone(sh: &Shared, conn: PooledConn, attempt: &PyObject) {
     drop(conn); // the engine sees its connection close
-    if let Err(e) = py::call_none(attempt, "client_gone", ()) {
-        Python::with_gil(|py| e.print(py));
-    }
+    attempt::client_gone(sh, attempt);
 }
 
 /// POST the continuation to the fallback and pipe its body into the client's stream.
