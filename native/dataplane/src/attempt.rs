@@ -14,6 +14,7 @@ use hyper::body::{Bytes, HttpBody};
 use hyper::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use hyper::http::request::Parts;
 use hyper::{Body, Method, Request, Response, Uri};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::future::Future;
@@ -126,7 +127,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
             rq.peer.as_str(),
             c,
         );
-        py::step_of(sh.lane.call_method1(py, "admit", args)?.as_ref(py))
+        py::step_of(sh.lane.call_method1(py, intern!(py, "admit"), args)?.as_ref(py))
     });
     let step = match admitted {
         Ok(s) => s,
@@ -161,11 +162,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                 hs.extend(extra);
                 return respond(status, &hs, body.unwrap_or_default(), false);
             }
-            Step::Send(attempt) => {
-                let a = match Python::with_gil(|py| AttemptParams::read(attempt.as_ref(py))) {
-                    Ok(a) => a,
-                    Err(e) => return internal(&sh, "attempt", e),
-                };
+            Step::Send(attempt, a) => {
                 ctx.deadline = a.deadline_s.map(|d| rq.t0 + Duration::from_secs_f64(d.max(0.0)));
                 let mut gone = Gone(&sh, Some(attempt.clone()));
                 let outcome = try_once(&ctx, &a).await;
@@ -176,7 +173,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                         let r = Python::with_gil(|py| {
                             let hs = py::headers_to_py(py, &headers);
                             let b = body.as_ref().map(|b| PyBytes::new(py, b));
-                            py::step_of(attempt.call_method1(py, "answered", (status, hs, b))?.as_ref(py))
+                            py::step_of(attempt.call_method1(py, intern!(py, "answered"), (status, hs, b))?.as_ref(py))
                         });
                         answer = Some((status, headers, body, a.reply_headers.clone()));
                         r
@@ -191,7 +188,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                         h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
                         h.insert(HeaderName::from_static("cache-control"), HeaderValue::from_static("no-cache"));
                         let out = with_headers(out, &a.reply_headers);
-                        tokio::spawn(relay::relay(ctx, a, attempt, resp.into_body(), conn, key, tx, drained));
+                        tokio::spawn(relay::relay(ctx, *a, attempt, resp.into_body(), conn, key, tx, drained));
                         return out;
                     }
                 };
@@ -230,7 +227,7 @@ async fn try_once(ctx: &Ctx, a: &AttemptParams) -> Outcome {
     let key: Key = (uri.host().unwrap_or("127.0.0.1").to_string(), uri.port_u16().unwrap_or(80));
     let pq = uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
     let first_byte = a.first_byte_timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
-    let mut taken = ctx.sh.pool.take(&key);
+    let mut taken = ctx.sh.pool.take(&key).await;
     let (resp, conn) = loop {
         let reused = taken.is_some();
         let mut conn = match taken.take() {

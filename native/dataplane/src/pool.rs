@@ -19,6 +19,9 @@ use tokio::sync::oneshot;
 
 pub type Key = (String, u16);
 
+/// How long a pooled connection may take to be ready for its next request.
+const READY_WAIT: Duration = Duration::from_millis(50);
+
 pub struct PooledConn {
     pub sr: SendRequest<Body>,
     /// a byte of an answer arrived since `got.store(false)` (reset for every request)
@@ -96,34 +99,25 @@ pub async fn connect(key: &Key) -> io::Result<PooledConn> {
 }
 
 impl Pool {
-    /// The most recently returned open connection to `key`.
-    pub fn take(&self, key: &Key) -> Option<PooledConn> {
-        let mut idle = self.idle.lock().unwrap();
-        let list = idle.get_mut(key)?;
-        while let Some(mut c) = list.pop() {
-            if let Some(Ok(())) = poll_fn(|cx| c.sr.poll_ready(cx)).now_or_never() {
+    /// The most recently returned open connection to `key` (one just returned may need a moment to be
+    /// ready again: its connection task has not run since its answer ended; closed ones are dropped).
+    pub async fn take(&self, key: &Key) -> Option<PooledConn> {
+        loop {
+            let mut c = self.idle.lock().unwrap().get_mut(key)?.pop()?;
+            let ready = match poll_fn(|cx| c.sr.poll_ready(cx)).now_or_never() {
+                Some(r) => r.is_ok(),
+                None => matches!(tokio::time::timeout(READY_WAIT, poll_fn(|cx| c.sr.poll_ready(cx))).await, Ok(Ok(()))),
+            };
+            if ready {
                 c.got.store(false, Ordering::Relaxed);
                 return Some(c);
             }
         }
-        None
     }
 
-    /// Back to the pool once the connection is ready for another request (its answer was read whole).
-    pub fn put(self: &Arc<Self>, key: Key, mut c: PooledConn) {
-        match poll_fn(|cx| c.sr.poll_ready(cx)).now_or_never() {
-            Some(Ok(())) => self.idle.lock().unwrap().entry(key).or_default().push(c),
-            Some(Err(_)) => {}
-            None => {
-                let pool = self.clone();
-                tokio::spawn(async move {
-                    let ready = tokio::time::timeout(Duration::from_secs(1), poll_fn(|cx| c.sr.poll_ready(cx))).await;
-                    if let Ok(Ok(())) = ready {
-                        pool.idle.lock().unwrap().entry(key).or_default().push(c);
-                    }
-                });
-            }
-        }
+    /// Back to the pool (its answer was read whole).
+    pub fn put(&self, key: Key, c: PooledConn) {
+        self.idle.lock().unwrap().entry(key).or_default().push(c);
     }
 
     /// Close every idle connection to `key` (one of them gave no answer at all: see transport.py drop_idle).

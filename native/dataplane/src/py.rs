@@ -4,6 +4,7 @@
 
 use hyper::body::Bytes;
 use hyper::HeaderMap;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
@@ -12,7 +13,8 @@ pub type Headers = Vec<(Bytes, Bytes)>;
 pub enum Step {
     Fallback,
     Reply(u16, Headers, Bytes),
-    Send(PyObject),
+    /// the attempt and its attributes (read with the step, under the same GIL)
+    Send(PyObject, Box<AttemptParams>),
     Relay,
     End(Bytes),
     Continue(String, Headers, Bytes),
@@ -23,7 +25,7 @@ impl Step {
         match self {
             Step::Fallback => "fallback",
             Step::Reply(..) => "reply",
-            Step::Send(_) => "send",
+            Step::Send(..) => "send",
             Step::Relay => "relay",
             Step::End(_) => "end",
             Step::Continue(..) => "continue",
@@ -59,7 +61,10 @@ pub fn step_of(o: &PyAny) -> PyResult<Step> {
     Ok(match kind {
         "fallback" => Step::Fallback,
         "reply" => Step::Reply(t.get_item(1)?.extract()?, headers_of(t.get_item(2)?)?, bytes_of(t.get_item(3)?)?),
-        "send" => Step::Send(t.get_item(1)?.into()),
+        "send" => {
+            let a = t.get_item(1)?;
+            Step::Send(a.into(), Box::new(AttemptParams::read(a)?))
+        }
         "relay" => Step::Relay,
         "end" => Step::End(bytes_of(t.get_item(1)?)?),
         "continue" => Step::Continue(t.get_item(1)?.extract()?, headers_of(t.get_item(2)?)?, bytes_of(t.get_item(3)?)?),
@@ -87,19 +92,20 @@ pub struct AttemptParams {
 
 impl AttemptParams {
     pub fn read(a: &PyAny) -> PyResult<Self> {
+        let py = a.py();
         Ok(AttemptParams {
-            url: a.getattr("url")?.extract()?,
-            body: bytes_of(a.getattr("body")?)?,
-            headers: headers_of(a.getattr("headers")?)?,
-            stream: a.getattr("stream")?.extract()?,
-            delay_s: a.getattr("delay_s")?.extract()?,
-            first_byte_timeout: a.getattr("first_byte_timeout")?.extract()?,
-            idle_timeout: a.getattr("idle_timeout")?.extract()?,
-            deadline_s: a.getattr("deadline_s")?.extract()?,
-            max_answer_bytes: a.getattr("max_answer_bytes")?.extract()?,
-            error_body_bytes: a.getattr("error_body_bytes")?.extract()?,
-            reply_headers: headers_of(a.getattr("reply_headers")?)?,
-            strip_usage: a.getattr("strip_usage")?.extract()?,
+            url: a.getattr(intern!(py, "url"))?.extract()?,
+            body: bytes_of(a.getattr(intern!(py, "body"))?)?,
+            headers: headers_of(a.getattr(intern!(py, "headers"))?)?,
+            stream: a.getattr(intern!(py, "stream"))?.extract()?,
+            delay_s: a.getattr(intern!(py, "delay_s"))?.extract()?,
+            first_byte_timeout: a.getattr(intern!(py, "first_byte_timeout"))?.extract()?,
+            idle_timeout: a.getattr(intern!(py, "idle_timeout"))?.extract()?,
+            deadline_s: a.getattr(intern!(py, "deadline_s"))?.extract()?,
+            max_answer_bytes: a.getattr(intern!(py, "max_answer_bytes"))?.extract()?,
+            error_body_bytes: a.getattr(intern!(py, "error_body_bytes"))?.extract()?,
+            reply_headers: headers_of(a.getattr(intern!(py, "reply_headers"))?)?,
+            strip_usage: a.getattr(intern!(py, "strip_usage"))?.extract()?,
         })
     }
 }
