@@ -167,8 +167,8 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                 let mut gone = Gone(&sh, Some(attempt.clone()));
                 let outcome = try_once(&ctx, &a).await;
                 gone.1 = None;
-                let r = match outcome {
-                    Outcome::Failed(kind, detail) => py::call_step(&attempt, "failed", (kind, detail)),
+                let (called, r) = match outcome {
+                    Outcome::Failed(kind, detail) => ("failed", py::call_step(&attempt, "failed", (kind, detail))),
                     Outcome::Answered { status, headers, body } => {
                         let r = Python::with_gil(|py| {
                             let hs = py::headers_to_py(py, &headers);
@@ -176,7 +176,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                             py::step_of(attempt.call_method1(py, intern!(py, "answered"), (status, hs, b))?.as_ref(py))
                         });
                         answer = Some((status, headers, body, a.reply_headers.clone()));
-                        r
+                        ("answered", r)
                     }
                     Outcome::Stream(resp, conn, key) => {
                         if let Err(e) = py::call_none(&attempt, "streaming", ()) {
@@ -194,7 +194,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                 };
                 step = match r {
                     Ok(s) => s,
-                    Err(e) => return internal(&sh, "attempt", e),
+                    Err(e) => return internal(&sh, called, e),
                 };
             }
             other => {
