@@ -1,6 +1,8 @@
 //! Cancel: one per hot request, handed to `lane.admit`. `cancel(reason)` may come from any thread; the
 //! request's current upstream operation (attempt.rs, relay.rs) then ends as kind "cancelled:<reason>".
-//! A cancel is consumed by the operation it ends (a later try is not cancelled by it); `.cancelled` stays.
+//! A cancel is consumed by the operation it ends (or, when none runs, by the next one): a later try or a
+//! stream's continuation is not cancelled by it. Idempotent: a reason cancels at most once (calling
+//! `cancel("x")` again, before or after, does nothing); `.cancelled` stays true.
 
 use pyo3::prelude::*;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,12 +12,19 @@ use tokio::sync::Notify;
 #[derive(Default)]
 pub struct CancelInner {
     pending: Mutex<Option<String>>,
+    used: Mutex<Vec<String>>,
     ever: AtomicBool,
     notify: Notify,
 }
 
 impl CancelInner {
     pub fn cancel(&self, reason: &str) {
+        let mut used = self.used.lock().unwrap();
+        if used.iter().any(|r| r == reason) {
+            return;
+        }
+        used.push(reason.to_string());
+        drop(used);
         let mut p = self.pending.lock().unwrap();
         if p.is_none() {
             *p = Some(reason.to_string());
