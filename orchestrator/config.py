@@ -278,9 +278,21 @@ class GatewayConfig(_Section):
     max_connections: int | None = Field(
         None, ge=1, description="Open client connections; past it a new connection gets 503 naming the limit "
                                 "and is closed (None = unbounded)")
+    data_plane: Literal["python", "native"] = Field(
+        "python", description="What carries the bytes of the OpenAI routes: 'python' (the gateway's own HTTP "
+                              "server), or 'native' (compiled code, built by scripts/build_dataplane.sh; Python "
+                              "still decides every request, and serves everything else behind it on a loopback "
+                              "port: docs/architecture.md, 'The native data plane'). 'native' has no TLS for clients")
     tls: GatewayTlsConfig = Field(default_factory=GatewayTlsConfig, description="HTTPS for clients")
     engine_tls: EngineTlsConfig = Field(default_factory=EngineTlsConfig,
                                         description="TLS settings for https:// workers")
+
+    @model_validator(mode="after")
+    def _native_without_tls(self) -> GatewayConfig:
+        if self.data_plane == "native" and self.tls.cert_file is not None:
+            raise ValueError("data_plane 'native' does not terminate TLS: use 'python' with tls, or put a TLS "
+                             "terminator in front")
+        return self
 
 
 PriorityName = Literal["high", "normal", "low"]

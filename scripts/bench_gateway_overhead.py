@@ -51,20 +51,28 @@ def start_targets(ps: Processes, args: argparse.Namespace) -> dict[str, str]:
     engine = f"http://127.0.0.1:{eport}"
     wait_http(f"{engine}/health", eng)
     targets = {"direct": engine}
-    for policy in args.policies.split(","):
-        gport = free_port()
-        cfg = ps.logdir / f"dyad-{policy}.yaml"
-        cfg.write_text(json.dumps({
-            "models": [{"name": MODEL, **({"tokenizer": args.tokenizer} if args.tokenizer else {})}],
-            "workers": [{"id": "e0", "url": engine, "engine": "sim", "models": [MODEL]}],
-            "router": {"policy": policy},
-            "gateway": {"host": "127.0.0.1", "port": gport},
-        }))
-        g = ps.start(f"dyad-{policy}", [py, "-m", "orchestrator.cli", "serve", "--config", str(cfg)])
-        wait_http(f"http://127.0.0.1:{gport}/ready", g)
-        targets[f"dyad ({policy})"] = f"http://127.0.0.1:{gport}"
+    for plane in args.data_planes.split(","):
+        for policy in args.policies.split(","):
+            gport = free_port()
+            name = f"dyad-{policy}" if plane == "python" else f"dyad-{plane}-{policy}"
+            cfg = ps.logdir / f"{name}.yaml"
+            cfg.write_text(json.dumps({
+                "models": [{"name": MODEL, **({"tokenizer": args.tokenizer} if args.tokenizer else {})}],
+                "workers": [{"id": "e0", "url": engine, "engine": "sim", "models": [MODEL]}],
+                "router": {"policy": policy},
+                "gateway": {"host": "127.0.0.1", "port": gport, "data_plane": plane},
+            }))
+            g = ps.start(name, [py, "-m", "orchestrator.cli", "serve", "--config", str(cfg)])
+            wait_http(f"http://127.0.0.1:{gport}/ready", g)
+            targets[f"dyad ({policy})" if plane == "python" else f"dyad {plane} ({policy})"] = f"http://127.0.0.1:{gport}"
     for mode in args.floor:  # the least a Python proxy on the same machinery costs (not a gateway)
         port = free_port()
+        if mode == "native":  # the compiled plane with a lane that does no Dyad work
+            p = ps.start("floor-native", [py, str(ROOT / "scripts/bench_native_floor.py"), "--engine", engine,
+                                          "--port", str(port)])
+            wait_http(f"http://127.0.0.1:{port}/health", p, ok=(200, 502, 503))
+            targets["native floor"] = f"http://127.0.0.1:{port}"
+            continue
         p = ps.start(f"floor-{mode}", [py, str(ROOT / "scripts/bench_gateway_floor.py"), "--engine", engine,
                                        "--port", str(port), "--mode", mode])
         wait_http(f"http://127.0.0.1:{port}/ready", p)
@@ -208,6 +216,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per response")
     ap.add_argument("--policies", default="round_robin", help="Dyad policies to measure, comma-separated")
+    ap.add_argument("--data-planes", default="python,native",
+                    help="gateway.data_plane values to measure, comma-separated (native: scripts/build_dataplane.sh)")
     ap.add_argument("--anchors-venv", default=str(DEFAULT_ANCHORS))
     ap.add_argument("--no-anchors", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -223,7 +233,7 @@ def main() -> int:
     ap.add_argument("--tokenizer", help="a directory with HF tokenizer files: Dyad tokenizes with it "
                                         "(models[].tokenizer) instead of the simulator's word tokenizer; "
                                         "--prompt-tokens then counts words, and the tokens are printed")
-    ap.add_argument("--floor", action="append", default=[], choices=("protocol", "asgi-dyad", "asgi"),
+    ap.add_argument("--floor", action="append", default=[], choices=("protocol", "asgi-dyad", "asgi", "native"),
                     help="also measure a Python proxy that only forwards bytes (scripts/bench_gateway_floor.py, "
                          "this server mode; repeatable): what no Python gateway on this machinery can beat")
     args = ap.parse_args()

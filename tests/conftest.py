@@ -25,6 +25,39 @@ from tests.fixtures.vllm import (
 from tests.fixtures.vllm_pd import vllm_pd_engines  # noqa: F401
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--data-plane", choices=["python", "native"], default="python",
+                     help="What carries the bytes of every GatewayThread these tests start (gateway.data_plane): "
+                          "`make test` runs the request-path suites once more with 'native' (needs the module "
+                          "that scripts/build_dataplane.sh builds)")
+
+
+@pytest.fixture(autouse=True)
+def _data_plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--data-plane native``: every ``GatewayThread`` runs the native plane in front (unless its config
+    serves TLS to clients, which the plane does not)."""
+    if request.config.getoption("--data-plane") != "native":
+        return
+    import os
+
+    from orchestrator.gateway import native, serve
+
+    if native.load() is None:
+        message = f"the native data plane is not built: run `{native.BUILD}`"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+    original = serve.GatewayThread.__init__
+
+    def native_init(self, config, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if config.gateway.tls.cert_file is None:
+            config.gateway.data_plane = "native"
+        original(self, config, *args, **kwargs)
+
+    monkeypatch.setattr(serve.GatewayThread, "__init__", native_init)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",

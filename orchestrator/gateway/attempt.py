@@ -45,14 +45,16 @@ class Attempt:
     __slots__ = ("rt", "req", "decision", "response", "started", "gen_at_start", "task", "aborted", "outcome",
                  "stalled", "abortable", "_probe", "deadline", "_first", "progress", "spared")
 
-    def __init__(self, rt: GatewayRuntime, req: RouteRequest, decision: RouteDecision) -> None:
+    def __init__(self, rt: GatewayRuntime, req: RouteRequest, decision: RouteDecision, task: Any = None) -> None:
+        """``task``: what ``abort`` cancels (``.cancel()``, ``.done()``): the current asyncio task unless given
+        (the native data plane passes its request's cancel handle: native/lane.py)."""
         self.rt = rt
         self.req = req
         self.decision = decision
         self.response: httpx.Response | None = None
         self.started = rt.clock.now()
         self.gen_at_start = decision.worker.load.generation_tokens
-        self.task = asyncio.current_task()
+        self.task = task if task is not None else asyncio.current_task()
         self.aborted: str | None = None  # why the gateway pulled this attempt (worker marked down)
         self.outcome: str | None = None
         self.stalled = False

@@ -396,18 +396,24 @@ class StreamRelay:
         self.held: list[bytes] | None = [] if self.protocol.holds_preamble else None  # (until the first token)
         self.on_bytes: Callable[[bytes], None] | None = None  # sees every body relayed (ITL: TokenTimer.on_bytes)
 
-    async def run(self, send: Any, response: httpx.Response, on_bytes: Callable[[bytes], None] | None = None) -> None:
-        """``on_bytes``: called with each body relayed, before it is sent (``stream_timing.TokenTimer``)."""
+    async def run(self, send: Any, response: httpx.Response | None, on_bytes: Callable[[bytes], None] | None = None,
+                  broken: tuple[str, str] | None = None) -> None:
+        """``on_bytes``: called with each body relayed, before it is sent (``stream_timing.TokenTimer``).
+        ``broken``: (kind, description) of a break that already happened elsewhere (the native data plane
+        relayed the stream this far: what it sent is in ``recorder``); then ``response`` is None and the relay
+        starts at the recovery."""
         self.on_bytes = on_bytes
         p = self.proxy
         rewriter: ContinuationRewriter | None = None
         while True:
-            failure = await self._pump(send, response, rewriter)
+            failure = broken or await self._pump(send, response, rewriter)  # type: ignore[arg-type]
+            broken = None
             if failure is None:
                 break
             worker = self._end_attempt(*failure)
             # (closed before a continuation opens: from its attempt on, every await is in _pump)
-            await response.aclose()
+            if response is not None:
+                await response.aclose()
             self.recorder.pending = b""  # the broken engine's unfinished event is never relayed
             self.recorder.cr_end = False
             ending, next_response, rewriter = await self._recover(worker, failure[1])

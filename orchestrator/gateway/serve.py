@@ -111,12 +111,20 @@ class GatewayThread:
                  freeze: bool = False) -> None:
         self.config = config
         self.app = create_app(config, clock=clock, runtime=runtime, freeze=freeze)
-        self._sock = bind_socket(config.gateway.host, port)
-        self.port = self._sock.getsockname()[1]
         host = config.gateway.host
+        self.plane = None
+        if config.gateway.data_plane == "native":  # the plane on host:port, the Python gateway behind it
+            self.app, self.plane = native_front(self.app, config, host, port)
+            self._sock = bind_socket("127.0.0.1", 0)
+            self.plane.fallback_port = self._sock.getsockname()[1]
+            server_host = "127.0.0.1"
+        else:
+            self._sock = bind_socket(host, port)
+            server_host = host
+        self.port = self._sock.getsockname()[1]
         ssl = server_ssl_options(config.gateway.tls)
         self.url = f"{'https' if ssl else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn_config(self.app, host, self.port, ssl=ssl,
+        self._server = uvicorn.Server(uvicorn_config(self.app, server_host, self.port, ssl=ssl,
                                                      resilience=config.resilience, gateway=config.gateway))
         self._thread = threading.Thread(target=self._run, name=f"dyad-gateway-{self.port}", daemon=True)
         self._startup_timeout_s = startup_timeout_s
@@ -135,7 +143,7 @@ class GatewayThread:
         await self._server.serve(sockets=[self._sock])
 
     @property
-    def runtime(self) -> GatewayRuntime:
+    def runtime(self) -> GatewayRuntime:  # (FallbackApp shares the app's state)
         return self.app.state.runtime
 
     def call(self, coro: Any, timeout: float = 30.0) -> Any:
@@ -154,6 +162,10 @@ class GatewayThread:
                 raise RuntimeError(f"gateway did not start within {self._startup_timeout_s:g} s")
             done.wait(0.01)
             waited += 0.01
+        if self.plane is not None:  # (started with the app's start-up: fallback.FallbackApp._lifespan)
+            self.port = self.plane.port
+            host = self.config.gateway.host
+            self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
         return self
 
     def stop(self) -> None:
@@ -202,10 +214,28 @@ def run(args: argparse.Namespace) -> int:
     print(f"dyad: gateway on {'https' if ssl else 'http'}://{gw.host}:{gw.port} ({len(config.workers)} workers, "
           f"policy {config.router.policy})", file=sys.stderr, flush=True)
     app = create_app(config, freeze=True)  # its start-up heap left out of garbage collection (app.freeze_heap)
+    sockets = None
+    host, port = gw.host, gw.port
+    if gw.data_plane == "native":  # the plane on host:port; the Python gateway behind it on a loopback port
+        app, plane = native_front(app, config, gw.host, gw.port)
+        sock = bind_socket("127.0.0.1", 0)
+        plane.fallback_port = sock.getsockname()[1]
+        sockets, host, port = [sock], "127.0.0.1", plane.fallback_port
     # SIGTERM: stop intake, finish in-flight requests (resilience.shutdown_grace_s), exit 0 (shutdown.py)
-    server = DrainingServer(uvicorn_config(app, gw.host, gw.port, args.log_level, ssl=ssl,
+    server = DrainingServer(uvicorn_config(app, host, port, args.log_level, ssl=ssl,
                                            resilience=config.resilience, gateway=gw),
                             lambda: getattr(getattr(app.state, "runtime", None), "shutdown", None),
                             config.resilience.shutdown_grace_s)
-    server.run()
+    server.run(sockets=sockets)
     return 0
+
+
+def native_front(app: Any, config: DyadConfig, host: str, port: int) -> tuple[Any, Any]:
+    """``gateway.data_plane: native``: the app behind the plane (``native/fallback.py``) and the plane, which
+    the app's start-up starts (its fallback port is set by the caller once the loopback socket is bound)."""
+    from orchestrator.gateway.native.fallback import FallbackApp
+    from orchestrator.gateway.native.plane import NativePlane
+
+    front = FallbackApp(app)
+    plane = front.plane = NativePlane(config, front, 0, host, port)
+    return front, plane

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httptools
@@ -277,6 +277,8 @@ class FastTransport(httpx.AsyncBaseTransport):
         self.max_idle_per_host = max_idle_per_host
         self._https = https
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        # also told when an engine's idle connections are dropped (the native data plane's own pool: native/plane.py)
+        self.idle_listeners: list[Callable[[tuple[str, int]], object]] = []
         self._all: set[_Conn] = set()
         self._fallback: httpx.AsyncBaseTransport | None = None
 
@@ -307,6 +309,8 @@ class FastTransport(httpx.AsyncBaseTransport):
         idle = self._idle.pop(key, None)
         for conn in idle or ():
             conn.close()
+        for listener in self.idle_listeners:
+            listener(key)
         return len(idle or ())
 
     def _forget(self, conn: _Conn) -> None:

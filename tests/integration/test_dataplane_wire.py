@@ -90,6 +90,8 @@ class Attempt:
         self.__dict__.update(attrs)
         self.then = then or {}
         self.calls: list[tuple[Any, ...]] = []
+        self.first_events: list[float] = []  # first_event(first_s): once per streamed try, after its first data event
+        self.gaps: list[float] | None = None  # the inter-token gaps of the stream's end (stream_timing.TokenTimer)
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
@@ -110,11 +112,17 @@ class Attempt:
     def streaming(self) -> None:
         self._step("streaming")
 
-    def stream_done(self, usage: str | None, events: int, first_s: float | None, last_s: float | None) -> None:
+    def first_event(self, first_s: float) -> None:  # (kept apart from ``calls``: see ``first_events``)
+        self.first_events.append(first_s)
+
+    def stream_done(self, usage: str | None, events: int, first_s: float | None, last_s: float | None,
+                    gaps: list[float]) -> None:
+        self.gaps = gaps
         self._step("stream_done", usage, events, first_s, last_s)
 
     def stream_broken(self, kind: str, detail: str, sent: bytes, usage: str | None, events: int,
-                      first_s: float | None, last_s: float | None) -> Any:
+                      first_s: float | None, last_s: float | None, gaps: list[float]) -> Any:
+        self.gaps = gaps
         return self._step("stream_broken", kind, detail, sent, usage, events, first_s, last_s)
 
     def client_gone(self) -> None:
@@ -377,6 +385,9 @@ async def test_a_good_stream_is_relayed_and_done_reports_usage_events_and_times(
     assert a.names() == ["streaming", "stream_done"]
     assert json.loads(usage) == {"prompt_tokens": 2, "completion_tokens": 2} and events == 2
     assert 0 < first_s < last_s < 2
+    assert a.first_events == [first_s]  # once, with the first data event (TTFT; the stall watchdog stands down)
+    # one ITL gap: the second token event's write after the first's (written apart: the engine sent them apart)
+    assert a.gaps is not None and len(a.gaps) == 1 and a.gaps[0] >= 0
 
 
 async def test_the_usage_chunk_is_withheld_with_strip_usage_and_events_split_across_chunks_are_whole(plane):

@@ -268,6 +268,7 @@ def test_a_stalled_worker_pulled_after_the_headers_is_continued_on_another(engin
     assert 'dyad_stream_failovers_total{outcome="continued"} 1.0' in text  # (it began on the stalled worker)
 
 
+@pytest.mark.python_plane  # (it wraps the Python server's ASGI send; the native plane's case: test_native_plane.py)
 @pytest.mark.parametrize("endpoint", [CHAT, RESPONSES])
 def test_a_worker_pulled_while_the_gateway_waits_on_the_client_ends_with_the_protocols_error(engines, endpoint):
     """The worker is marked down while the gateway is blocked writing to the client (here: the headers,
@@ -295,6 +296,7 @@ def test_a_worker_pulled_while_the_gateway_waits_on_the_client_ends_with_the_pro
     error_ending(endpoint, events, "marked down")
 
 
+@pytest.mark.python_plane  # (the native plane's own case: tests/integration/test_native_plane.py)
 @pytest.mark.parametrize("endpoint", [CHAT, RESPONSES])
 def test_a_failure_of_the_gateways_own_code_mid_stream_ends_with_the_protocols_error(engines, endpoint, monkeypatch):
     """A bug in the relay (injected: reading the usage event raises) after tokens reached the client: the

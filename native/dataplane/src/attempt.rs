@@ -138,9 +138,15 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
     let mut answer: Option<(u16, hyper::HeaderMap, Option<Bytes>, Headers)> = None;
     loop {
         match step {
-            Step::Fallback => {
+            Step::Fallback(extra) => {
+                let mut hm = rq.parts.headers.clone();
+                for (k, v) in &extra {
+                    if let (Ok(k), Ok(v)) = (HeaderName::from_bytes(k), HeaderValue::from_bytes(v)) {
+                        hm.append(k, v);
+                    }
+                }
                 let req = forward::fallback_request(&sh, Method::POST, rq.parts.uri.path_and_query().map_or("/", |p| p.as_str()),
-                                                    rq.parts.headers.clone(), Body::from(rq.body.clone()), Some(&rq.peer));
+                                                    hm, Body::from(rq.body.clone()), Some(&rq.peer));
                 return match sh.fb.request(req).await {
                     Ok(resp) => {
                         let (mut parts, body) = resp.into_parts();
@@ -295,7 +301,7 @@ async fn try_once(ctx: &Ctx, a: &AttemptParams) -> Outcome {
             Err(s) => return stopped(s),
             Ok(None) => return fail("stalled_body", "the answer's body stopped arriving"),
             Ok(Some(None)) => break,
-            Ok(Some(Some(Err(e)))) => return fail("reset", format!("the answer's body broke off: {}", e)),
+            Ok(Some(Some(Err(e)))) => return fail("broke_off", format!("the answer's body broke off: {}", e)),
             Ok(Some(Some(Ok(c)))) => {
                 if buf.len() + c.len() > limit {
                     // longer than the bound: the rest is dropped with the connection

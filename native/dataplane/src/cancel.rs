@@ -7,6 +7,7 @@
 use pyo3::prelude::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 use tokio::sync::Notify;
 
 #[derive(Default)]
@@ -15,9 +16,15 @@ pub struct CancelInner {
     used: Mutex<Vec<String>>,
     ever: AtomicBool,
     notify: Notify,
+    last_event: Mutex<Option<Instant>>, // the relayed stream's last data event (None: none yet, or not streaming)
 }
 
 impl CancelInner {
+    /// The relay wrote a data event now (or, with `false`, its stream is over).
+    pub fn mark_event(&self, streaming: bool) {
+        *self.last_event.lock().unwrap() = if streaming { Some(Instant::now()) } else { None };
+    }
+
     pub fn cancel(&self, reason: &str) {
         let mut used = self.used.lock().unwrap();
         if used.iter().any(|r| r == reason) {
@@ -56,6 +63,12 @@ impl Cancel {
     /// End the request's current upstream operation as failure kind "cancelled:<reason>". Idempotent.
     fn cancel(&self, py: Python, reason: &str) {
         py.allow_threads(|| self.inner.cancel(reason))
+    }
+
+    /// Seconds since the relayed stream's last data event; None before its first one or once it is over
+    /// (Python's ``Attempt.quiet_for``: a worker marked down keeps the streams that deliver).
+    fn quiet_for(&self) -> Option<f64> {
+        self.inner.last_event.lock().unwrap().map(|t| t.elapsed().as_secs_f64())
     }
 
     #[getter]

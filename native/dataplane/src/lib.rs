@@ -45,6 +45,7 @@ struct Plane {
     port: u16,
     shared: Mutex<Option<server::Shared>>,
     stats: Arc<Stats>,
+    pool: Arc<pool::Pool>,
     running: Mutex<Option<Running>>,
 }
 
@@ -52,6 +53,13 @@ fn limit<'p, T: FromPyObject<'p>>(d: &'p PyDict, key: &str) -> PyResult<T> {
     d.get_item(key)
         .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(format!("limits[{:?}] is missing", key)))?
         .extract()
+}
+
+fn optional<'p, T: FromPyObject<'p>>(d: &'p PyDict, key: &str, default: T) -> PyResult<T> {
+    match d.get_item(key) {
+        Some(v) => v.extract(),
+        None => Ok(default),
+    }
 }
 
 fn bytes_limit(d: &PyDict, key: &str, default: &'static [u8]) -> PyResult<Bytes> {
@@ -76,9 +84,13 @@ impl Plane {
             header_timeout: secs("header_timeout_s")?,
             keepalive: secs("keepalive_s")?,
             server_error: bytes_limit(limits, "server_error", b"{}")?,
+            // (optional: Retry-After on the connection-limit 503; a client that takes no byte of its stream this long)
+            retry_after: Bytes::from(optional::<u64>(limits, "retry_after_s", 1)?.max(1).to_string()),
+            client_write_timeout: Duration::from_secs_f64(optional::<f64>(limits, "client_write_timeout_s", 120.0)?.max(0.001)),
         };
         let secret = HeaderValue::from_str(&secret).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
         let stats = Arc::new(Stats::default());
+        let pool: Arc<pool::Pool> = Default::default();
         let mut http = hyper::client::HttpConnector::new();
         http.set_nodelay(true);
         let shared = server::Shared {
@@ -88,9 +100,9 @@ impl Plane {
             limits: l,
             stats: stats.clone(),
             fb: hyper::Client::builder().build(http),
-            pool: Default::default(),
+            pool: pool.clone(),
         };
-        Ok(Plane { host, port, shared: Mutex::new(Some(shared)), stats, running: Mutex::new(None) })
+        Ok(Plane { host, port, shared: Mutex::new(Some(shared)), stats, pool, running: Mutex::new(None) })
     }
 
     /// Bind host:port (0: ephemeral) and start serving; returns the bound port.
@@ -102,12 +114,15 @@ impl Plane {
         let (stop, stop_rx) = watch::channel(None);
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let thread = std::thread::Builder::new().name("dyad-dataplane".into()).spawn(move || {
-            rt.block_on(async move {
+            // The thread keeps one Python thread state for its life (made here, the GIL released at once), so
+            // each callback's `with_gil` only takes the GIL instead of making and freeing a thread state per
+            // call (measured: docs/benchmarks.md, "the native data plane").
+            Python::with_gil(|py| py.allow_threads(|| rt.block_on(async move {
                 match tokio::net::TcpListener::from_std(listener) {
                     Ok(l) => server::serve(l, Arc::new(shared), stop_rx).await,
                     Err(e) => eprintln!("dyad_dataplane: {}", e),
                 }
-            });
+            })));
             drop(rt); // closes every connection left
         })?;
         *self.running.lock().unwrap() = Some(Running { stop, thread });
@@ -122,6 +137,15 @@ impl Plane {
             py.allow_threads(move || {
                 let _ = r.thread.join();
             });
+        }
+    }
+
+    /// Close the idle pooled connections to `url`'s host and port (the Python health loop calls it when a probe
+    /// fails: connections that went idle together lead nowhere together; transport.py `drop_idle`).
+    fn drop_idle(&self, url: &str) {
+        if let Ok(u) = url.parse::<hyper::Uri>() {
+            let key = (u.host().unwrap_or("127.0.0.1").to_string(), u.port_u16().unwrap_or(80));
+            self.pool.drop_idle(&key);
         }
     }
 

@@ -11,7 +11,7 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 pub type Headers = Vec<(Bytes, Bytes)>;
 
 pub enum Step {
-    Fallback,
+    Fallback(Headers),
     Reply(u16, Headers, Bytes),
     /// the attempt and its attributes (read with the step, under the same GIL)
     Send(PyObject, Box<AttemptParams>),
@@ -23,7 +23,7 @@ pub enum Step {
 impl Step {
     pub fn name(&self) -> &'static str {
         match self {
-            Step::Fallback => "fallback",
+            Step::Fallback(_) => "fallback",
             Step::Reply(..) => "reply",
             Step::Send(..) => "send",
             Step::Relay => "relay",
@@ -59,7 +59,7 @@ pub fn step_of(o: &PyAny) -> PyResult<Step> {
     let t: &PyTuple = o.downcast()?;
     let kind: &str = t.get_item(0)?.extract()?;
     Ok(match kind {
-        "fallback" => Step::Fallback,
+        "fallback" => Step::Fallback(if t.len() > 1 { headers_of(t.get_item(1)?)? } else { Vec::new() }),
         "reply" => Step::Reply(t.get_item(1)?.extract()?, headers_of(t.get_item(2)?)?, bytes_of(t.get_item(3)?)?),
         "send" => {
             let a = t.get_item(1)?;

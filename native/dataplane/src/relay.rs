@@ -29,6 +29,8 @@ fn error_end(message: &str, code: &str) -> Bytes {
 struct Timing {
     first: Option<f64>,
     last: Option<f64>,
+    last_write: Option<Instant>, // the last write that held a token event (ITL: stream_timing.TokenTimer)
+    gaps: Vec<f64>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -36,9 +38,12 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
                    tx: mpsc::Sender<Bytes>, drained: oneshot::Receiver<()>) {
     let mut scr = Screener::new(a.strip_usage);
     let mut sent: Vec<u8> = Vec::new();
-    let mut tm = Timing { first: None, last: None };
+    let mut tm = Timing { first: None, last: None, last_write: None, gaps: Vec::new() };
     let idle = a.idle_timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
-    let idle_sleep = tokio::time::sleep_until(far(idle.map(|d| Instant::now() + d)).into());
+    // until the first data event the wait is the first-byte timeout (the engine may still be prefilling)
+    let first_wait = a.first_byte_timeout.map(|t| Duration::from_secs_f64(t.max(0.0))).or(idle);
+    let write_timeout = ctx.sh.limits.client_write_timeout;
+    let idle_sleep = tokio::time::sleep_until(far(first_wait.map(|d| Instant::now() + d)).into());
     tokio::pin!(idle_sleep);
     let broke: (String, String) = loop {
         let next = tokio::select! {
@@ -62,20 +67,41 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
             Ok(Some(Some(Ok(c)))) => c,
         };
         let f = scr.feed(&chunk);
+        let mut first_now = None;
         if f.content_events > 0 {
-            let now = ctx.t0.elapsed().as_secs_f64();
-            tm.first.get_or_insert(now);
+            let at = Instant::now();
+            let now = at.duration_since(ctx.t0).as_secs_f64();
+            if tm.first.is_none() {
+                tm.first = Some(now);
+                first_now = Some(now);
+            }
             tm.last = Some(now);
+            if let Some(prev) = tm.last_write {
+                tm.gaps.push(at.duration_since(prev).as_secs_f64());
+            }
+            tm.gaps.extend(std::iter::repeat(0.0).take(f.content_events as usize - 1));
+            tm.last_write = Some(at);
         }
         if f.data_events > 0 {
+            ctx.cancel.mark_event(true);
             if let Some(d) = idle {
                 idle_sleep.as_mut().reset((Instant::now() + d).into());
             }
         }
         if !f.out.is_empty() {
             sent.extend_from_slice(&f.out);
-            if tx.send(Bytes::from(f.out)).await.is_err() {
-                return gone(&ctx.sh, conn, &attempt);
+            // a client that takes nothing for client_write_timeout_s stopped reading: let go of it and its engine
+            match tokio::time::timeout(write_timeout, tx.send(Bytes::from(f.out))).await {
+                Ok(Ok(())) => {}
+                _ => {
+                    ctx.cancel.mark_event(false);
+                    return gone(&ctx.sh, conn, &attempt);
+                }
+            }
+        }
+        if let Some(first_s) = first_now {
+            if let Err(e) = py::call_none(&attempt, "first_event", (first_s,)) {
+                py::report(&ctx.sh.lane, "first_event", e);
             }
         }
         if let Some(p) = f.problem {
@@ -87,8 +113,10 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
             if !written {
                 return gone(&ctx.sh, conn, &attempt);
             }
+            ctx.cancel.mark_event(false);
+            let gaps = std::mem::take(&mut tm.gaps);
             let r = Python::with_gil(|py| {
-                attempt.call_method1(py, "stream_done", (scr.usage.clone(), scr.events, tm.first, tm.last)).map(|_| ())
+                attempt.call_method1(py, "stream_done", (scr.usage.clone(), scr.events, tm.first, tm.last, gaps)).map(|_| ())
             });
             if let Err(e) = r {
                 py::report(&ctx.sh.lane, "stream_done", e);
@@ -102,9 +130,11 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
     };
     drop(body);
     drop(conn); // (a broken stream's connection is not reused)
+    ctx.cancel.mark_event(false);
     let (kind, detail) = broke;
+    let gaps = std::mem::take(&mut tm.gaps);
     let step = Python::with_gil(|py| {
-        let args = (kind, detail, PyBytes::new(py, &sent), scr.usage.clone(), scr.events, tm.first, tm.last);
+        let args = (kind, detail, PyBytes::new(py, &sent), scr.usage.clone(), scr.events, tm.first, tm.last, gaps);
         py::step_of(attempt.call_method1(py, "stream_broken", args)?.as_ref(py))
     });
     match step {

@@ -34,6 +34,8 @@ pub struct Limits {
     pub header_timeout: Duration,
     pub keepalive: Duration,
     pub server_error: Bytes,
+    pub retry_after: Bytes,
+    pub client_write_timeout: Duration,
 }
 
 pub struct Shared {
@@ -221,7 +223,8 @@ async fn handle(mut req: Request<Body>, sh: Arc<Shared>, peer: String, cs: Arc<C
     *cs.head_since.lock().unwrap() = None;
     let guard = InFlight::new(sh.stats.clone(), cs);
     if over {
-        let r = respond(503, &[], sh.limits.overloaded.clone(), true);
+        let ra = [(Bytes::from_static(b"retry-after"), sh.limits.retry_after.clone())];
+        let r = respond(503, &ra, sh.limits.overloaded.clone(), true);
         return Ok(r.map(|b| b.guarded(guard)));
     }
     let forged: Vec<HeaderName> =

@@ -1,0 +1,157 @@
+"""The native data plane as a whole (``gateway.data_plane: native``): what only this mode has.
+
+The request-path suites run against this mode too (``make test``: ``pytest --data-plane native``, the same
+tests and expectations as the Python plane). Here: the loopback gateway behind the plane answers only the
+plane; a handler that waits (the admission queue) is finished behind the plane; a model on prefill/decode
+pairs is handed over; a Python callback that fails mid-stream still ends the stream honestly.
+The engines are ``dyad sim-engine`` (fault injection on cue); the plane and the gateway are real.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.gateway import native
+from orchestrator.gateway.native import lane as lane_module
+from orchestrator.gateway.serve import GatewayThread
+from orchestrator.sim.profiles import load_profile
+from orchestrator.sim.server import SimEngineThread
+from tests.integration.test_stream_endings import (
+    CHAT,
+    PACED,
+    body_for,
+    error_ending,
+    fault_for,
+    pd_body,
+    pd_config,
+    read_stream,
+    set_faults,
+)
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    if native.load() is None:
+        import os
+
+        message = f"the native data plane is not built: run `{native.BUILD}`"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture
+def engines() -> Iterator[Any]:
+    started: list[SimEngineThread] = []
+
+    def start(n: int, profile: Any = "cpu-tiny") -> list[SimEngineThread]:
+        for _ in range(n):
+            started.append(SimEngineThread(model="m", profile=load_profile(profile) if isinstance(profile, dict)
+                                           else profile, kv_events=False).start())
+        return started
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+def native_config(urls: list[str], **sections: Any) -> Any:
+    return load_config({
+        "models": [{"name": "m"}],
+        "workers": [{"id": f"w{i}", "url": u, "engine": "sim", "models": ["m"]} for i, u in enumerate(urls)],
+        "router": {"policy": "round_robin", "debug_headers": True},
+        "health": {"interval_s": 30},
+        "gateway": {"data_plane": "native"},
+        **sections,
+    }, environ={})
+
+
+def completion(url: str, **extra: Any) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4, **extra},
+                      headers=extra.pop("headers", None), timeout=30)
+
+
+def test_the_gateway_behind_the_plane_answers_only_the_plane(engines):
+    (engine,) = engines(1)
+    with GatewayThread(native_config([engine.url])) as gw:
+        lane = gw.plane.lane
+        behind = f"http://127.0.0.1:{gw.plane.fallback_port}"
+        assert gw.plane.fallback_port != gw.port
+        # straight to the loopback port: refused, whatever is asked
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
+            r = httpx.request(method, behind + path, json={"model": "m", "prompt": "x"}, timeout=10)
+            assert r.status_code == 403, (path, r.text)
+            assert r.json()["error"]["code"] == "forbidden"
+        # through the plane: the same routes are served (the plane adds the secret)
+        assert httpx.get(gw.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "m"
+        # a client that forges the plane's headers (even the right secret, and a resume token) gets nothing of them:
+        # they are stripped before anything else, so the request is served as any other
+        forged = {"x-dyad-native-secret": lane.secret, "x-dyad-native-resume": "0" * 24,
+                  "x-dyad-native-peer": "10.9.9.9:1"}
+        r = httpx.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4},
+                       headers=forged, timeout=10)
+        assert r.status_code == 200, r.text
+        r = httpx.get(gw.url + "/v1/models", headers=forged, timeout=10)
+        assert r.status_code == 200
+        assert lane.handled["native"] >= 1
+
+
+def test_a_request_that_waits_in_the_admission_queue_is_finished_behind_the_plane(engines):
+    """One dispatch slot per worker: a second request queues. Its handler waited, so the lane parks it as it
+    stands and the Python gateway finishes it (nothing is done twice: one arrival, one answer each)."""
+    (engine,) = engines(1, PACED)  # 20 tokens/s: each request holds its slot ~0.4 s
+    cfg = native_config([engine.url], limits={"max_inflight_per_worker": 1, "queue_size": 4, "queue_timeout_s": 30})
+    with GatewayThread(cfg) as gw:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda _: completion(gw.url, max_tokens=8, ignore_eos=True), range(3)))
+        metrics = gw.runtime.metrics.registry
+        assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+        assert all(len(a.json()["choices"][0]["text"].split()) == 8 for a in answers)
+        assert gw.plane.lane.handled["parked"] >= 1  # at least one waited in the queue
+        assert metrics.get_sample_value("dyad_request_arrivals_total", {"model": "m"}) == 3
+        assert metrics.get_sample_value("dyad_requests_total",
+                                        {"model": "m", "endpoint": "completions", "status": "200"}) == 3
+
+
+def test_a_model_on_prefill_decode_pairs_is_handed_to_the_python_gateway(engines):
+    p, d = engines(2)
+    cfg = pd_config(p.url, d.url)
+    cfg.gateway.data_plane = "native"
+    with GatewayThread(cfg) as gw:
+        status, events = read_stream(gw.url, CHAT, pd_body(CHAT, 6))
+        assert status == 200
+        assert events[-1][1] == "[DONE]"
+        assert gw.plane.lane.handled["fallback"] >= 1 and gw.plane.lane.handled["native"] == 0
+        assert gw.runtime.metrics.registry.get_sample_value("dyad_pd_requests_total", {"mode": "disaggregated"}) == 1
+
+
+def test_a_python_callback_that_fails_mid_stream_still_ends_the_stream_honestly(engines, monkeypatch):
+    """The native counterpart of the Python plane's injected relay failure: the lane's judgment of a broken
+    stream raises; the plane logs it (lane.internal_error) and ends the stream with an SSE error event."""
+    calls: list[str] = []
+
+    def broken(self: Any, *args: Any) -> Any:
+        raise RuntimeError("injected lane failure")
+
+    original = lane_module.NativeLane.internal_error
+
+    def recorded(self: Any, where: str, exc: BaseException) -> None:
+        calls.append(where)
+        original(self, where, exc)
+
+    monkeypatch.setattr(lane_module.Exchange, "stream_broken", broken)
+    monkeypatch.setattr(lane_module.NativeLane, "internal_error", recorded)
+    (engine,) = engines(1)
+    set_faults(engine, **fault_for(CHAT, "eof", 3))
+    with GatewayThread(native_config([engine.url])) as gw:
+        status, events = read_stream(gw.url, CHAT, body_for(CHAT, 8))
+    assert status == 200
+    err = error_ending(CHAT, events, "internal gateway error")
+    assert err["code"] == "internal_error"
+    assert calls == ["stream_broken"]
