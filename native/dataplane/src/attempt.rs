@@ -14,6 +14,7 @@ use hyper::body::{Bytes, HttpBody};
 use hyper::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use hyper::http::request::Parts;
 use hyper::{Body, Method, Request, Response, Uri};
+use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -158,8 +159,9 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
             }
             Step::Reply(status, headers, body) => return respond(status, &headers, body, false),
             Step::Relay => {
-                let Some((status, headers, body, extra)) = answer.take() else {
-                    return internal(&sh, "relay", pyo3::exceptions::PyValueError::new_err("relay without an answer"));
+                let (status, headers, body, extra) = match answer.take() {
+                    Some(a) => a,
+                    None => return internal(&sh, "relay", PyValueError::new_err("relay without an answer")),
                 };
                 let mut hs: Headers = Vec::new();
                 if let Some(ct) = headers.get(CONTENT_TYPE) {

@@ -2,11 +2,11 @@
 //! per host:port, most recently used first. A `PooledConn` owns its connection: dropping it closes the
 //! socket (how a request is cancelled, and how a connection that cannot be reused is not).
 
+use futures_util::future::poll_fn;
 use futures_util::FutureExt;
 use hyper::client::conn::{self, SendRequest};
 use hyper::Body;
 use std::collections::HashMap;
-use std::future::poll_fn;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
