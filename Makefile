@@ -20,21 +20,25 @@ demo: $(BIN)/dyad
 	$(BIN)/dyad demo
 
 # Everything: unit, integration (servers, simulator, Redis, Prometheus, real vLLM), ops, fuzz.
-# Two phases: everything but real vLLM on three pytest workers (those tests mostly wait on servers and
-# clocks, so three share two cores well; a file stays on one worker), then the real-vLLM tier alone and
-# in order (its engines take a core each; they start once per configuration). Both phases always run;
-# the target fails if either did.
-# A third phase runs the request-path suites again with the native data plane carrying the bytes
-# (gateway.data_plane: native; tests/conftest.py --data-plane): the same tests, the same expectations.
+# Four phases, each always run (the target fails if any did): everything but real vLLM on three pytest
+# workers (those tests mostly wait on servers and clocks, so three share two cores well; a file stays on
+# one worker); the request-path suites again with the native data plane carrying the bytes
+# (gateway.data_plane: native; tests/conftest.py --data-plane: the same tests, the same expectations;
+# python_plane tests inject faults into the Python plane's own code and have native counterparts); the
+# real-vLLM tier alone and in order (its engines take a core each; they start once per configuration);
+# and the real-vLLM request-path tests with the native plane.
 TEST_WORKERS ?= 3
 NATIVE_SUITES = tests/integration/test_stream_endings.py tests/integration/test_request_path_failures.py \
 	tests/integration/test_request_path_inputs.py tests/integration/test_failover.py \
 	tests/integration/test_engine_liveness.py tests/integration/test_gateway.py
+NATIVE_VLLM_SUITES = tests/integration/test_request_path_vllm.py tests/integration/test_vllm_gateway.py \
+	tests/integration/test_chaos_vllm.py
 test: $(BIN)/dyad
 	bash scripts/setup_test_deps.sh
 	@failed=0; $(PYTEST) -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --durations=10 || failed=1; \
 	$(PYTEST) -m "not vllm and not python_plane" --data-plane native -n $(TEST_WORKERS) --dist loadfile $(NATIVE_SUITES) || failed=1; \
-	$(PYTEST) -m vllm --durations=10 || failed=1; exit $$failed
+	$(PYTEST) -m vllm --durations=10 || failed=1; \
+	$(PYTEST) -m vllm --data-plane native $(NATIVE_VLLM_SUITES) || failed=1; exit $$failed
 
 # The unit tier only: no sockets, no subprocesses, no servers (tests/unit/conftest.py enforces it).
 test-fast: $(BIN)/dyad
