@@ -171,7 +171,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                 return respond(status, &hs, body.unwrap_or_default(), false);
             }
             Step::Send(attempt, a) => {
-                ctx.deadline = a.deadline_s.map(|d| rq.t0 + Duration::from_secs_f64(d.max(0.0)));
+                ctx.deadline = a.deadline_s.map(|d| rq.t0 + crate::secs(d.max(0.0)));
                 let mut gone = Gone(&sh, Some(attempt.clone()));
                 let outcome = try_once(&ctx, &a).await;
                 gone.1 = None;
@@ -224,7 +224,7 @@ fn classify(e: &hyper::Error) -> &'static str {
 /// One try: send, wait for the head, read a body that is not a stream.
 async fn try_once(ctx: &Ctx, a: &AttemptParams) -> Outcome {
     if a.delay_s > 0.0 {
-        if let Err(s) = ctx.guard(tokio::time::sleep(Duration::from_secs_f64(a.delay_s))).await {
+        if let Err(s) = ctx.guard(tokio::time::sleep(crate::secs(a.delay_s))).await {
             return stopped(s);
         }
     }
@@ -234,7 +234,7 @@ async fn try_once(ctx: &Ctx, a: &AttemptParams) -> Outcome {
     };
     let key: Key = (uri.host().unwrap_or("127.0.0.1").to_string(), uri.port_u16().unwrap_or(80));
     let pq = uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
-    let first_byte = a.first_byte_timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+    let first_byte = a.first_byte_timeout.map(|t| Instant::now() + crate::secs(t.max(0.0)));
     let mut taken = ctx.sh.pool.take(&key).await;
     let (resp, conn) = loop {
         let reused = taken.is_some();
@@ -290,7 +290,7 @@ async fn try_once(ctx: &Ctx, a: &AttemptParams) -> Outcome {
     }
     let limit = if status == 200 { a.max_answer_bytes } else { a.error_body_bytes };
     let (parts, mut body) = resp.into_parts();
-    let stall = a.first_byte_timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+    let stall = a.first_byte_timeout.map(|t| crate::secs(t.max(0.0)));
     let mut buf: Vec<u8> = Vec::new();
     loop {
         let next = ctx.guard(async {

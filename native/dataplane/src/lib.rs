@@ -55,6 +55,15 @@ fn limit<'p, T: FromPyObject<'p>>(d: &'p PyDict, key: &str) -> PyResult<T> {
         .extract()
 }
 
+/// Seconds from Python as a Duration: negative or NaN is 0, infinite or huge is ~31 years (never a panic).
+pub fn secs(x: f64) -> Duration {
+    if x.is_nan() || x <= 0.0 {
+        Duration::ZERO
+    } else {
+        Duration::from_secs_f64(x.min(1e9))
+    }
+}
+
 fn optional<'p, T: FromPyObject<'p>>(d: &'p PyDict, key: &str, default: T) -> PyResult<T> {
     match d.get_item(key) {
         Some(v) => v.extract(),
@@ -73,7 +82,7 @@ fn bytes_limit(d: &PyDict, key: &str, default: &'static [u8]) -> PyResult<Bytes>
 impl Plane {
     #[new]
     fn new(host: String, port: u16, lane: PyObject, fallback: String, secret: String, limits: &PyDict) -> PyResult<Self> {
-        let secs = |k: &str| -> PyResult<Duration> { Ok(Duration::from_secs_f64(limit::<f64>(limits, k)?.max(0.001))) };
+        let secs = |k: &str| -> PyResult<Duration> { Ok(crate::secs(limit::<f64>(limits, k)?.max(0.001))) };
         let l = server::Limits {
             hot_paths: limit(limits, "hot_paths")?,
             max_body_bytes: limit(limits, "max_body_bytes")?,
@@ -86,7 +95,7 @@ impl Plane {
             server_error: bytes_limit(limits, "server_error", b"{}")?,
             // (optional: Retry-After on the connection-limit 503; a client that takes no byte of its stream this long)
             retry_after: Bytes::from(optional::<u64>(limits, "retry_after_s", 1)?.max(1).to_string()),
-            client_write_timeout: Duration::from_secs_f64(optional::<f64>(limits, "client_write_timeout_s", 120.0)?.max(0.001)),
+            client_write_timeout: crate::secs(optional::<f64>(limits, "client_write_timeout_s", 120.0)?.max(0.001)),
         };
         let secret = HeaderValue::from_str(&secret).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
         let stats = Arc::new(Stats::default());

@@ -39,9 +39,9 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
     let mut scr = Screener::new(a.strip_usage);
     let mut sent: Vec<u8> = Vec::new();
     let mut tm = Timing { first: None, last: None, last_write: None, gaps: Vec::new() };
-    let idle = a.idle_timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+    let idle = a.idle_timeout.map(|t| crate::secs(t.max(0.0)));
     // until the first data event the wait is the first-byte timeout (the engine may still be prefilling)
-    let first_wait = a.first_byte_timeout.map(|t| Duration::from_secs_f64(t.max(0.0))).or(idle);
+    let first_wait = a.first_byte_timeout.map(|t| crate::secs(t.max(0.0))).or(idle);
     let write_timeout = ctx.sh.limits.client_write_timeout;
     let idle_sleep = tokio::time::sleep_until(far(first_wait.map(|d| Instant::now() + d)).into());
     tokio::pin!(idle_sleep);

@@ -88,7 +88,7 @@ pub async fn serve(listener: TcpListener, sh: Arc<Shared>, mut stop: watch::Rece
     };
     drop(listener);
     let _ = shut_tx.send(true);
-    let until = Instant::now() + Duration::from_secs_f64(grace.max(0.0));
+    let until = Instant::now() + crate::secs(grace.max(0.0));
     while sh.stats.in_flight.load(Ordering::Relaxed) > 0 && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

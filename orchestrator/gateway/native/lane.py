@@ -43,6 +43,7 @@ from orchestrator.gateway import request as rq
 from orchestrator.gateway.attempt import Attempt
 from orchestrator.gateway.executor import engine_headers
 from orchestrator.gateway.failover import StreamRelay
+from orchestrator.gateway.fastpath import HotRequest
 from orchestrator.gateway.proxy import _JITTER, MAX_ERROR_BODY, ProxyResponse, _Retry
 from orchestrator.gateway.stream_protocol import OpenAIChunks
 from orchestrator.gateway.transport import drop_idle
@@ -208,8 +209,6 @@ class NativeLane:
                  "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
                  "query_string": query.encode(), "headers": headers, "client": (host, int(port or 0)),
                  "server": None, "app": self.app, "state": {}}
-        from orchestrator.gateway.fastpath import HotRequest
-
         receive = _BodyRequest(body)
         request = HotRequest(scope, receive)
         started = time.perf_counter()
