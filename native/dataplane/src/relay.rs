@@ -1,5 +1,6 @@
 //! The relay of a streamed 200: the engine's events screened (screen.rs) to the client, timed (idle,
-//! deadline) and cancellable; then `attempt.stream_done` (complete) or `attempt.stream_broken` and its
+//! deadline) and cancellable; then `attempt.stream_done` (complete: called before the chunk that holds
+//! `[DONE]` is written, so a client with the whole stream finds it counted) or `attempt.stream_broken` and its
 //! `("end", data)` or `("continue", ...)` (the fallback's body piped into the client's stream), or
 //! `attempt.client_gone` when the client left. Runs as its own task: the client's head is already sent.
 
@@ -88,6 +89,25 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
                 idle_sleep.as_mut().reset((Instant::now() + d).into());
             }
         }
+        let complete = f.done && f.problem.is_none();
+        if complete {
+            // The stream is whole: its accounting (usage, ITL, the request's end) before its last bytes go out, as
+            // the Python plane observes a stream's timing before it writes (a client that has the whole stream
+            // finds the metrics already counted).
+            if let Some(first_s) = first_now.take() {
+                if let Err(e) = py::call_none(&attempt, "first_event", (first_s,)) {
+                    py::report(&ctx.sh.lane, "first_event", e);
+                }
+            }
+            ctx.cancel.mark_event(false);
+            let gaps = std::mem::take(&mut tm.gaps);
+            let r = Python::with_gil(|py| {
+                attempt.call_method1(py, "stream_done", (scr.usage.clone(), scr.events, tm.first, tm.last, gaps)).map(|_| ())
+            });
+            if let Err(e) = r {
+                py::report(&ctx.sh.lane, "stream_done", e);
+            }
+        }
         if !f.out.is_empty() {
             sent.extend_from_slice(&f.out);
             // a client that takes nothing for client_write_timeout_s stopped reading: let go of it and its engine
@@ -107,21 +127,12 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
         if let Some(p) = f.problem {
             break ("garbage".into(), p);
         }
-        if f.done {
+        if complete {
             drop(tx);
-            let written = drained.await.is_ok();
-            if !written {
-                return gone(&ctx.sh, conn, &attempt);
+            if drained.await.is_err() {
+                return gone(&ctx.sh, conn, &attempt); // (the client left during the last write: nothing more to do)
             }
-            ctx.cancel.mark_event(false);
-            let gaps = std::mem::take(&mut tm.gaps);
-            let r = Python::with_gil(|py| {
-                attempt.call_method1(py, "stream_done", (scr.usage.clone(), scr.events, tm.first, tm.last, gaps)).map(|_| ())
-            });
-            if let Err(e) = r {
-                py::report(&ctx.sh.lane, "stream_done", e);
-            }
-            // the stream is complete; the connection is reused only if its body ends cleanly soon
+            // the connection is reused only if the engine's body ends cleanly soon
             if let Ok(None) = tokio::time::timeout(DONE_GRACE, body.data()).await {
                 ctx.sh.pool.put(key, conn);
             }

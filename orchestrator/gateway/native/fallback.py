@@ -90,6 +90,7 @@ class FallbackApp:
             try:
                 admitted = await _finish_on_loop(coro, yielded)
             except ApiError as err:
+                scope["app"] = self.app  # (as Starlette sets it: the error handler reads the runtime through it)
                 request = Request(scope, receive)
                 handler = self.app._handler(err)
                 response = await handler(request, err)

@@ -303,6 +303,9 @@ class NativeTry:
     def answered(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None) -> tuple[Any, ...]:
         return self.x.answered(self, status, headers, body)
 
+    def relayed(self) -> None:
+        self.x.relayed(self)
+
     def streaming(self) -> None:
         self.x.streaming(self)
 
@@ -468,13 +471,16 @@ class Exchange:
         attempt.abortable = False
         assert body is not None
         p._check_json(attempt, status, body, None, t.last_try)
-        # ``_whole``: the answer is relayed as it came; the router's bookkeeping is done before (no await here)
+        # ``_whole``: the answer is relayed as it came; the router's bookkeeping follows the write (``relayed``)
         p._first_token_at = time.perf_counter()
         p.status = status
         p.done = True
-        p.mark_first_token()
-        self._end()
         return ("relay",)
+
+    def relayed(self, t: NativeTry) -> None:
+        """The plane wrote the answer ``answered`` judged: the bookkeeping (after the bytes, off their latency)."""
+        self.proxy.mark_first_token()
+        self._end()
 
     def streaming(self, t: NativeTry) -> None:
         p = self.proxy
