@@ -61,6 +61,12 @@ class DyadMetrics:
                                            registry=r)
         self.client_disconnects = Counter("dyad_client_disconnects_total",
                                           "Client went away; upstream request cancelled", ["model"], registry=r)
+        self.native_plane_requests = Counter(
+            "dyad_native_plane_requests_total",
+            "OpenAI-route requests under gateway.data_plane: native, by how they were carried: native (by the "
+            "compiled plane), handed_over (to the Python gateway behind it: prefill/decode pairs, https "
+            "engines, tracing on), parked (their handler waited: admission queue, Redis, a tokenizer), "
+            "continued (a broken stream continued by the Python relay)", ["way"], registry=r)
         # --- routing
         self.routing_decisions = Counter("dyad_routing_decisions_total", "Routing decisions",
                                          ["policy", "outcome"], registry=r)

@@ -114,6 +114,7 @@ def test_a_request_that_waits_in_the_admission_queue_is_finished_behind_the_plan
         assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
         assert all(len(a.json()["choices"][0]["text"].split()) == 8 for a in answers)
         assert gw.plane.lane.handled["parked"] >= 1  # at least one waited in the queue
+        assert metrics.get_sample_value("dyad_native_plane_requests_total", {"way": "parked"}) >= 1
         assert metrics.get_sample_value("dyad_request_arrivals_total", {"model": "m"}) == 3
         assert metrics.get_sample_value("dyad_requests_total",
                                         {"model": "m", "endpoint": "completions", "status": "200"}) == 3
@@ -128,6 +129,8 @@ def test_a_model_on_prefill_decode_pairs_is_handed_to_the_python_gateway(engines
         assert status == 200
         assert events[-1][1] == "[DONE]"
         assert gw.plane.lane.handled["fallback"] >= 1 and gw.plane.lane.handled["native"] == 0
+        assert gw.runtime.metrics.registry.get_sample_value("dyad_native_plane_requests_total",
+                                                            {"way": "handed_over"}) >= 1
         assert gw.runtime.metrics.registry.get_sample_value("dyad_pd_requests_total", {"mode": "disaggregated"}) == 1
 
 

@@ -195,6 +195,9 @@ class NativeLane:
         self._parked: dict[str, tuple[float, Any]] = {}
         self._running = _RunningLoop(loop)
         self.handled = {"native": 0, "fallback": 0, "parked": 0, "continued": 0}
+        counter = self.rt.metrics.native_plane_requests
+        self._counted = {way: counter.labels(label) for way, label in (
+            ("native", "native"), ("fallback", "handed_over"), ("parked", "parked"), ("continued", "continued"))}
 
     # --- called by the plane ------------------------------------------------------------------------
 
@@ -202,7 +205,7 @@ class NativeLane:
               cancel: Any) -> tuple[Any, ...]:
         label = HOT_PATHS.get(path)
         if label is None or tracing.enabled():
-            self.handled["fallback"] += 1
+            self._count("fallback")
             return FALLBACK
         host, _, port = peer.rpartition(":")
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
@@ -223,8 +226,12 @@ class NativeLane:
         proxy = admitted.inner
         if not isinstance(proxy, ProxyResponse) or not self._native_fleet(proxy.call.model):
             return self._park_admitted(admitted)
-        self.handled["native"] += 1
+        self._count("native")
         return Exchange(self, admitted, proxy, cancel, started).first()
+
+    def _count(self, way: str) -> None:
+        self.handled[way] += 1
+        self._counted[way].inc()
 
     def internal_error(self, where: str, exc: BaseException) -> None:
         log.error("native data plane: %s raised", where, exc_info=(type(exc), exc, exc.__traceback__))
@@ -247,13 +254,13 @@ class NativeLane:
         return token
 
     def _park_handler(self, s: _Suspended, receive: _BodyRequest) -> tuple[Any, ...]:
-        self.handled["parked"] += 1
+        self._count("parked")
         token = self.park(("handler", s.coro, s.yielded, receive))
         self.loop.call_soon_threadsafe(_nothing)  # (wake the loop: the handler may have scheduled work on it)
         return ("fallback", [(RESUME, token.encode())])
 
     def _park_admitted(self, admitted: _Admitted) -> tuple[Any, ...]:
-        self.handled["fallback"] += 1
+        self._count("fallback")
         token = self.park(("admitted", admitted))
         return ("fallback", [(RESUME, token.encode())])
 
@@ -543,7 +550,7 @@ class Exchange:
             detail = f"the engine ended the stream without {relay.protocol.end_marker}"
         elif kind == "garbage":
             detail = f"the engine sent {detail}"
-        self.lane.handled["continued"] += 1
+        self.lane._count("continued")
         token = self.lane.park(("continue", self, kind, detail))
         return ("continue", CONTINUE_PATH, [(RESUME, token.encode())], b"")
 
