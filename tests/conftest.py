@@ -32,22 +32,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "that scripts/build_dataplane.sh builds)")
 
 
-@pytest.fixture(autouse=True)
-def _data_plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``--data-plane native``: every ``GatewayThread`` runs the native plane in front (unless its config
-    serves TLS to clients, which the plane does not)."""
-    if request.config.getoption("--data-plane") != "native":
-        return
+def _use_native_plane() -> None:
+    """``--data-plane native``: every ``GatewayThread`` of this test session runs the native plane in front (unless
+    its config serves TLS to clients, which the plane does not), fixtures of every scope included. Patched once
+    for the whole session, before any fixture builds a gateway."""
     import os
 
     from orchestrator.gateway import native, serve
 
     if native.load() is None:
-        message = f"the native data plane is not built: run `{native.BUILD}`"
+        message = f"--data-plane native: the native data plane is not built: run `{native.BUILD}`"
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(message)
-        pytest.skip(message)
-
+            raise pytest.UsageError(message)
+        pytest.exit(message + " (nothing run)", returncode=0)
     original = serve.GatewayThread.__init__
 
     def native_init(self, config, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -55,10 +52,12 @@ def _data_plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
             config.gateway.data_plane = "native"
         original(self, config, *args, **kwargs)
 
-    monkeypatch.setattr(serve.GatewayThread, "__init__", native_init)
+    serve.GatewayThread.__init__ = native_init  # type: ignore[method-assign]
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--data-plane") == "native":
+        _use_native_plane()
     config.addinivalue_line(
         "markers",
         "vllm_config(name): the real-vLLM engine configuration the test needs (tests/fixtures/vllm.py "

@@ -113,8 +113,9 @@ class GatewayThread:
         self.app = create_app(config, clock=clock, runtime=runtime, freeze=freeze)
         host = config.gateway.host
         self.plane = None
+        served = self.app  # what uvicorn serves (``app`` stays the gateway app: tests and callers read it)
         if config.gateway.data_plane == "native":  # the plane on host:port, the Python gateway behind it
-            self.app, self.plane = native_front(self.app, config, host, port)
+            served, self.plane = native_front(self.app, config, host, port)
             self._sock = bind_socket("127.0.0.1", 0)
             self.plane.fallback_port = self._sock.getsockname()[1]
             server_host = "127.0.0.1"
@@ -124,7 +125,7 @@ class GatewayThread:
         self.port = self._sock.getsockname()[1]
         ssl = server_ssl_options(config.gateway.tls)
         self.url = f"{'https' if ssl else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn_config(self.app, server_host, self.port, ssl=ssl,
+        self._server = uvicorn.Server(uvicorn_config(served, server_host, self.port, ssl=ssl,
                                                      resilience=config.resilience, gateway=config.gateway))
         self._thread = threading.Thread(target=self._run, name=f"dyad-gateway-{self.port}", daemon=True)
         self._startup_timeout_s = startup_timeout_s
@@ -143,7 +144,7 @@ class GatewayThread:
         await self._server.serve(sockets=[self._sock])
 
     @property
-    def runtime(self) -> GatewayRuntime:  # (FallbackApp shares the app's state)
+    def runtime(self) -> GatewayRuntime:
         return self.app.state.runtime
 
     def call(self, coro: Any, timeout: float = 30.0) -> Any:

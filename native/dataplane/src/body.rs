@@ -28,6 +28,8 @@ pub struct ConnState {
     pub last: Mutex<Instant>,
     /// when the first byte of a head that is not yet a request arrived
     pub head_since: Mutex<Option<Instant>>,
+    /// requests this connection has carried (0: a connection that never sent a whole head)
+    pub served: AtomicUsize,
 }
 
 /// Counts a request in flight while alive.
@@ -40,6 +42,7 @@ impl InFlight {
     pub fn new(stats: Arc<Stats>, conn: Arc<ConnState>) -> Self {
         stats.in_flight.fetch_add(1, Ordering::Relaxed);
         conn.active.fetch_add(1, Ordering::Relaxed);
+        conn.served.fetch_add(1, Ordering::Relaxed);
         InFlight { stats, conn }
     }
 }

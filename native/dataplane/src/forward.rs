@@ -31,8 +31,14 @@ pub fn strip_hop(h: &mut HeaderMap) {
     for n in HOP.iter() {
         h.remove(*n);
     }
+    let close = named.iter().any(|n| n == "close");
     for n in named {
         h.remove(n.as_str());
+    }
+    if close {
+        // the fallback ends its connection after this answer (e.g. a refusal of a malformed head): so does the
+        // client's, as it would without the plane in front
+        h.insert(CONNECTION, hyper::header::HeaderValue::from_static("close"));
     }
 }
 

@@ -17,7 +17,8 @@ use pyo3::PyObject;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::io;
+use std::io::{self, Write};
+use std::os::unix::io::{AsRawFd, FromRawFd};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -95,10 +96,58 @@ pub async fn serve(listener: TcpListener, sh: Arc<Shared>, mut stop: watch::Rece
 }
 
 /// A client's socket that notes when the first byte of a new head arrives (hyper 0.14.19's own header
-/// timeout only fires when more bytes come: a head that stops is timed here).
+/// timeout only fires when more bytes come: a head that stops is timed here), and that turns hyper's own
+/// answers to bytes that are not HTTP (a bare 400, or 431 past the head's size) into OpenAI-shaped JSON, as
+/// the Python plane answers them (http_server.py).
 struct ClientIo {
     io: TcpStream,
     cs: Arc<ConnState>,
+    pending: Vec<u8>, // a rewritten refusal still to be written
+}
+
+/// The largest request line + headers, as the Python plane's (`http_server.MAX_HEADER_BYTES`).
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// An HTTP/1.1 error answer in OpenAI's shape that closes the connection.
+pub fn refusal(status: &str, message: &str, code: &str) -> Vec<u8> {
+    let body = serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "param": null,
+                                            "code": code}})
+        .to_string();
+    format!("HTTP/1.1 {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{}",
+            status, body.len(), body)
+        .into_bytes()
+}
+
+/// hyper's answer to a head it could not parse (no content type: its own), rewritten; None for anything else.
+fn rewritten(b: &[u8]) -> Option<Vec<u8>> {
+    let head_end = b.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = &b[..head_end];
+    if head.windows(13).any(|w| w.eq_ignore_ascii_case(b"content-type:")) {
+        return None; // (an answer of the gateway's own)
+    }
+    if head.starts_with(b"HTTP/1.1 400 ") {
+        Some(refusal("400 Bad Request", "The request is not valid HTTP/1.1.", "invalid_http"))
+    } else if head.starts_with(b"HTTP/1.1 431 ") {
+        Some(refusal("431 Request Header Fields Too Large",
+                     &format!("The request line and headers exceed {} bytes.", MAX_HEAD_BYTES), "headers_too_large"))
+    } else {
+        None
+    }
+}
+
+impl ClientIo {
+    /// Write what is left of a rewritten refusal.
+    fn drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while !self.pending.is_empty() {
+            let n = match Pin::new(&mut self.io).poll_write(cx, &self.pending) {
+                Poll::Ready(Ok(n)) => n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            };
+            self.pending.drain(..n);
+        }
+        Poll::Ready(Ok(()))
+    }
 }
 
 impl AsyncRead for ClientIo {
@@ -117,19 +166,40 @@ impl AsyncRead for ClientIo {
 
 impl AsyncWrite for ClientIo {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
+        futures_util::ready!(self.drain(cx))?;
+        if self.cs.active.load(Ordering::Relaxed) == 0 {
+            if let Some(r) = rewritten(b) {
+                // (the connection closes after it: what hyper meant to write is taken as written)
+                self.pending = r;
+                futures_util::ready!(self.drain(cx))?;
+                return Poll::Ready(Ok(b.len()));
+            }
+        }
         Pin::new(&mut self.io).poll_write(cx, b)
     }
     fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[io::IoSlice<'_>])
                            -> Poll<io::Result<usize>> {
+        futures_util::ready!(self.drain(cx))?;
+        if self.cs.active.load(Ordering::Relaxed) == 0 {
+            if let Some(first) = b.iter().find(|s| !s.is_empty()) {
+                if let Some(r) = rewritten(first) {
+                    self.pending = r;
+                    futures_util::ready!(self.drain(cx))?;
+                    return Poll::Ready(Ok(b.iter().map(|s| s.len()).sum()));
+                }
+            }
+        }
         Pin::new(&mut self.io).poll_write_vectored(cx, b)
     }
     fn is_write_vectored(&self) -> bool {
         self.io.is_write_vectored()
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        futures_util::ready!(self.drain(cx))?;
         Pin::new(&mut self.io).poll_flush(cx)
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        futures_util::ready!(self.drain(cx))?;
         Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
@@ -140,8 +210,10 @@ async fn connection(io: TcpStream, peer: String, sh: Arc<Shared>, over: bool, mu
         active: Default::default(),
         last: Mutex::new(Instant::now()),
         head_since: Mutex::new(None),
+        served: Default::default(),
     });
-    let io = ClientIo { io, cs: cs.clone() };
+    let fd = io.as_raw_fd();
+    let io = ClientIo { io, cs: cs.clone(), pending: Vec::new() };
     let svc = {
         let (sh, cs) = (sh.clone(), cs.clone());
         service_fn(move |req| handle(req, sh.clone(), peer.clone(), cs.clone(), over))
@@ -150,6 +222,7 @@ async fn connection(io: TcpStream, peer: String, sh: Arc<Shared>, over: bool, mu
         .http1_only(true)
         .http1_keep_alive(true)
         .http1_header_read_timeout(sh.limits.header_timeout)
+        .max_buf_size(MAX_HEAD_BYTES)
         .serve_connection(io, svc);
     tokio::pin!(conn);
     let keepalive = sh.limits.keepalive;
@@ -169,11 +242,27 @@ async fn connection(io: TcpStream, peer: String, sh: Arc<Shared>, over: bool, mu
             _ = tokio::time::sleep(tick) => {
                 if cs.active.load(Ordering::Relaxed) == 0 {
                     let head = *cs.head_since.lock().unwrap();
-                    let expired = match head {
-                        Some(t) => t.elapsed() >= head_timeout, // a head that stopped arriving
-                        None => cs.last.lock().unwrap().elapsed() >= keepalive, // idle
+                    let fresh = cs.served.load(Ordering::Relaxed) == 0;
+                    let since_open = cs.last.lock().unwrap().elapsed();
+                    let (expired, answer) = match head {
+                        Some(t) => (t.elapsed() >= head_timeout, true), // a head that stopped arriving
+                        // a connection that never sent a byte is a head that never came; an idle keep-alive one
+                        // is closed quietly
+                        None if fresh => (since_open >= head_timeout, true),
+                        None => (since_open >= keepalive, false),
                     };
                     if expired {
+                        if answer {
+                            // 408 as the Python plane answers it (http_server.timeout_response), written straight to
+                            // the socket: nothing of hyper's is being written (no request in flight)
+                            let msg = format!("The request headers did not arrive within {} s.",
+                                              head_timeout.as_secs_f64());
+                            let bytes = refusal("408 Request Timeout", &msg, "request_timeout");
+                            // SAFETY: `fd` is the socket hyper owns, still open (conn is alive until dropped
+                            // below); ManuallyDrop keeps this second handle from closing it.
+                            let s = std::mem::ManuallyDrop::new(unsafe { std::net::TcpStream::from_raw_fd(fd) });
+                            let _ = (&*s).write(&bytes);
+                        }
                         break; // (no request in flight: closed by dropping it)
                     }
                 }
