@@ -10,7 +10,6 @@ The engines are ``dyad sim-engine`` (fault injection on cue); the plane and the 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,8 +19,6 @@ from orchestrator.config import load_config
 from orchestrator.gateway import native
 from orchestrator.gateway.native import lane as lane_module
 from orchestrator.gateway.serve import GatewayThread
-from orchestrator.sim.profiles import load_profile
-from orchestrator.sim.server import SimEngineThread
 from tests.integration.test_stream_endings import (
     CHAT,
     PACED,
@@ -44,21 +41,6 @@ def _built() -> None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(message)
         pytest.skip(message)
-
-
-@pytest.fixture
-def engines() -> Iterator[Any]:
-    started: list[SimEngineThread] = []
-
-    def start(n: int, profile: Any = "cpu-tiny") -> list[SimEngineThread]:
-        for _ in range(n):
-            started.append(SimEngineThread(model="m", profile=load_profile(profile) if isinstance(profile, dict)
-                                           else profile, kv_events=False).start())
-        return started
-
-    yield start
-    for e in started:
-        e.stop()
 
 
 def native_config(urls: list[str], **sections: Any) -> Any:

@@ -33,7 +33,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,6 @@ import yaml
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
 from orchestrator.ports import free_port, wait_ready
-from orchestrator.sim.profiles import load_profile
 from orchestrator.sim.server import SimEngineThread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,21 +136,6 @@ def gateway_config(engines: list[SimEngineThread], **sections: Any) -> Any:
         "router": {"policy": "round_robin", "debug_headers": True},
         **{"health": {"interval_s": 30}, **sections},
     }, environ={})
-
-
-@pytest.fixture
-def engines() -> Iterator[list[SimEngineThread]]:
-    started: list[SimEngineThread] = []
-
-    def start(n: int, profile: Any = "cpu-tiny") -> list[SimEngineThread]:
-        for _ in range(n):
-            started.append(SimEngineThread(model="m", profile=load_profile(profile) if isinstance(profile, dict)
-                                           else profile, kv_events=False).start())
-        return started
-
-    yield start  # type: ignore[misc]
-    for e in started:
-        e.stop()
 
 
 # --- the engine breaks the stream: EOF, reset, garbage, silence ---------------------------------------
