@@ -106,11 +106,7 @@ pub fn internal(sh: &Shared, where_: &str, e: PyErr) -> Response<OutBody> {
 }
 
 fn with_headers(mut r: Response<OutBody>, extra: &Headers) -> Response<OutBody> {
-    for (k, v) in extra {
-        if let (Ok(k), Ok(v)) = (HeaderName::from_bytes(k), HeaderValue::from_bytes(v)) {
-            r.headers_mut().append(k, v);
-        }
-    }
+    py::append_headers(r.headers_mut(), extra);
     r
 }
 
@@ -142,11 +138,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
         match step {
             Step::Fallback(extra) => {
                 let mut hm = rq.parts.headers.clone();
-                for (k, v) in &extra {
-                    if let (Ok(k), Ok(v)) = (HeaderName::from_bytes(k), HeaderValue::from_bytes(v)) {
-                        hm.append(k, v);
-                    }
-                }
+                py::append_headers(&mut hm, &extra);
                 let req = forward::fallback_request(&sh, Method::POST, rq.parts.uri.path_and_query().map_or("/", |p| p.as_str()),
                                                     hm, Body::from(rq.body.clone()), Some(&rq.peer));
                 return match sh.fb.request(req).await {

@@ -47,6 +47,15 @@ pub fn headers_of(o: &PyAny) -> PyResult<Headers> {
     Ok(out)
 }
 
+/// Append `extra` to `h`, skipping any pair that is not a valid header (Python's lists are not trusted blindly).
+pub fn append_headers(h: &mut HeaderMap, extra: &Headers) {
+    for (k, v) in extra {
+        if let (Ok(k), Ok(v)) = (hyper::header::HeaderName::from_bytes(k), hyper::header::HeaderValue::from_bytes(v)) {
+            h.append(k, v);
+        }
+    }
+}
+
 pub fn headers_to_py<'p>(py: Python<'p>, h: &HeaderMap) -> &'p PyList {
     let items: Vec<PyObject> = h
         .iter()

@@ -12,7 +12,6 @@ use crate::py::{self, AttemptParams, Step};
 use crate::screen::Screener;
 use hyper::body::{Bytes, HttpBody};
 use hyper::{Body, HeaderMap, Method};
-use hyper::header::{HeaderName, HeaderValue};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::time::{Duration, Instant};
@@ -173,11 +172,7 @@ fn gone(sh: &Shared, conn: PooledConn, attempt: &PyObject) {
 /// POST the continuation to the fallback and pipe its body into the client's stream.
 async fn continuation(ctx: &Ctx, tx: &mpsc::Sender<Bytes>, path: &str, headers: py::Headers, body: Bytes) {
     let mut hm = HeaderMap::new();
-    for (k, v) in &headers {
-        if let (Ok(k), Ok(v)) = (HeaderName::from_bytes(k), HeaderValue::from_bytes(v)) {
-            hm.append(k, v);
-        }
-    }
+    py::append_headers(&mut hm, &headers);
     let req = forward::fallback_request(&ctx.sh, Method::POST, path, hm, Body::from(body), None);
     let resp = match ctx.guard(ctx.sh.fb.request(req)).await {
         Ok(Ok(r)) if r.status().as_u16() == 200 => r,

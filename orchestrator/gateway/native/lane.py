@@ -182,7 +182,7 @@ class NativeTask:
 
 
 class NativeLane:
-    """One gateway's lane: built by ``native.plane.start_plane`` with the app and its running loop."""
+    """One gateway's lane: built by ``plane.NativePlane.start`` with the app and its running loop."""
 
     def __init__(self, app: Any, loop: asyncio.AbstractEventLoop) -> None:
         from orchestrator.gateway.openai_routes import _completion  # (the route handler itself)
@@ -214,7 +214,6 @@ class NativeLane:
                  "server": None, "app": self.app, "state": {}}
         receive = _BodyRequest(body)
         request = HotRequest(scope, receive)
-        started = time.perf_counter()
         coro = self._completion(request, path, label)
         try:
             with self._running:
@@ -224,10 +223,10 @@ class NativeLane:
         except ApiError as err:
             return self._render_error(request, err)
         proxy = admitted.inner
-        if not isinstance(proxy, ProxyResponse) or not self._native_fleet(proxy.call.model):
+        if not isinstance(proxy, ProxyResponse) or not self._native_fleet():
             return self._park_admitted(admitted)
         self._count("native")
-        return Exchange(self, admitted, proxy, cancel, started).first()
+        return Exchange(self, admitted, proxy, cancel).first()
 
     def _count(self, way: str) -> None:
         self.handled[way] += 1
@@ -264,8 +263,9 @@ class NativeLane:
         token = self.park(("admitted", admitted))
         return ("fallback", [(RESUME, token.encode())])
 
-    def _native_fleet(self, model: str) -> bool:
-        """Whether the plane can carry this model's tries itself: plain http engines, no prefill/decode split."""
+    def _native_fleet(self) -> bool:
+        """Whether the plane can carry tries itself: a fleet of plain http engines with no prefill/decode split
+        (any exception anywhere in the fleet hands every request over: a decision may pick any worker)."""
         for w in self.rt.fleet.workers():
             if w.role is not Role.BOTH or not w.url.startswith("http://"):
                 return False
@@ -335,13 +335,12 @@ class Exchange:
     """One client request carried by the plane: ``ProxyResponse.open_attempt``'s loop, one step per callback,
     with the proxy's own judgments (``_error_status``, ``_garbage``, ``_check_json`` ...)."""
 
-    def __init__(self, lane: NativeLane, admitted: _Admitted, proxy: ProxyResponse, cancel: Any, started: float) -> None:
+    def __init__(self, lane: NativeLane, admitted: _Admitted, proxy: ProxyResponse, cancel: Any) -> None:
         self.lane = lane
         self.rt = lane.rt
         self.admitted = admitted
         self.proxy = proxy
         self.task = NativeTask(cancel)
-        self.started = started
         self.tries = 0
         self.last_error: ApiError | None = None
         self.ended = False
