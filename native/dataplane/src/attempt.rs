@@ -133,7 +133,6 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
     let mut ctx = Ctx { sh: sh.clone(), t0: rq.t0, deadline: None, cancel };
     let mut step = step;
     let mut answer: Option<(u16, hyper::HeaderMap, Option<Bytes>, Headers)> = None;
-    let mut relay_to: Option<PyObject> = None; // the attempt whose answer a ("relay",) step writes
     loop {
         match step {
             Step::Fallback(extra) => {
@@ -161,19 +160,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                     hs.push((Bytes::from_static(b"content-type"), Bytes::copy_from_slice(ct.as_bytes())));
                 }
                 hs.extend(extra);
-                let out = respond(status, &hs, body.unwrap_or_default(), false);
-                // `attempt.relayed()` once the answer is written: hyper writes it when this future returns, in
-                // the same poll of the connection; the task spawned here runs after (the accounting is not
-                // on the client's latency, as the Python plane writes an answer before its bookkeeping)
-                if let Some(att) = relay_to.take() {
-                    let sh2 = sh.clone();
-                    tokio::spawn(async move {
-                        if let Err(e) = py::call_none(&att, "relayed", ()) {
-                            py::report(&sh2.lane, "relayed", e);
-                        }
-                    });
-                }
-                return out;
+                return respond(status, &hs, body.unwrap_or_default(), false);
             }
             Step::Send(attempt, a) => {
                 ctx.deadline = a.deadline_s.map(|d| rq.t0 + crate::secs(d.max(0.0)));
@@ -189,7 +176,6 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                             py::step_of(attempt.call_method1(py, intern!(py, "answered"), (status, hs, b))?.as_ref(py))
                         });
                         answer = Some((status, headers, body, a.reply_headers.clone()));
-                        relay_to = Some(attempt.clone());
                         ("answered", r)
                     }
                     Outcome::Stream(resp, conn, key) => {

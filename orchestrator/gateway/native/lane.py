@@ -310,9 +310,6 @@ class NativeTry:
     def answered(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None) -> tuple[Any, ...]:
         return self.x.answered(self, status, headers, body)
 
-    def relayed(self) -> None:
-        self.x.relayed(self)
-
     def streaming(self) -> None:
         self.x.streaming(self)
 
@@ -477,16 +474,15 @@ class Exchange:
         attempt.abortable = False
         assert body is not None
         p._check_json(attempt, status, body, None, t.last_try)
-        # ``_whole``: the answer is relayed as it came; the router's bookkeeping follows the write (``relayed``)
+        # ``_whole``: the answer is relayed as it came, its bookkeeping done first (a client that holds the answer
+        # finds it counted and its places in the limits given back; measured against bookkeeping after the write:
+        # docs/benchmarks.md, session 14)
         p._first_token_at = time.perf_counter()
         p.status = status
         p.done = True
-        return ("relay",)
-
-    def relayed(self, t: NativeTry) -> None:
-        """The plane wrote the answer ``answered`` judged: the bookkeeping (after the bytes, off their latency)."""
-        self.proxy.mark_first_token()
+        p.mark_first_token()
         self._end()
+        return ("relay",)
 
     def streaming(self, t: NativeTry) -> None:
         p = self.proxy
@@ -592,6 +588,15 @@ class Exchange:
 
     # --- the end ------------------------------------------------------------------------------------------------
 
+    def _release(self) -> None:
+        """The request's places in the limits (the dispatch slot, the client's concurrency count) and the
+        shutdown tracker, given back."""
+        a = self.admitted
+        a.release()
+        a.finished()
+        if a.client_done is not None:
+            a.client_done()
+
     def _end(self) -> None:
         """``ProxyResponse.__call__``'s and ``_Admitted``'s ends: accounting, the slot, the shutdown tracker."""
         if self.ended:
@@ -602,11 +607,8 @@ class Exchange:
         p.root_span.end()
         p.done = True
         p._finish()
+        self._release()
         a = self.admitted
-        a.release()
-        a.finished()
-        if a.client_done is not None:
-            a.client_done()
         if a.settle is not None:
             settle = a.settle
             self.lane.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(settle()))
