@@ -65,6 +65,8 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning",
     go through the root logger (``dyad serve`` configures it with ``configure_logging``). ``resilience``:
     header/body read timeouts against slow clients (``http_server.py``; with httptools)."""
     options: dict[str, Any] = _fast_options()
+    if gateway is not None and gateway.data_plane == "native":  # a loop the plane's thread may schedule on
+        options["loop"] = "orchestrator.gateway.native.loop:PlaneSafeLoop"
     if options["http"] == "httptools":
         # the gateway's own connection protocol (http_server.py): one write per step towards the client,
         # header/body timeouts against slow clients when ``resilience`` is given

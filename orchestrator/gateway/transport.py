@@ -45,6 +45,10 @@ class MalformedAnswer(httpx.RemoteProtocolError):
     headers, an upgrade): its fault, not a connection that went away."""
 
 
+def _own() -> bool:
+    return True
+
+
 def _expire(waiter: asyncio.Future[None], message: str) -> None:
     """Timer callback: a read waited too long (a plain timer costs less than ``asyncio.wait_for``)."""
     if not waiter.done():
@@ -305,7 +309,12 @@ class FastTransport(httpx.AsyncBaseTransport):
         """Close every idle pooled connection to ``key``; returns how many. For when one of them gave no
         answer at all in time: the others went idle as it did, and a peer that vanished (a host gone, a
         restarted engine behind the same address) sends no FIN or reset, so they look open and would each
-        hold a request until its timeout. The next request opens a fresh connection."""
+        hold a request until its timeout. The next request opens a fresh connection. Called from the native
+        data plane's thread, the closing is handed to the event loop (transports are the loop's: native/loop.py)."""
+        loop = asyncio._get_running_loop()
+        if loop is not None and not getattr(loop, "on_own_thread", _own)():
+            loop.call_soon_threadsafe(self.drop_idle, key)
+            return 0
         idle = self._idle.pop(key, None)
         for conn in idle or ():
             conn.close()

@@ -10,6 +10,7 @@ The engines are ``dyad sim-engine`` (fault injection on cue); the plane and the 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from typing import Any
 
 import httpx
@@ -140,3 +141,47 @@ def test_a_python_callback_that_fails_mid_stream_still_ends_the_stream_honestly(
     err = error_ending(CHAT, events, "internal gateway error")
     assert err["code"] == "internal_error"
     assert calls == ["stream_broken"]
+
+
+def test_kv_aware_routing_on_kv_events_is_carried_by_the_plane_without_a_failure_or_a_leak():
+    """kv_aware on engines that publish KV events: a repeated prompt's cache hit makes the prefix tracker start a
+    background task (refreshing the prefix's recency) from inside ``Router.decide``, which runs on the plane's
+    thread. That work is queued on the event loop (native/loop.py): every request is answered by the plane, and
+    afterwards nothing is left counted in flight (the drain's count, the workers' in-flight counts)."""
+    from orchestrator.sim.server import SimEngineThread
+
+    engines = [SimEngineThread(model="m", profile="cpu-tiny", seed=i, kv_events=True).start() for i in range(2)]
+    try:
+        cfg = load_config({
+            "models": [{"name": "m", "block_size": 32}],
+            "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "models": ["m"],
+                         "kv_events": {"endpoint": e.kv_events_endpoint, "replay_endpoint": e.replay_endpoint}}
+                        for i, e in enumerate(engines)],
+            "router": {"policy": "kv_aware", "debug_headers": True},
+            "health": {"interval_s": 30},
+            "gateway": {"data_plane": "native"},
+        }, environ={})
+        prompt = " ".join(f"w{i}" for i in range(300))  # 9 blocks of 32
+        with GatewayThread(cfg) as gw:
+            tracker = gw.runtime.prefix_tracker
+            statuses, hits = [], []
+            for _ in range(10):
+                r = httpx.post(gw.url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2},
+                               timeout=30)
+                statuses.append(r.status_code)
+                hits.append(int(r.headers.get("x-dyad-predicted-cached-tokens", "0")))
+                deadline = time.monotonic() + 5  # the engine's events for this prompt, before the next request
+                while not gw.call(tracker.index.worker_blocks(r.headers["x-dyad-worker"])) \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            assert statuses == [200] * 10
+            assert max(hits) > 0  # the cache hits that start the tracker's background work did happen
+            assert gw.plane.lane.handled["native"] == 10  # all carried by the plane, none handed over
+            rt = gw.runtime
+            deadline = time.monotonic() + 5
+            while (rt.shutdown.active or any(w.inflight for w in rt.fleet.workers())) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert rt.shutdown.active == 0 and [w.inflight for w in rt.fleet.workers()] == [0, 0]
+    finally:
+        for e in engines:
+            e.stop()

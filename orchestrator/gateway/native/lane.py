@@ -64,10 +64,6 @@ FALLBACK: tuple[str] = ("fallback",)
 RESUME_TTL_S = 60.0  # a parked request the fallback never claimed (the plane lost it) is dropped after this
 
 
-def _nothing() -> None:
-    return None
-
-
 class _Suspended(Exception):
     """The coroutine waited: ``yielded`` is what it waits on (an asyncio future)."""
 
@@ -115,8 +111,10 @@ class _Resume:
 
 
 class _RunningLoop:
-    """The gateway's event loop as this thread's running loop while a handler is driven (so that futures it
-    makes belong to that loop, where a parked handler is finished); nothing is scheduled from here."""
+    """The gateway's event loop as this thread's running loop for the length of a callback: futures the code
+    makes belong to that loop (where a parked handler is finished), and work it starts there without waiting
+    (a background task, a queued request woken, a drain told, a timer) is queued on it through
+    ``loop.PlaneSafeLoop``, which hands calls from this thread over to the loop's own."""
 
     __slots__ = ("loop",)
 
@@ -207,6 +205,11 @@ class NativeLane:
         if label is None or tracing.enabled():
             self._count("fallback")
             return FALLBACK
+        with self._running:
+            return self._admit(path, query, headers, body, peer, cancel, label)
+
+    def _admit(self, path: str, query: str, headers: list[tuple[bytes, bytes]], body: bytes, peer: str,
+               cancel: Any, label: str) -> tuple[Any, ...]:
         host, _, port = peer.rpartition(":")
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
                  "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
@@ -216,8 +219,7 @@ class NativeLane:
         request = HotRequest(scope, receive)
         coro = self._completion(request, path, label)
         try:
-            with self._running:
-                admitted = drive(coro)
+            admitted = drive(coro)
         except _Suspended as s:  # it waits (queue, Redis, tokenizer): the loop finishes it, the fallback serves it
             return self._park_handler(s, receive)
         except ApiError as err:
@@ -255,7 +257,6 @@ class NativeLane:
     def _park_handler(self, s: _Suspended, receive: _BodyRequest) -> tuple[Any, ...]:
         self._count("parked")
         token = self.park(("handler", s.coro, s.yielded, receive))
-        self.loop.call_soon_threadsafe(_nothing)  # (wake the loop: the handler may have scheduled work on it)
         return ("fallback", [(RESUME, token.encode())])
 
     def _park_admitted(self, admitted: _Admitted) -> tuple[Any, ...]:
@@ -304,28 +305,37 @@ class NativeTry:
         self.reply_headers = x.proxy._headers()
         self.strip_usage = x.proxy.strip_usage
 
+    # (each call runs with the gateway's loop as this thread's running loop: ``_RunningLoop``)
+
     def failed(self, kind: str, detail: str) -> tuple[Any, ...]:
-        return self.x.failed(self, kind, detail)
+        with self.x.lane._running:
+            return self.x.failed(self, kind, detail)
 
     def answered(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None) -> tuple[Any, ...]:
-        return self.x.answered(self, status, headers, body)
+        with self.x.lane._running:
+            return self.x.answered(self, status, headers, body)
 
     def streaming(self) -> None:
-        self.x.streaming(self)
+        with self.x.lane._running:
+            self.x.streaming(self)
 
     def first_event(self, first_s: float) -> None:
-        self.x.first_event(self, first_s)
+        with self.x.lane._running:
+            self.x.first_event(self, first_s)
 
     def stream_done(self, usage: str | None, events: int, first_s: float | None, last_s: float | None,
                     gaps: list[float] | None = None) -> None:
-        self.x.stream_done(self, usage, events, gaps)
+        with self.x.lane._running:
+            self.x.stream_done(self, usage, events, gaps)
 
     def stream_broken(self, kind: str, detail: str, sent: bytes, usage: str | None, events: int,
                       first_s: float | None, last_s: float | None, gaps: list[float] | None = None) -> tuple[Any, ...]:
-        return self.x.stream_broken(self, kind, detail, sent, usage, events, gaps)
+        with self.x.lane._running:
+            return self.x.stream_broken(self, kind, detail, sent, usage, events, gaps)
 
     def client_gone(self) -> None:
-        self.x.client_gone()
+        with self.x.lane._running:
+            self.x.client_gone()
 
 
 class Exchange:
@@ -361,7 +371,7 @@ class Exchange:
         blocked = rt.breakers.blocked(rt.clock.now())
         exclude = p._tried | blocked if blocked else p._tried
         try:
-            decision = drive(rt.router.decide(p.req, exclude))
+            decision = self._decide(exclude)
         except NoHealthyWorker:
             p.settle_held(request_caused=False)
             if self.last_error is not None:
@@ -378,6 +388,15 @@ class Exchange:
         attempt.watch()
         delay = rt.backoff.delay(n, _JITTER) if n else 0.0
         return ("send", NativeTry(self, attempt, n + 1 >= max_attempts, delay))
+
+    def _decide(self, exclude: Any) -> Any:
+        """``Router.decide``; it does not wait unless a prefix-tracker hook does (an index on Redis, which
+        parks the request's handler before any decision: lane.admit). Should it wait all the same, the loop
+        finishes it and this thread waits for the decision (the GIL released meanwhile)."""
+        try:
+            return drive(self.rt.router.decide(self.proxy.req, exclude))
+        except _Suspended as s:
+            return asyncio.run_coroutine_threadsafe(_finish_on_loop(s.coro, s.yielded), self.lane.loop).result()
 
     def _settled(self, judge: Any, *args: Any) -> tuple[Any, ...]:
         """Run a judgment: a retry is the next try; an ``ApiError`` is the client's answer."""

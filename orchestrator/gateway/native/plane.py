@@ -18,6 +18,7 @@ from orchestrator.errors import error_body
 from orchestrator.gateway.native import require
 from orchestrator.gateway.native.fallback import FallbackApp
 from orchestrator.gateway.native.lane import HOT_PATHS, NativeLane
+from orchestrator.gateway.native.loop import PlaneSafeLoop
 
 SWITCH_INTERVAL_S = 0.0005  # (measured: 2.3 ms p50 against a busy loop, 0.7 ms against an idle one)
 
@@ -58,6 +59,10 @@ class NativePlane:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> int:
         module = require()
+        if not isinstance(loop, PlaneSafeLoop):  # (serve.uvicorn_config chooses it for native mode)
+            raise RuntimeError("the native data plane needs the gateway's loop to be "
+                               "orchestrator.gateway.native.loop.PlaneSafeLoop (its thread schedules on it)")
+        loop.adopt()  # from here, loop work started on the plane's thread is handed to the loop's
         # Each callback of the plane takes the GIL. While the event loop's thread runs Python (a request handed
         # over, a health round), a callback waits up to the interpreter's switch interval for it: 5 ms by
         # default, measured at 12 ms p50 per request against a busy loop; SWITCH_INTERVAL_S bounds that wait.
