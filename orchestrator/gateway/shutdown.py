@@ -54,8 +54,7 @@ class ShutdownState:
         self.draining = False
         self.draining_since: float | None = None
         self.active = 0  # client requests between the draining check and their last byte
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._idle: asyncio.Future[None] | None = None  # a drain waiting for ``active`` to reach 0
         self._give_up_hooks: list[Callable[[], Any]] = []
 
     def begin(self) -> None:
@@ -70,12 +69,11 @@ class ShutdownState:
 
     def started(self) -> None:
         self.active += 1
-        self._idle.clear()
 
     def finished(self) -> None:
         self.active = max(0, self.active - 1)
-        if self.active == 0:
-            self._idle.set()
+        if self.active == 0 and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
     def on_give_up(self, hook: Callable[[], Any]) -> None:
         """``hook()`` runs when the drain's grace period is over with requests still in (see ``give_up``)."""
@@ -91,11 +89,15 @@ class ShutdownState:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when nothing is in flight within ``timeout_s``."""
+        if self.active == 0:
+            return True
+        if self._idle is None or self._idle.done():
+            self._idle = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            await asyncio.wait_for(asyncio.shield(self._idle), timeout_s)
             return True
         except TimeoutError:
-            return False
+            return self.active == 0
 
 
 class DrainingServer(uvicorn.Server):

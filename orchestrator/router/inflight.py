@@ -65,10 +65,13 @@ class _Server:
     def drain(self, now: float | None) -> None:
         if now is None:
             return
-        rate = self.rate
-        if rate is not None and self.since is not None and now > self.since and self.backlog > 0:
-            self.backlog = max(0.0, self.backlog - rate * (now - self.since))
-        self.since = now if self.since is None or now > self.since else self.since
+        since = self.since
+        if since is None:
+            self.since = now
+        elif now > since:
+            if self.backlog > 0 and self.seconds_seen > 0 and self.tokens_seen > 0:  # (a learned rate: ``rate``)
+                self.backlog = max(0.0, self.backlog - self.tokens_seen / self.seconds_seen * (now - since))
+            self.since = now
 
 
 class InflightLedger:

@@ -64,6 +64,7 @@ class Router:
         # Prefill dispatched and not yet done, per worker: tokens (released exactly) and prefixes in flight.
         self.inflight = InflightLedger()
         self._background: set[asyncio.Future[Any]] = set()
+        self._metric_children: dict[tuple[str, str], tuple[Any, ...]] = {}
 
     def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[Worker]:
         found = self.fleet.candidates(model, Role.DECODE)
@@ -125,13 +126,12 @@ class Router:
         if tracker is not None:
             await tracker.on_routed(req, decision, now)
         if self.metrics is not None:
-            m = self.metrics
-            policy = self.policy.name
-            child(m.routing_decision_seconds, policy).observe(time.perf_counter() - started)
-            child(m.routing_decisions, policy, "routed").inc()
-            child(m.routed_prompt_tokens, req.model).inc(req.prompt_tokens)  # (a configured model: bounded)
+            _, seconds, routed, routed_tokens, cached_tokens = self._decision_metrics(req.model)
+            seconds.observe(time.perf_counter() - started)
+            routed.inc()
+            routed_tokens.inc(req.prompt_tokens)
             if decision.predicted_cached_tokens:
-                child(m.predicted_cached_tokens, req.model).inc(decision.predicted_cached_tokens)
+                cached_tokens.inc(decision.predicted_cached_tokens)
         self.recent_decisions.append({
             "time": now,
             "request_id": req.request_id,
@@ -145,6 +145,19 @@ class Router:
             "predicted_cached_tokens": decision.predicted_cached_tokens,
         })
         return decision
+
+    def _decision_metrics(self, model: str) -> tuple[Any, ...]:
+        """A decision's metric children for this policy and model, looked up once (the model is a configured
+        one: bounded)."""
+        key = (self.policy.name, model)
+        found = self._metric_children.get(key)
+        m = self.metrics
+        if found is None or found[0] is not m:
+            assert m is not None
+            found = self._metric_children[key] = (
+                m, child(m.routing_decision_seconds, key[0]), child(m.routing_decisions, key[0], "routed"),
+                child(m.routed_prompt_tokens, model), child(m.predicted_cached_tokens, model))
+        return found
 
     # --- accounting ----------------------------------------------------------------------------
 

@@ -185,3 +185,66 @@ def test_kv_aware_routing_on_kv_events_is_carried_by_the_plane_without_a_failure
     finally:
         for e in engines:
             e.stop()
+
+
+def nothing_left_counted(gw: GatewayThread) -> dict[str, Any]:
+    """What a finished request must have given back: the drain's count, the per-client and dispatch counts, the
+    workers' in-flight counts and the attempts registered in flight (polled briefly: some end on the loop)."""
+    rt = gw.runtime
+
+    def counts() -> dict[str, Any]:
+        return {"active": rt.shutdown.active, "clients": sum(rt.intake.concurrent.values()),
+                "inflight": sum(w.inflight for w in rt.fleet.workers()), "attempts": len(rt.attempts)}
+
+    deadline = time.monotonic() + 5
+    while any(counts().values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return counts()
+
+
+@pytest.mark.parametrize("where", ["decide", "answered", "stream_done"])
+def test_a_lane_failure_answers_500_and_leaves_nothing_counted(engines, monkeypatch, where):
+    """Dyad's own code failing on the plane's thread (a decision, the judgment of an answer, a stream's end):
+    the client gets the plane's 500 (or the stream's internal error event), the failure is reported, and the
+    request's counts are given back — a leaked count would hold a drain for its whole grace period and a client
+    against its concurrency limit. The next request is served normally."""
+    from orchestrator.router.router import Router
+
+    calls: list[str] = []
+    original_report = lane_module.NativeLane.internal_error
+    monkeypatch.setattr(lane_module.NativeLane, "internal_error",
+                        lambda self, w, exc: (calls.append(w), original_report(self, w, exc)))
+    armed = {"on": True}
+
+    def failing(original: Any) -> Any:
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            if armed["on"]:
+                armed["on"] = False
+                raise RuntimeError(f"injected failure in {where}")
+            return original(*args, **kw)
+        return wrapper
+
+    if where == "decide":
+        original_decide = Router.decide
+
+        async def decide(self: Any, *args: Any, **kw: Any) -> Any:
+            if armed["on"]:
+                armed["on"] = False
+                raise RuntimeError("injected failure in decide")
+            return await original_decide(self, *args, **kw)
+        monkeypatch.setattr(Router, "decide", decide)
+    else:
+        monkeypatch.setattr(lane_module.Exchange, where, failing(getattr(lane_module.Exchange, where)))
+    (engine,) = engines(1)
+    cfg = native_config([engine.url], limits={"max_concurrent_per_client": 1})
+    with GatewayThread(cfg) as gw:
+        if where == "stream_done":
+            status, events = read_stream(gw.url, CHAT, body_for(CHAT, 4))
+            assert status == 200 and events[-1][1] == "[DONE]"  # the stream itself was whole: its tokens all came
+        else:
+            r = completion(gw.url)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+        assert calls and not armed["on"]
+        assert nothing_left_counted(gw) == {"active": 0, "clients": 0, "inflight": 0, "attempts": 0}
+        again = completion(gw.url)
+        assert again.status_code == 200, again.text

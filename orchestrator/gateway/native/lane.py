@@ -48,6 +48,7 @@ from orchestrator.gateway.proxy import _JITTER, MAX_ERROR_BODY, ProxyResponse, _
 from orchestrator.gateway.stream_protocol import OpenAIChunks
 from orchestrator.gateway.transport import drop_idle
 from orchestrator.telemetry import tracing
+from orchestrator.telemetry.children import child
 
 if TYPE_CHECKING:
     from orchestrator.gateway.admission import _Admitted
@@ -191,10 +192,11 @@ class NativeLane:
         self.secret = secrets.token_hex(16)
         self._completion = _completion
         self._parked: dict[str, tuple[float, Any]] = {}
+        self._heads: dict[tuple[str, str | None], list[tuple[bytes, bytes]]] = {}
         self._running = _RunningLoop(loop)
         self.handled = {"native": 0, "fallback": 0, "parked": 0, "continued": 0}
         counter = self.rt.metrics.native_plane_requests
-        self._counted = {way: counter.labels(label) for way, label in (
+        self._counted = {way: child(counter, label) for way, label in (
             ("native", "native"), ("fallback", "handed_over"), ("parked", "parked"), ("continued", "continued"))}
 
     # --- called by the plane ------------------------------------------------------------------------
@@ -229,6 +231,21 @@ class NativeLane:
             return self._park_admitted(admitted)
         self._count("native")
         return Exchange(self, admitted, proxy, cancel).first()
+
+    def engine_head(self, call: Any, worker: Any) -> list[tuple[bytes, bytes]]:
+        """``executor.engine_headers`` as the plane sends them: what is the same for every request to a worker
+        (encoded once per worker and key) and the request id."""
+        rid = (b"x-request-id", call.request_id.encode())
+        if call.headers:  # (a call with headers of its own: built in full)
+            return [(k.encode(), v.encode()) for k, v in engine_headers(call, worker).items()]
+        key = (worker.url, worker.api_key)
+        same = self._heads.get(key)
+        if same is None:
+            if len(self._heads) > 4 * len(self.rt.fleet.workers()) + 16:  # (workers come and go: bounded)
+                self._heads.clear()
+            same = self._heads[key] = [(k.encode(), v.encode()) for k, v in engine_headers(call, worker).items()
+                                       if k != "x-request-id"]
+        return [*same, rid]
 
     def _count(self, way: str) -> None:
         self.handled[way] += 1
@@ -294,7 +311,7 @@ class NativeTry:
         self.url = worker.url + call.endpoint
         self.body = orjson.dumps(rt.adapter_for(worker.engine).shape_request(call.endpoint, call.body,
                                                                               call.request_id))
-        self.headers = [(k.encode(), v.encode()) for k, v in engine_headers(call, worker).items()]
+        self.headers = x.lane.engine_head(call, worker)
         self.stream = call.stream
         self.delay_s = delay_s
         self.first_byte_timeout = rt.config.gateway.first_byte_timeout_s
@@ -305,37 +322,33 @@ class NativeTry:
         self.reply_headers = x.proxy._headers()
         self.strip_usage = x.proxy.strip_usage
 
-    # (each call runs with the gateway's loop as this thread's running loop: ``_RunningLoop``)
+    # Each call runs with the gateway's loop as this thread's running loop (``_RunningLoop``). One that raises is
+    # Dyad's own failure: the plane answers it with a 500 (or ends the stream with an internal error event) and
+    # reports it (``NativeLane.internal_error``); the exchange is ended first, so that nothing stays counted.
 
     def failed(self, kind: str, detail: str) -> tuple[Any, ...]:
-        with self.x.lane._running:
-            return self.x.failed(self, kind, detail)
+        return self.x.guarded(self.x.failed, self, kind, detail)  # type: ignore[no-any-return]
 
     def answered(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None) -> tuple[Any, ...]:
-        with self.x.lane._running:
-            return self.x.answered(self, status, headers, body)
+        return self.x.guarded(self.x.answered, self, status, headers, body)  # type: ignore[no-any-return]
 
     def streaming(self) -> None:
-        with self.x.lane._running:
-            self.x.streaming(self)
+        self.x.guarded(self.x.streaming, self)
 
     def first_event(self, first_s: float) -> None:
-        with self.x.lane._running:
-            self.x.first_event(self, first_s)
+        self.x.guarded(self.x.first_event, self, first_s)
 
     def stream_done(self, usage: str | None, events: int, first_s: float | None, last_s: float | None,
                     gaps: list[float] | None = None) -> None:
-        with self.x.lane._running:
-            self.x.stream_done(self, usage, events, gaps)
+        self.x.guarded(self.x.stream_done, self, usage, events, gaps)
 
     def stream_broken(self, kind: str, detail: str, sent: bytes, usage: str | None, events: int,
                       first_s: float | None, last_s: float | None, gaps: list[float] | None = None) -> tuple[Any, ...]:
-        with self.x.lane._running:
-            return self.x.stream_broken(self, kind, detail, sent, usage, events, gaps)
+        return self.x.guarded(self.x.stream_broken, self, kind, detail, sent, usage, events,  # type: ignore[no-any-return]
+                              gaps)
 
     def client_gone(self) -> None:
-        with self.x.lane._running:
-            self.x.client_gone()
+        self.x.guarded(self.x.client_gone)
 
 
 class Exchange:
@@ -357,7 +370,35 @@ class Exchange:
     # --- tries ------------------------------------------------------------------------------------------
 
     def first(self) -> tuple[Any, ...]:
-        return self._settled(self._next_try)
+        """The first try (called by ``NativeLane.admit``, under the running loop already)."""
+        try:
+            return self._settled(self._next_try)
+        except BaseException:
+            self._broke()
+            raise
+
+    def guarded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` with the gateway's loop as this thread's running loop; if it raises, the exchange is ended
+        as a gateway error (its places in the limits and its counts given back) before the plane hears of it."""
+        with self.lane._running:
+            try:
+                return fn(*args)
+            except BaseException:
+                self._broke()
+                raise
+
+    def _broke(self) -> None:
+        if self.ended:
+            return
+        p = self.proxy
+        p.status = 500
+        p.error_class = "gateway_error"
+        if p.attempt is not None:
+            p.attempt.cancelled()  # (not the worker's doing)
+        try:
+            self._end()
+        except Exception:  # noqa: BLE001 - reported by the plane with the first failure
+            log.exception("native data plane: ending request %s after a failure failed too", p.call.request_id)
 
     def _next_try(self) -> tuple[Any, ...]:
         """``ProxyResponse.open_attempt``, one try at a time: route (skipping workers tried and breakers open),
@@ -623,10 +664,12 @@ class Exchange:
         self.ended = True
         self.task.finished = True
         p = self.proxy
-        p.root_span.end()
-        p.done = True
-        p._finish()
-        self._release()
+        try:
+            p.root_span.end()
+            p.done = True
+            p._finish()
+        finally:
+            self._release()  # (whatever happened above: the limits' places are given back)
         a = self.admitted
         if a.settle is not None:
             settle = a.settle
