@@ -248,3 +248,27 @@ def test_a_lane_failure_answers_500_and_leaves_nothing_counted(engines, monkeypa
         assert nothing_left_counted(gw) == {"active": 0, "clients": 0, "inflight": 0, "attempts": 0}
         again = completion(gw.url)
         assert again.status_code == 200, again.text
+
+
+def test_log_lines_from_the_planes_thread_carry_their_own_requests_id(engines, caplog):
+    """The plane's thread runs many requests' callbacks in turn: each runs with its own request's id (and model)
+    on its log lines, as the Python gateway does. Two requests overlap (a paced engine: both are admitted before
+    either is answered); the access log, written through the `dyad.access` logger when each answer is judged,
+    must carry the same request id in its record as in its fields."""
+    import logging
+
+    from orchestrator.telemetry.logging import RequestContextFilter
+
+    caplog.handler.addFilter(RequestContextFilter())  # (what `dyad serve`'s log handler has: the bound id, fields)
+    (engine,) = engines(1, PACED)
+    cfg = native_config([engine.url], access_log={"enabled": True, "output": "logger"})
+    with caplog.at_level(logging.INFO, logger="dyad.access"), GatewayThread(cfg) as gw:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda i: completion(gw.url, max_tokens=6, ignore_eos=True,
+                                                         headers={"x-request-id": f"req-{i}"}), range(3)))
+        assert [a.status_code for a in answers] == [200, 200, 200]
+        assert gw.plane.lane.handled["native"] == 3
+    records = [r for r in caplog.records if r.name == "dyad.access"]
+    assert sorted(r.access["request_id"] for r in records) == ["req-0", "req-1", "req-2"]
+    assert [r.request_id for r in records] == [r.access["request_id"] for r in records]
+    assert [getattr(r, "model", None) for r in records] == ["m", "m", "m"]

@@ -49,6 +49,7 @@ from orchestrator.gateway.stream_protocol import OpenAIChunks
 from orchestrator.gateway.transport import drop_idle
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.children import child
+from orchestrator.telemetry.logging import request_context
 
 if TYPE_CHECKING:
     from orchestrator.gateway.admission import _Admitted
@@ -366,21 +367,25 @@ class Exchange:
         self.ended = False
         cfg = self.rt.config
         self.timeout = cfg.resilience.stream_timeout_s if proxy.call.stream else cfg.gateway.request_timeout_s
+        self.context = request_context(admitted.rid, model=admitted.model)
 
     # --- tries ------------------------------------------------------------------------------------------
 
     def first(self) -> tuple[Any, ...]:
         """The first try (called by ``NativeLane.admit``, under the running loop already)."""
-        try:
-            return self._settled(self._next_try)
-        except BaseException:
-            self._broke()
-            raise
+        with self.context:
+            try:
+                return self._settled(self._next_try)
+            except BaseException:
+                self._broke()
+                raise
 
     def guarded(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` with the gateway's loop as this thread's running loop; if it raises, the exchange is ended
-        as a gateway error (its places in the limits and its counts given back) before the plane hears of it."""
-        with self.lane._running:
+        """``fn(*args)`` with the gateway's loop as this thread's running loop and this request's id (and model)
+        on every log line, as the Python gateway runs a request (``admission._Admitted``: the plane's thread
+        serves many requests in turn); if it raises, the exchange is ended as a gateway error (its places in the
+        limits and its counts given back) before the plane hears of it."""
+        with self.lane._running, self.context:
             try:
                 return fn(*args)
             except BaseException:
@@ -621,7 +626,8 @@ class Exchange:
                     "headers": [(b"content-type", b"text/event-stream")]})
         timer = TokenTimer(p.metrics.itl, relay.protocol.token_event, relay.protocol.no_token_event)
         try:
-            await relay.run(send, None, timer.on_bytes, broken=(kind, detail))
+            with request_context(self.admitted.rid, model=self.admitted.model):  # (its own: the plane's thread
+                await relay.run(send, None, timer.on_bytes, broken=(kind, detail))  # may enter self.context)
         except Exception:
             log.exception("request %s: continuing the native plane's stream failed", p.call.request_id)
             p.error_class = "gateway_error"
