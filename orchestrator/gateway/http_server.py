@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import re
 import urllib.parse
 from collections import deque
@@ -615,6 +616,14 @@ def direct_app(app: Any) -> Any:
 
 
 _SCHEMES = frozenset(("http", "https", "ws", "wss"))
+
+
+def trusted_proxies() -> Any:
+    """The trusted hosts uvicorn's proxy-headers middleware uses (``FORWARDED_ALLOW_IPS``, else loopback: as
+    ``uvicorn.Config`` builds them), for a server in front of uvicorn (the native data plane) to apply the same
+    rule to the real client (``apply_forwarded``)."""
+    return ProxyHeadersMiddleware(None, trusted_hosts=os.environ.get("FORWARDED_ALLOW_IPS",  # type: ignore[arg-type]
+                                                                     "127.0.0.1,::1")).trusted_hosts
 
 
 def apply_forwarded(scope: dict[str, Any], trusted: Any) -> None:

@@ -272,3 +272,23 @@ def test_log_lines_from_the_planes_thread_carry_their_own_requests_id(engines, c
     assert sorted(r.access["request_id"] for r in records) == ["req-0", "req-1", "req-2"]
     assert [r.request_id for r in records] == [r.access["request_id"] for r in records]
     assert [getattr(r, "model", None) for r in records] == ["m", "m", "m"]
+
+
+def test_clients_behind_a_trusted_proxy_are_told_apart_by_the_plane(engines):
+    """A gateway behind a local proxy (loopback is trusted by default, as uvicorn's proxy-headers middleware
+    has it): the plane's requests name their client by X-Forwarded-For like the Python gateway's, so
+    ``limits.max_concurrent_per_client`` counts each forwarded client on its own (two clients at once: both
+    served; one client twice at once: the second refused), and a forwarded client on the fallback's routes is
+    the forwarded one, not the plane."""
+    (engine,) = engines(1, PACED)  # each request holds ~0.3 s
+    cfg = native_config([engine.url], limits={"max_concurrent_per_client": 1})
+    with GatewayThread(cfg) as gw:
+        def ask(client: str) -> httpx.Response:
+            return completion(gw.url, max_tokens=6, ignore_eos=True, headers={"x-forwarded-for": client})
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            two = sorted(r.status_code for r in pool.map(ask, ["198.51.100.1", "198.51.100.2"]))
+            same = sorted(r.status_code for r in pool.map(ask, ["198.51.100.3", "198.51.100.3"]))
+        assert two == [200, 200]
+        assert same == [200, 429]
+        assert gw.plane.lane.handled["native"] >= 3

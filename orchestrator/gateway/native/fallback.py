@@ -20,6 +20,7 @@ import orjson
 from starlette.requests import Request
 
 from orchestrator.errors import ApiError, error_body
+from orchestrator.gateway.http_server import apply_forwarded
 from orchestrator.gateway.native.lane import PEER, RESUME, SECRET, _finish_on_loop
 
 if TYPE_CHECKING:
@@ -69,9 +70,12 @@ class FallbackApp:
             await _send_json(send, 403, "This port serves only the gateway's native data plane.", "forbidden")
             return
         scope = dict(scope, headers=kept)
-        if peer:
+        if peer:  # the client as the plane saw it; then the forwarded headers, judged on that client (uvicorn's
+            # middleware judged them on the plane, which is loopback: trusted by default)
             host, _, port = peer.decode("latin-1").rpartition(":")
             scope["client"] = (host, int(port) if port.isdigit() else 0)
+            scope["scheme"] = "http"  # (the plane terminates no TLS)
+            apply_forwarded(scope, lane.trusted_proxies)
         if resume is None:
             await self.app(scope, receive, send)
             return

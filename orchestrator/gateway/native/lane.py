@@ -44,6 +44,7 @@ from orchestrator.gateway.attempt import Attempt
 from orchestrator.gateway.executor import engine_headers
 from orchestrator.gateway.failover import StreamRelay
 from orchestrator.gateway.fastpath import HotRequest
+from orchestrator.gateway.http_server import apply_forwarded, trusted_proxies
 from orchestrator.gateway.proxy import _JITTER, MAX_ERROR_BODY, ProxyResponse, _Retry
 from orchestrator.gateway.stream_protocol import OpenAIChunks
 from orchestrator.gateway.transport import drop_idle
@@ -63,6 +64,7 @@ PEER = b"x-dyad-native-peer"
 RESUME = b"x-dyad-native-resume"
 CONTINUE_PATH = "/_dyad/native/continue"
 FALLBACK: tuple[str] = ("fallback",)
+_FORWARDED = frozenset((b"x-forwarded-for", b"x-forwarded-proto"))
 RESUME_TTL_S = 60.0  # a parked request the fallback never claimed (the plane lost it) is dropped after this
 
 
@@ -194,6 +196,7 @@ class NativeLane:
         self._completion = _completion
         self._parked: dict[str, tuple[float, Any]] = {}
         self._heads: dict[tuple[str, str | None], list[tuple[bytes, bytes]]] = {}
+        self.trusted_proxies = trusted_proxies()  # (the fallback's uvicorn trusts the same hosts)
         self._running = _RunningLoop(loop)
         self.handled = {"native": 0, "fallback": 0, "parked": 0, "continued": 0}
         counter = self.rt.metrics.native_plane_requests
@@ -218,6 +221,10 @@ class NativeLane:
                  "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
                  "query_string": query.encode(), "headers": headers, "client": (host, int(port or 0)),
                  "server": None, "app": self.app, "state": {}}
+        for k, _ in headers:
+            if k in _FORWARDED:  # from a trusted proxy: the client it names (as uvicorn's proxy-headers middleware)
+                apply_forwarded(scope, self.trusted_proxies)
+                break
         receive = _BodyRequest(body)
         request = HotRequest(scope, receive)
         coro = self._completion(request, path, label)
