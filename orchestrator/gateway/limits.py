@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.clock import Clock
 from orchestrator.errors import RateLimited
+from orchestrator.loop_thread import on_loop_thread
 from orchestrator.redis_clients import close_quietly
 
 if TYPE_CHECKING:
@@ -204,6 +205,7 @@ class RateLimiter:
     async def _take(self, name: str, limits: list[Limit], check: bool = True) -> tuple[float, int, list[float]]:
         now = self.clock.now()
         if self.redis_url is not None and now >= self._redis_down_until:
+            await on_loop_thread()  # (network I/O: on the loop's thread, never the native plane's)
             try:
                 result = await self._take_redis(name, limits, check)
             except Exception as e:  # noqa: BLE001 - any Redis failure: decide locally, retry later

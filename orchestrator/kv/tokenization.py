@@ -49,6 +49,7 @@ from orchestrator.fleet.worker import Worker
 from orchestrator.kv.hashing import BlockHasher
 from orchestrator.kv.message_content import Untokenizable, message_text
 from orchestrator.kv.word_tokenizer import SimTokenizer
+from orchestrator.loop_thread import on_loop_thread
 
 log = logging.getLogger("dyad.kv.tokenization")
 
@@ -428,6 +429,7 @@ class RequestTokenizer:
         worker = candidates[0]
         adapter = self.adapter_for(worker.engine)
         self.engine_calls += 1
+        await on_loop_thread()  # (network I/O: on the loop's thread, never the native plane's)
         try:
             if chat:
                 return await adapter.tokenize(self.http, worker.url, model, messages=messages,

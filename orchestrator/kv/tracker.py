@@ -36,6 +36,7 @@ from orchestrator.kv.ingest_shards import IngestShards
 from orchestrator.kv.memory_index import MemoryPrefixIndex
 from orchestrator.kv.tier_cost import effective_tier_weights
 from orchestrator.kv.tokenization import RequestTokenizer
+from orchestrator.loop_thread import on_loop_thread
 from orchestrator.router.types import RouteDecision, RouteRequest
 from orchestrator.telemetry.children import child
 from orchestrator.telemetry.metrics import DyadMetrics
@@ -67,6 +68,8 @@ class PrefixTracker:
         self.metrics = metrics
         self.clock = clock
         self.shared_load = shared_load
+        # an index or shared load elsewhere (Redis): annotation does network I/O (loop_thread.on_loop_thread)
+        self.remote = shared_load is not None or config.index.backend != "memory"
         self.tier_weights = effective_tier_weights(config.router.kv_aware)
         # False: this replica reads a shared index that others fill from the engines' events
         self.ingest_events = config.index.ingest_events
@@ -116,6 +119,8 @@ class PrefixTracker:
                        candidates: Sequence[Worker]) -> RouteRequest:
         """``req`` with token ids, block hashes, overlaps (and peer load). Never raises: a request this
         cannot handle (odd content, a tokenizer error) is routed on load alone (``req`` comes back)."""
+        if self.remote:
+            await on_loop_thread()  # (network I/O: on the loop's thread, never the native plane's)
         session_key = req.session_key
         if session_key is None:
             user = body.get("user")

@@ -20,6 +20,7 @@ from orchestrator.config import load_config
 from orchestrator.gateway import native
 from orchestrator.gateway.native import lane as lane_module
 from orchestrator.gateway.serve import GatewayThread
+from tests.fixtures.redis import redis_server, unique_prefix  # noqa: F401
 from tests.integration.test_stream_endings import (
     CHAT,
     PACED,
@@ -292,3 +293,58 @@ def test_clients_behind_a_trusted_proxy_are_told_apart_by_the_plane(engines):
         assert two == [200, 200]
         assert same == [200, 429]
         assert gw.plane.lane.handled["native"] >= 3
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("uses", ["limits", "index"])
+def test_requests_that_use_redis_are_finished_on_the_loop_and_redis_answers_them(redis_server, uses):  # noqa: F811
+    """Rate limits or the prefix index on Redis: the client library bounds its calls with asyncio.timeout, which
+    needs a task, and the plane's thread has none. Such a handler moves to the event loop before its first
+    Redis call (loop_thread.on_loop_thread): the lane parks it and the Python gateway finishes it. Redis is
+    used, not bypassed: the bucket's keys are in Redis and the limiter never falls back to local buckets; the
+    repeated prompt's prefix is found in the Redis index and no lookup fails."""
+    import redis as redis_lib
+
+    from orchestrator.gateway.auth import hash_key
+    from orchestrator.sim.server import SimEngineThread
+
+    prefix = unique_prefix("native-redis")
+    engines = [SimEngineThread(model="m", profile="cpu-tiny", seed=i, kv_events=True).start() for i in range(2)]
+    try:
+        sections: dict[str, Any] = {
+            "limits": {"auth": {"keys": [{"name": "team", "sha256": hash_key("team-key"), "rpm": 100}]},
+                       "limits": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix}},
+            "index": {"router": {"policy": "kv_aware", "debug_headers": True},
+                      "index": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix}},
+        }[uses]
+        cfg = load_config({
+            "models": [{"name": "m", "block_size": 32}],
+            "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "models": ["m"],
+                         "kv_events": {"endpoint": e.kv_events_endpoint, "replay_endpoint": e.replay_endpoint}}
+                        for i, e in enumerate(engines)],
+            "router": {"policy": "round_robin", "debug_headers": True},
+            "health": {"interval_s": 30},
+            "gateway": {"data_plane": "native"},
+            **sections,
+        }, environ={})
+        prompt = " ".join(f"r{i}" for i in range(300))
+        with GatewayThread(cfg) as gw:
+            hits = []
+            for _ in range(6):
+                r = httpx.post(gw.url + "/v1/completions", headers={"authorization": "Bearer team-key"},
+                               json={"model": "m", "prompt": prompt, "max_tokens": 2}, timeout=30)
+                assert r.status_code == 200, r.text
+                hits.append(int(r.headers["x-dyad-predicted-cached-tokens"]))
+                time.sleep(0.3)  # (the engine's KV events reach the index)
+            if uses == "limits":
+                assert redis_lib.Redis.from_url(redis_server.url).keys(f"{prefix}:rl:*")  # the bucket is in Redis
+                assert not gw.runtime.intake.limiter._redis_down
+                assert gw.runtime.metrics.registry.get_sample_value("dyad_rate_limit_local_fallbacks_total") == 0
+            else:
+                assert max(hits) > 0  # the prefix was found in the Redis index
+                assert gw.runtime.prefix_tracker.annotate_failures == 0
+            assert gw.plane.lane.handled["parked"] == 6  # each moved to the loop before its first Redis call
+            assert nothing_left_counted(gw) == {"active": 0, "clients": 0, "inflight": 0, "attempts": 0}
+    finally:
+        for e in engines:
+            e.stop()

@@ -13,7 +13,9 @@ With ``gateway.data_plane: native`` the client's bytes are carried by compiled c
 
 What does not run here is handed to the Python gateway, unchanged, through the fallback with a resume token:
 - a request whose handler *does* wait (an admission queue, a Redis-backed limit or index, a tokenizer call):
-  the handler's coroutine is parked as it stands and finished on the event loop;
+  the handler's coroutine is parked as it stands and finished on the event loop. Network I/O must not start
+  on this thread (client libraries need a task for their timeouts): code on the request path calls
+  ``orchestrator.loop_thread.on_loop_thread()`` before its first network call, which parks it here;
 - a model served by prefill/decode pairs, or by an https engine: the admitted request is parked before any
   decision and the Python proxy runs it;
 - a stream that broke after its first bytes: the Python stream relay continues it on another worker
