@@ -147,7 +147,10 @@ class RoleManager:
         except asyncio.CancelledError:
             worker.target_role = None
             raise
-        worker.role = change.to_role
+        if self.fleet.get(worker.id) is worker:
+            self.fleet.set_role(worker.id, change.to_role)  # (the fleet's listeners hear it: "role")
+        else:  # (removed while it drained)
+            worker.role = change.to_role
         worker.target_role = None
         change.finished_at = self.clock.now()
         self.history.append(change)

@@ -348,3 +348,31 @@ def test_requests_that_use_redis_are_finished_on_the_loop_and_redis_answers_them
     finally:
         for e in engines:
             e.stop()
+
+
+def test_a_role_change_hands_the_models_requests_over_and_back(engines):
+    """The plane carries requests only while the fleet has no prefill/decode split (known per fleet change,
+    not walked per request). A worker moved to the decode role through the admin API: the next requests are
+    handed to the Python gateway (pairs); moved back: the plane carries them again."""
+    a, b = engines(2)
+    admin = {"authorization": "Bearer native-admin"}
+    cfg = native_config([a.url, b.url], gateway={"data_plane": "native", "admin_token": "native-admin"})
+    with GatewayThread(cfg) as gw:
+        lane = gw.plane.lane
+
+        def served(n: int) -> dict[str, int]:
+            before = dict(lane.handled)
+            for _ in range(n):
+                r = completion(gw.url)
+                assert r.status_code == 200, r.text
+            return {k: lane.handled[k] - before[k] for k in ("native", "fallback")}
+
+        assert served(4) == {"native": 4, "fallback": 0}
+        r = httpx.post(f"{gw.url}/admin/workers/w1/role", json={"role": "decode", "wait": True}, headers=admin,
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        assert served(4) == {"native": 0, "fallback": 4}
+        r = httpx.post(f"{gw.url}/admin/workers/w1/role", json={"role": "both", "wait": True}, headers=admin,
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        assert served(4) == {"native": 4, "fallback": 0}

@@ -199,6 +199,8 @@ class NativeLane:
         self._parked: dict[str, tuple[float, Any]] = {}
         self._heads: dict[tuple[str, str | None], list[tuple[bytes, bytes]]] = {}
         self.trusted_proxies = trusted_proxies()  # (the fallback's uvicorn trusts the same hosts)
+        self._native: bool | None = None  # (``_native_fleet``)
+        self.rt.fleet.subscribe(self._fleet_changed)
         self._running = _RunningLoop(loop)
         self.handled = {"native": 0, "fallback": 0, "parked": 0, "continued": 0}
         counter = self.rt.metrics.native_plane_requests
@@ -293,11 +295,17 @@ class NativeLane:
 
     def _native_fleet(self) -> bool:
         """Whether the plane can carry tries itself: a fleet of plain http engines with no prefill/decode split
-        (any exception anywhere in the fleet hands every request over: a decision may pick any worker)."""
-        for w in self.rt.fleet.workers():
-            if w.role is not Role.BOTH or not w.url.startswith("http://"):
-                return False
-        return True
+        (any exception anywhere in the fleet hands every request over: a decision may pick any worker). Known
+        until a worker is added or removed or changes its role (``_fleet_changed``): not a walk per request."""
+        native = self._native
+        if native is None:
+            native = self._native = all(w.role is Role.BOTH and w.url.startswith("http://")
+                                        for w in self.rt.fleet.workers())
+        return native
+
+    def _fleet_changed(self, event: str, worker: Any) -> None:
+        if event != "state":
+            self._native = None
 
     def _render_error(self, request: Any, err: ApiError) -> tuple[Any, ...]:
         handler = self.app._handler(err)
