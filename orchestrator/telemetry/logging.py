@@ -72,6 +72,14 @@ def bind_request_id(request_id: str | None) -> None:
     _request_id.set(request_id)
 
 
+def bind_request(request_id: str | None, fields: dict[str, Any]) -> None:
+    """Bind exactly this request id and these fields for the rest of the current context, replacing what was
+    bound: for a thread that serves many requests' steps in turn (the native data plane's), each step binding
+    its own request first. ``fields`` is kept as given (not copied): do not change it afterwards."""
+    _request_id.set(request_id)
+    _fields.set(fields)
+
+
 class RequestContextFilter(logging.Filter):
     """Copies the bound request id and fields onto each record (``record.request_id`` for text logs)."""
 

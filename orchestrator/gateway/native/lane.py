@@ -52,7 +52,7 @@ from orchestrator.gateway.stream_protocol import OpenAIChunks
 from orchestrator.gateway.transport import drop_idle
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.children import child
-from orchestrator.telemetry.logging import request_context
+from orchestrator.telemetry.logging import bind_request, request_context
 
 if TYPE_CHECKING:
     from orchestrator.gateway.admission import _Admitted
@@ -67,6 +67,7 @@ RESUME = b"x-dyad-native-resume"
 CONTINUE_PATH = "/_dyad/native/continue"
 FALLBACK: tuple[str] = ("fallback",)
 _FORWARDED = frozenset((b"x-forwarded-for", b"x-forwarded-proto"))
+_NO_FIELDS: dict[str, Any] = {}  # (never changed: bound as it is)
 RESUME_TTL_S = 60.0  # a parked request the fallback never claimed (the plane lost it) is dropped after this
 
 
@@ -215,6 +216,7 @@ class NativeLane:
         if label is None or tracing.enabled():
             self._count("fallback")
             return FALLBACK
+        bind_request(None, _NO_FIELDS)  # (the previous request's fields off this thread: the handler binds its id)
         with self._running:
             return self._admit(path, query, headers, body, peer, cancel, label)
 
@@ -384,25 +386,27 @@ class Exchange:
         self.ended = False
         cfg = self.rt.config
         self.timeout = cfg.resilience.stream_timeout_s if proxy.call.stream else cfg.gateway.request_timeout_s
-        self.context = request_context(admitted.rid, model=admitted.model)
+        self.rid = admitted.rid
+        self.log_fields = {"model": admitted.model}
 
     # --- tries ------------------------------------------------------------------------------------------
 
     def first(self) -> tuple[Any, ...]:
         """The first try (called by ``NativeLane.admit``, under the running loop already)."""
-        with self.context:
-            try:
-                return self._settled(self._next_try)
-            except BaseException:
-                self._broke()
-                raise
+        bind_request(self.rid, self.log_fields)
+        try:
+            return self._settled(self._next_try)
+        except BaseException:
+            self._broke()
+            raise
 
     def guarded(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` with the gateway's loop as this thread's running loop and this request's id (and model)
-        on every log line, as the Python gateway runs a request (``admission._Admitted``: the plane's thread
-        serves many requests in turn); if it raises, the exchange is ended as a gateway error (its places in the
+        bound for every log line, as the Python gateway runs a request (``admission._Admitted``; the plane's
+        thread serves many requests' steps in turn, each binding its own); if it raises, the exchange is ended as a gateway error (its places in the
         limits and its counts given back) before the plane hears of it."""
-        with self.lane._running, self.context:
+        bind_request(self.rid, self.log_fields)  # (kept after the call: the plane reports a failure with it)
+        with self.lane._running:
             try:
                 return fn(*args)
             except BaseException:
