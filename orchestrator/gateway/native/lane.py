@@ -463,7 +463,10 @@ class Exchange:
         try:
             return drive(self.rt.router.decide(self.proxy.req, exclude))
         except _Suspended as s:
-            return asyncio.run_coroutine_threadsafe(_finish_on_loop(s.coro, s.yielded), self.lane.loop).result()
+            waited = asyncio.run_coroutine_threadsafe(_finish_on_loop(s.coro, s.yielded), self.lane.loop)
+            # (bounded: this thread carries every native request meanwhile; past it the request fails as the
+            # gateway's own error and the plane goes on)
+            return waited.result(timeout=self.rt.config.gateway.first_byte_timeout_s)
 
     def _settled(self, judge: Any, *args: Any) -> tuple[Any, ...]:
         """Run a judgment: a retry is the next try; an ``ApiError`` is the client's answer."""
