@@ -376,3 +376,28 @@ def test_a_role_change_hands_the_models_requests_over_and_back(engines):
                        timeout=30)
         assert r.status_code == 200, r.text
         assert served(4) == {"native": 4, "fallback": 0}
+
+
+def test_a_decision_that_waits_is_finished_on_the_loop_and_the_plane_carries_the_request(engines, monkeypatch):
+    """A decision that waits (a tracker hook on a remote store would): the lane cannot park it half made, so the
+    event loop finishes it and the plane's thread waits for the decision; the request is then carried natively
+    and answered, with nothing left counted."""
+    import asyncio
+
+    from orchestrator.router.router import Router
+
+    original = Router.decide
+    waited = []
+
+    async def decide(self: Any, *args: Any, **kw: Any) -> Any:
+        await asyncio.sleep(0.01)  # (suspends: a timer on the loop)
+        waited.append(True)
+        return await original(self, *args, **kw)
+
+    monkeypatch.setattr(Router, "decide", decide)
+    (engine,) = engines(1)
+    with GatewayThread(native_config([engine.url])) as gw:
+        answers = [completion(gw.url) for _ in range(3)]
+        assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+        assert len(waited) == 3 and gw.plane.lane.handled["native"] == 3
+        assert nothing_left_counted(gw) == {"active": 0, "clients": 0, "inflight": 0, "attempts": 0}
