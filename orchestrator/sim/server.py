@@ -171,6 +171,26 @@ def _is_token_list(v: Any) -> bool:
 
 
 # ----------------------------------------------------------------------------- the core driver
+def _until(outs: list[SimOutput], keep: int) -> tuple[list[SimOutput], int]:
+    """The first ``keep`` tokens of one advance's outputs, in the order they were generated (by step end time;
+    a request's tokens cut short are not finished)."""
+    times = sorted(t for o in outs for t in o.times)
+    if keep <= 0:
+        return [], 0
+    cutoff = times[min(keep, len(times)) - 1]
+    kept: list[SimOutput] = []
+    n = 0
+    for o in outs:
+        ts = [t for t in o.times if t <= cutoff][: keep - n]
+        if not ts:
+            continue
+        whole = len(ts) == len(o.times)
+        kept.append(o if whole else SimOutput(o.request_id, o.start_index, ts, False, None, o.num_cached_tokens,
+                                              o.output_seed, o.prompt_tokens, o.lease_block_ids))
+        n += len(ts)
+    return kept, n
+
+
 class _Driver:
     """Advances the core on the event loop's clock and routes outputs to per-request queues."""
 
@@ -183,6 +203,7 @@ class _Driver:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._on_tokens = on_tokens
+        self.crash_at: Callable[[], int | None] | None = None  # the token count at which the engine crashes
         self.tokens_out = 0
 
     def submit(self, req: SimRequest) -> asyncio.Queue[Any]:
@@ -202,9 +223,13 @@ class _Driver:
         if at is not None and at > now:
             now = at
         outs = self.model.advance(now)
-        n = 0
+        n = sum(len(o.times) for o in outs)
+        crash_at = self.crash_at() if self.crash_at is not None else None
+        if n and crash_at is not None and self.tokens_out + n >= crash_at:
+            # A crash armed at this many tokens: what was generated up to it is delivered, nothing after, however
+            # late the loop is (a late loop advances the model by many steps at once).
+            outs, n = _until(outs, max(0, crash_at - self.tokens_out))
         for o in outs:
-            n += len(o.times)
             q = self.queues.get(o.request_id)
             if q is not None:
                 q.put_nowait(o)
@@ -348,6 +373,7 @@ class SimServer:
 
     async def startup(self) -> None:
         self._driver = _Driver(self.model, self.publisher, self._check_die)
+        self._driver.crash_at = lambda: None if self._dead else self.config.die_after_tokens
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
         if self.publisher is not None:
             self.publisher.start()
