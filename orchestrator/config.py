@@ -489,10 +489,6 @@ class PlannerConfig(_Section):
                            "in the load mode since the last one, and the load rose no further than its measured rise) cold-starts a worker only once it held over the last "
                            "scale_in_intervals intervals (a want born of one interval's rounding wobble is gone before "
                            "the worker is ready); parking a worker given back is not held back")
-    standby_cancel: bool = Field(
-        False, description="A worker still starting into the warm standby pool that the pool no longer wants is "
-                           "stopped at once (past the actuator's start guard), before the ready ones, instead of "
-                           "finishing its start-up and being stopped once ready")
     rise_quantile: float = Field(
         0.0, ge=0, lt=1, description="Size prefill for the lead forecast times this quantile of how far arrivals "
                                      "recently outran it (0 = off; opt-in)")

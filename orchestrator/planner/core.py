@@ -187,10 +187,6 @@ class PlannerSettings:
     # such a want started a worker that was stopped as soon as it was ready. A want that comes with growth, or before
     # the rise is measured, is started at once; parking a worker given back is never held back (docs/benchmarks.md,
     # Issue 14, plan13: cheaper on 15 of 18 workloads, the 3-hour day 0.811x -> 0.801x, no >= 99% lost)
-    standby_cancel: bool = False  # a worker still starting into the warm standby pool that the pool no longer wants (its
-    # want gone: the serving pool's spare came back, the measured rise fell) is stopped at once, before the ready ones,
-    # instead of finishing its start-up and being stopped as an idle extra once ready (``_pool_extras``; the stop is
-    # forced past the actuators' "still starting" guard). No parameter (docs/benchmarks.md, Issue 14, plan15)
     rise_memory: int = 2880  # intervals of history ``insurance="proportional"`` measures the rise over (a day at
     # 30-s intervals: every run measured here is shorter, so it is "all seen so far"; ``jump_memory``'s 20
     # intervals forgot the two-peak day's first climb and the spiky day's spikes too soon: docs/benchmarks.md)
@@ -1141,23 +1137,12 @@ class Planner:
                     actions.append(Action("start", r, then="standby"))
         if not s.fixed_fleet:  # a pool larger than wanted (the bursts calmed): stop its idle extras
             for r in ROLES:
-                extra = self._pool_extras(pool[r])
+                extra = [w for w in pool[r] if w.state == "standby" and w.id != "(new)"]
                 while len(pool[r]) > want_pool[r] and extra and extra[-1].stoppable:
                     w = extra.pop()
                     pool[r].remove(w)
-                    actions.append(Action("stop", r, w.id, force=w.state == "starting"))
+                    actions.append(Action("stop", r, w.id))
         return actions
-
-    def _pool_extras(self, pool: list[WorkerView]) -> list[WorkerView]:
-        """The standby workers a pool larger than its want may stop, the last one first: the ready ones, and with
-        ``standby_cancel`` the ones still starting into the pool after them. A start the pool no longer wants is
-        stopped at once (``force``: past the actuators' "still starting" guard) instead of finishing its start-up and
-        being stopped as an idle extra once ready; from now on it costs what a ready worker costs and serves later,
-        so it goes first."""
-        ready = [w for w in pool if w.state == "standby" and w.id != "(new)"]
-        if not self.settings.standby_cancel:
-            return ready
-        return ready + [w for w in pool if w.state == "starting" and w.id != "(new)"]
 
     def _wake_other(self, r: Role, need: dict[Role, int], pool: dict[Role, list[WorkerView]]) -> list[Action]:
         """Shared standby: wake workers parked in the other role into ``r`` (a role change, then into
@@ -1194,7 +1179,7 @@ class Planner:
             pool[r].append(WorkerView("(new)", r, "starting", standby=True))
             actions.append(Action("start", r, then="standby"))
             total += 1
-        extra = {r: self._pool_extras(pool[r]) for r in ROLES}
+        extra = {r: [w for w in pool[r] if w.state == "standby" and w.id != "(new)"] for r in ROLES}
         while total > shared_want:
             # stop from the role whose pool is furthest beyond its own want
             cands = [r for r in ROLES if extra[r] and extra[r][-1].stoppable]
@@ -1203,7 +1188,7 @@ class Planner:
             r = max(cands, key=lambda x: (len(pool[x]) - want[x], x is Role.DECODE))
             w = extra[r].pop()
             pool[r].remove(w)
-            actions.append(Action("stop", r, w.id, force=w.state == "starting"))
+            actions.append(Action("stop", r, w.id))
             total -= 1
         return actions
 

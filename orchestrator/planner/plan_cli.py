@@ -102,10 +102,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="load-reactive mode: wake warm decode standby for the streams extrapolated to when a "
                              "worker woken at the next look would serve (fast interval + standby wake, from the "
                              "growth over that span), not the streams now (default: PlannerSettings')")
-    parser.add_argument("--standby-cancel", action=argparse.BooleanOptionalAction, default=None,
-                        help="a worker still starting into the warm standby pool that the pool no longer wants is "
-                             "stopped at once, before the ready ones, instead of finishing its start-up and being "
-                             "stopped once ready (default: PlannerSettings')")
     parser.add_argument("--standby-confirm", action=argparse.BooleanOptionalAction, default=None,
                         help="a warm standby want that comes without growth (no role grew this interval or in "
                              "the load mode since the last one, and the load rose no further than its measured "
@@ -196,7 +192,7 @@ def limits_for(args: argparse.Namespace, budget: int) -> Limits:
 
 
 # PlannerSettings fields with a --x / --no-x flag whose default (None) leaves the setting's own default
-ON_OFF_SETTINGS = ("standby_net_of_spare", "fast_lookahead", "standby_shared", "standby_confirm", "standby_cancel")
+ON_OFF_SETTINGS = ("standby_net_of_spare", "fast_lookahead", "standby_shared", "standby_confirm")
 
 
 def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
