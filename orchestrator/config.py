@@ -489,6 +489,11 @@ class PlannerConfig(_Section):
                            "in the load mode since the last one, and the load rose no further than its measured rise) cold-starts a worker only once it held over the last "
                            "scale_in_intervals intervals (a want born of one interval's rounding wobble is gone before "
                            "the worker is ready); parking a worker given back is not held back")
+    scale_in_insured: bool = Field(
+        True, description="A confirmed decline keeps giving back: after a step down, while every interval stays below "
+                           "capacity, one more worker goes back the next interval (without the confirmation and "
+                           "cooldown again) when the pool without it still holds the capacity proportional insurance "
+                           "measured for the re-start horizon and the scale-in margin")
     rise_quantile: float = Field(
         0.0, ge=0, lt=1, description="Size prefill for the lead forecast times this quantile of how far arrivals "
                                      "recently outran it (0 = off; opt-in)")

@@ -16,7 +16,9 @@ What it plans for, and why (issue 14):
   the role's serving workers did not change.
 - **Slow scale-in.** A role shrinks only after ``scale_in_intervals`` intervals below its capacity,
   by at most ``scale_in_step`` workers per interval (0: down to the need plus the margin at once),
-  always through ``drain``.
+  always through ``drain``. With ``scale_in_insured`` (the default) a decline so confirmed keeps
+  giving back one worker per interval while the pool without it still holds what proportional
+  insurance measured for the re-start horizon (docs/benchmarks.md, Issue 14, helper plan15).
 - **A fast load-reactive mode** (``react``, every ``fast_interval_s``): between intervals, queued
   prefill work or decode streams beyond what the serving workers hold scale that role out at once.
   It never scales in.
@@ -187,6 +189,12 @@ class PlannerSettings:
     # such a want started a worker that was stopped as soon as it was ready. A want that comes with growth, or before
     # the rise is measured, is started at once; parking a worker given back is never held back (docs/benchmarks.md,
     # Issue 14, plan13: cheaper on 15 of 18 workloads, the 3-hour day 0.811x -> 0.801x, no >= 99% lost)
+    scale_in_insured: bool = True  # a confirmed decline keeps giving back: once a role stepped down and every interval
+    # since was below its capacity, the next worker goes back the next interval (not after the confirmation and the
+    # cooldown again) when the pool without it still holds what proportional insurance measured for the re-start horizon
+    # (``_insured``) and the hysteresis keep (``_insured_step``); never within the cooldown after a growth, nor before
+    # the rise is measured. No parameter (docs/benchmarks.md, Issue 14, plan15: cheaper or equal on 17 of 18
+    # workloads and on 3 held-out days, no >= 99% lost)
     rise_memory: int = 2880  # intervals of history ``insurance="proportional"`` measures the rise over (a day at
     # 30-s intervals: every run measured here is shorter, so it is "all seen so far"; ``jump_memory``'s 20
     # intervals forgot the two-peak day's first climb and the spiky day's spikes too soon: docs/benchmarks.md)
@@ -269,6 +277,9 @@ class Planner:
         self.hit_ratio = 0.0
         self._pending: dict[str, str] = {}  # worker id → "stop" | "standby" | role value, while draining
         self._below: dict[Role, int] = dict.fromkeys(ROLES, 0)
+        # ``scale_in_insured``: the role stepped down and every interval since was below its capacity again
+        self._declining: dict[Role, bool] = dict.fromkeys(ROLES, False)
+        self._last_grow: dict[Role, float] = dict.fromkeys(ROLES, -math.inf)  # when a role last grew
         self._last_change: dict[Role, float] = dict.fromkeys(ROLES, -math.inf)
         self._sized: deque[tuple[float, dict[Role, float]]] = deque()  # (time, exact need) for the floor
         self._first_plan: float | None = None
@@ -886,7 +897,9 @@ class Planner:
             if used[r] > counts[r]:
                 self._grown[r] = (now, float(used[r]))
                 self._last_change[r] = now
+                self._last_grow[r] = now
                 self._below[r] = 0
+                self._declining[r] = False
                 self._over[r] = 0 if used[r] >= target[r] else self._over[r]
         if any(used[r] > counts[r] for r in ROLES):
             self._drawn = True
@@ -981,11 +994,13 @@ class Planner:
             have = counts[r]
             if want[r] >= have:
                 self._below[r] = 0
+                self._declining[r] = False
                 target[r] = want[r]
                 continue
             keep = max(mins[r], math.ceil(exact[r] * (1 + s.scale_in_margin) - 1e-9))
             if keep >= have:
                 self._below[r] = 0
+                self._declining[r] = False
                 target[r] = have
                 continue
             self._below[r] += 1
@@ -996,6 +1011,10 @@ class Planner:
                                f"t={t0 + self.horizon_s():g}s unless the need falls clearly)")
             elif self._below[r] >= s.scale_in_intervals and now - self._last_change[r] >= s.cooldown_s:
                 target[r] = max(keep, want[r], have - (s.scale_in_step if s.scale_in_step > 0 else have))
+            elif self._insured_step(r, have, keep, now):
+                target[r] = have - 1
+                reasons.append(f"{r.value}: {have - 1} still hold the measured insurance ({self._insured[r]:.2f}) "
+                               "and the decline is confirmed: one more back")
             else:
                 target[r] = have
                 reasons.append(f"{r.value}: holding {have} (wants {max(keep, want[r])}, hysteresis/cooldown)")
@@ -1012,6 +1031,18 @@ class Planner:
                        and target[r] > max(want[r], mins[r])):
                     target[r] -= 1
         return target
+
+    def _insured_step(self, r: Role, have: int, keep: int, now: float) -> bool:
+        """``scale_in_insured``: a role in a confirmed decline (it stepped down, and every interval since was below its
+        capacity) gives one more worker back this interval, without waiting out the confirmation and the cooldown that
+        follow a step down, when the pool without it still holds what proportional insurance measured for the re-start
+        horizon (the horizon's largest need x the load's measured rise, ``_insured``) and the hysteresis keep. Never
+        within the cooldown after a growth, and not before the rise is measured."""
+        s = self.settings
+        if (not s.scale_in_insured or self._insured is None or not self._declining[r]
+                or now - self._last_grow[r] < s.cooldown_s):
+            return False
+        return have - 1 >= max(keep, math.ceil(self._insured[r] - 1e-9))
 
     def _started_for_forecast(self, role: Role, need: float, now: float) -> bool:
         """The churn rule: a role grown for a forecast keeps its workers until the re-start horizon
@@ -1074,6 +1105,9 @@ class Planner:
                 continue
             self._last_change[r] = now
             self._below[r] = 0
+            if grow[r] > 0:
+                self._last_grow[r] = now
+            self._declining[r] = s.scale_in_insured and shrink[r] > 0
         for r in ROLES:
             if shrink[r] == 0:
                 continue
@@ -1126,7 +1160,7 @@ class Planner:
             used_p = target[Role.PREFILL] + len(pool[Role.PREFILL])
             used_d = target[Role.DECODE] + len(pool[Role.DECODE])
             for r in ROLES:
-                if self._below[r] > 0:
+                if self._below[r] > 0 or self._declining[r]:
                     continue  # the role is above its need: a worker will be parked, not started
                 while len(pool[r]) < start_to[r]:
                     np_, nd = (used_p + 1, used_d) if r is Role.PREFILL else (used_p, used_d + 1)
@@ -1170,7 +1204,7 @@ class Planner:
         used = {r: target[r] + len(pool[r]) for r in ROLES}
         while total < (shared_want if start_to is None else min(shared_want, start_to)):
             r = self._fill_role(want, pool)
-            if self._below[r] > 0:  # the role is above its need: a worker will be parked, not started
+            if self._below[r] > 0 or self._declining[r]:  # above its need: a worker will be parked, not started
                 break
             grown = {**used, r: used[r] + 1}
             if not s.limits.fits(grown[Role.PREFILL], grown[Role.DECODE]):

@@ -69,6 +69,7 @@ def settings_from_config(cfg: PlannerConfig) -> PlannerSettings:
         standby_prefill=cfg.standby_prefill, standby_decode=cfg.standby_decode, standby_wake_s=cfg.standby_wake_s,
         standby_auto=cfg.standby_auto, standby_net_of_spare=cfg.standby_net_of_spare,
         standby_shared=cfg.standby_shared, standby_confirm=cfg.standby_confirm,
+        scale_in_insured=cfg.scale_in_insured,
         rise_quantile=cfg.rise_quantile, cold_backlog=cfg.cold_backlog, insurance=cfg.insurance)
 
 

@@ -102,6 +102,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="load-reactive mode: wake warm decode standby for the streams extrapolated to when a "
                              "worker woken at the next look would serve (fast interval + standby wake, from the "
                              "growth over that span), not the streams now (default: PlannerSettings')")
+    parser.add_argument("--scale-in-insured", action=argparse.BooleanOptionalAction, default=None,
+                        help="a confirmed decline keeps giving back: after a step down, while every interval stays "
+                             "below capacity, one more worker goes back the next interval when the pool without it "
+                             "still holds the capacity proportional insurance measured and the hysteresis keep "
+                             "(default: PlannerSettings')")
     parser.add_argument("--standby-confirm", action=argparse.BooleanOptionalAction, default=None,
                         help="a warm standby want that comes without growth (no role grew this interval or in "
                              "the load mode since the last one, and the load rose no further than its measured "
@@ -192,7 +197,7 @@ def limits_for(args: argparse.Namespace, budget: int) -> Limits:
 
 
 # PlannerSettings fields with a --x / --no-x flag whose default (None) leaves the setting's own default
-ON_OFF_SETTINGS = ("standby_net_of_spare", "fast_lookahead", "standby_shared", "standby_confirm")
+ON_OFF_SETTINGS = ("standby_net_of_spare", "fast_lookahead", "standby_shared", "standby_confirm", "scale_in_insured")
 
 
 def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
