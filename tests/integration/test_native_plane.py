@@ -56,6 +56,20 @@ def native_config(urls: list[str], **sections: Any) -> Any:
     }, environ={})
 
 
+def kv_events_config(engines: list[Any], **sections: Any) -> Any:
+    """Native mode over simulated engines that publish KV events (round_robin unless ``router`` says otherwise)."""
+    return load_config({
+        "models": [{"name": "m", "block_size": 32}],
+        "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "models": ["m"],
+                     "kv_events": {"endpoint": e.kv_events_endpoint, "replay_endpoint": e.replay_endpoint}}
+                    for i, e in enumerate(engines)],
+        "router": {"policy": "round_robin", "debug_headers": True},
+        "health": {"interval_s": 30},
+        "gateway": {"data_plane": "native"},
+        **sections,
+    }, environ={})
+
+
 def completion(url: str, **extra: Any) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4, **extra},
                       headers=extra.pop("headers", None), timeout=30)
@@ -153,15 +167,7 @@ def test_kv_aware_routing_on_kv_events_is_carried_by_the_plane_without_a_failure
 
     engines = [SimEngineThread(model="m", profile="cpu-tiny", seed=i, kv_events=True).start() for i in range(2)]
     try:
-        cfg = load_config({
-            "models": [{"name": "m", "block_size": 32}],
-            "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "models": ["m"],
-                         "kv_events": {"endpoint": e.kv_events_endpoint, "replay_endpoint": e.replay_endpoint}}
-                        for i, e in enumerate(engines)],
-            "router": {"policy": "kv_aware", "debug_headers": True},
-            "health": {"interval_s": 30},
-            "gateway": {"data_plane": "native"},
-        }, environ={})
+        cfg = kv_events_config(engines, router={"policy": "kv_aware", "debug_headers": True})
         prompt = " ".join(f"w{i}" for i in range(300))  # 9 blocks of 32
         with GatewayThread(cfg) as gw:
             tracker = gw.runtime.prefix_tracker
@@ -317,16 +323,7 @@ def test_requests_that_use_redis_are_finished_on_the_loop_and_redis_answers_them
             "index": {"router": {"policy": "kv_aware", "debug_headers": True},
                       "index": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix}},
         }[uses]
-        cfg = load_config({
-            "models": [{"name": "m", "block_size": 32}],
-            "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "models": ["m"],
-                         "kv_events": {"endpoint": e.kv_events_endpoint, "replay_endpoint": e.replay_endpoint}}
-                        for i, e in enumerate(engines)],
-            "router": {"policy": "round_robin", "debug_headers": True},
-            "health": {"interval_s": 30},
-            "gateway": {"data_plane": "native"},
-            **sections,
-        }, environ={})
+        cfg = kv_events_config(engines, **sections)
         prompt = " ".join(f"r{i}" for i in range(300))
         with GatewayThread(cfg) as gw:
             hits = []
