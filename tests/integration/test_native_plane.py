@@ -398,3 +398,38 @@ def test_a_decision_that_waits_is_finished_on_the_loop_and_the_plane_carries_the
         assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
         assert len(waited) == 3 and gw.plane.lane.handled["native"] == 3
         assert nothing_left_counted(gw) == {"active": 0, "clients": 0, "inflight": 0, "attempts": 0}
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("parked", ["admitted", "handler"])
+def test_parked_work_the_plane_never_hands_over_is_given_up_without_a_leak(engines, redis_server, parked):  # noqa: F811
+    """The lane parks a request for the Python gateway (an admitted request on prefill/decode pairs; a handler
+    that moved to the loop before its Redis call) and the plane forwards it with a resume token. If that never
+    arrives (the client left before the hand-over, the loopback refused it), the parked work expires after
+    ``RESUME_TTL_S`` and ends as a request whose client left: nothing stays counted (drain, client, slot)."""
+    import orjson
+
+    from orchestrator.gateway.auth import hash_key
+
+    if parked == "admitted":
+        p, d = engines(2)
+        cfg = pd_config(p.url, d.url)
+    else:
+        (engine,) = engines(1)
+        cfg = native_config([engine.url], limits={"backend": "redis", "redis_url": redis_server.url,
+                                                   "key_prefix": unique_prefix("native-park")},
+                            auth={"keys": [{"name": "team", "sha256": hash_key("team-key"), "rpm": 100}]})
+    cfg.gateway.data_plane = "native"
+    cfg.limits.max_concurrent_per_client = 4
+    with GatewayThread(cfg) as gw:
+        lane = gw.plane.lane
+        body = orjson.dumps({"model": "m", "prompt": " ".join(["w"] * 80), "max_tokens": 4})
+        headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer team-key")]
+        step = lane.admit("/v1/completions", "", headers, body, "127.0.0.1:5555", None)  # (as the plane would)
+        assert step[0] == "fallback" and step[1], step  # parked, with a resume token the plane never sends on
+        rt = gw.runtime
+        assert rt.shutdown.active == 1 and sum(rt.intake.concurrent.values()) == 1
+        assert lane.expire(time.monotonic()) == 0  # not due yet
+        assert lane.expire(time.monotonic() + lane_module.RESUME_TTL_S + 1) == 1
+        assert nothing_left_counted(gw) == {"active": 0, "clients": 0, "inflight": 0, "attempts": 0}
+        assert completion(gw.url, headers={"authorization": "Bearer team-key"}).status_code == 200

@@ -71,6 +71,27 @@ _NO_FIELDS: dict[str, Any] = {}  # (never changed: bound as it is)
 RESUME_TTL_S = 60.0  # a parked request the fallback never claimed (the plane lost it) is dropped after this
 
 
+def _abandon(what: tuple[Any, ...]) -> None:
+    """End parked work nobody will resume (``NativeLane.expire``) as a request whose client left."""
+    kind = what[0]
+    if kind == "handler":  # a handler that waited: closing it runs its own clean-up (the intake's, the drain's)
+        what[1].close()
+    elif kind == "admitted":  # admitted, never run: what the proxy and _Admitted would have done at its end
+        admitted = what[1]
+        proxy = getattr(admitted.inner, "proxy", admitted.inner)
+        if isinstance(proxy, ProxyResponse):
+            proxy.status = 499
+            proxy.error_class = "client_gone"
+            proxy.root_span.end()
+            proxy._finish()
+        admitted.release()
+        admitted.finished()
+        if admitted.client_done is not None:
+            admitted.client_done()
+    elif kind == "continue":  # a broken stream whose continuation never started
+        what[1].client_gone()
+
+
 class _Suspended(Exception):
     """The coroutine waited: ``yielded`` is what it waits on (an asyncio future)."""
 
@@ -277,13 +298,30 @@ class NativeLane:
 
     def park(self, what: Any) -> str:
         now = time.monotonic()
-        if len(self._parked) > 64:
-            for token, (at, _) in list(self._parked.items()):
-                if now - at > RESUME_TTL_S:
-                    del self._parked[token]
+        self.expire(now)
         token = secrets.token_hex(12)
         self._parked[token] = (now, what)
         return token
+
+    def expire(self, now: float) -> int:
+        """Give up parked work older than ``RESUME_TTL_S`` that the fallback never claimed (the plane lost it: the
+        client left before the hand-over, the loopback refused it): each ends as if its client had left, so that
+        nothing stays counted (the drain's count, the client's, the dispatch slot). Oldest first: O(1) when none
+        is due. Returns how many."""
+        parked = self._parked
+        gone = 0
+        while parked:
+            token = next(iter(parked))
+            at, what = parked[token]
+            if now - at <= RESUME_TTL_S:
+                break
+            del parked[token]
+            gone += 1
+            try:
+                _abandon(what)
+            except Exception:  # noqa: BLE001 - one bad entry must not keep the others
+                log.exception("native data plane: giving up parked work failed")
+        return gone
 
     def _park_handler(self, s: _Suspended, receive: _BodyRequest) -> tuple[Any, ...]:
         self._count("parked")
