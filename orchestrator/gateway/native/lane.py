@@ -237,6 +237,8 @@ class NativeLane:
         if label is None or tracing.enabled():
             self._count("fallback")
             return FALLBACK
+        if self._parked:  # (parked work the plane lost ends once due, whether or not more is parked)
+            self.expire(time.monotonic())
         bind_request(None, _NO_FIELDS)  # (the previous request's fields off this thread: the handler binds its id)
         with self._running:
             return self._admit(path, query, headers, body, peer, cancel, label)
@@ -306,8 +308,8 @@ class NativeLane:
     def expire(self, now: float) -> int:
         """Give up parked work older than ``RESUME_TTL_S`` that the fallback never claimed (the plane lost it: the
         client left before the hand-over, the loopback refused it): each ends as if its client had left, so that
-        nothing stays counted (the drain's count, the client's, the dispatch slot). Oldest first: O(1) when none
-        is due. Returns how many."""
+        nothing stays counted (the drain's count, the client's, the dispatch slot). Run on every park and every
+        admit while anything is parked; oldest first: O(1) when none is due. Returns how many."""
         parked = self._parked
         gone = 0
         while parked:
