@@ -425,7 +425,10 @@ def test_parked_work_the_plane_never_hands_over_is_given_up_without_a_leak(engin
         lane = gw.plane.lane
         body = orjson.dumps({"model": "m", "prompt": " ".join(["w"] * 80), "max_tokens": 4})
         headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer team-key")]
-        step = lane.admit("/v1/completions", "", headers, body, "127.0.0.1:5555", None)  # (as the plane would)
+        with concurrent.futures.ThreadPoolExecutor(1) as plane_thread:  # (a thread of its own, as the plane's:
+            # the lane binds each request's id on the thread it runs on)
+            step = plane_thread.submit(lane.admit, "/v1/completions", "", headers, body, "127.0.0.1:5555",
+                                       None).result()
         assert step[0] == "fallback" and step[1], step  # parked, with a resume token the plane never sends on
         rt = gw.runtime
         assert rt.shutdown.active == 1 and sum(rt.intake.concurrent.values()) == 1
