@@ -14,11 +14,18 @@ from __future__ import annotations
 import asyncio
 
 
+def foreign_loop() -> asyncio.AbstractEventLoop | None:
+    """The running loop when this code runs on another thread than the loop's own (the native plane's, which
+    runs with the gateway's loop set: native/loop.PlaneSafeLoop); None on the loop's thread or with no loop."""
+    loop = asyncio._get_running_loop()
+    own = getattr(loop, "on_own_thread", None)  # (any other loop has one thread)
+    return None if own is None or own() else loop
+
+
 async def on_loop_thread() -> None:
     """Return on the event loop's own thread (module docstring); free there."""
-    loop = asyncio.get_running_loop()
-    own = getattr(loop, "on_own_thread", None)  # (native/loop.PlaneSafeLoop; any other loop has one thread)
-    if own is None or own():
+    loop = foreign_loop()
+    if loop is None:
         return
     moved = loop.create_future()
     loop.call_soon(moved.set_result, None)  # (from another thread: queued on the loop's, which it wakes)

@@ -311,12 +311,17 @@ class _Admitted:
             with request_context(self.rid, model=self.model):
                 await self.inner(scope, receive, send)
         finally:
-            self.release()
-            self.finished()
-            if self.client_done is not None:
-                self.client_done()
+            self.give_back()
             if self.settle is not None:
                 await self.settle()
+
+    def give_back(self) -> None:
+        """The request's places given back: the dispatch slot, the shutdown tracker's count, the client's
+        concurrency count (also called by the native lane, which runs the request without ``__call__``)."""
+        self.release()
+        self.finished()
+        if self.client_done is not None:
+            self.client_done()
 
 
 class Intake:

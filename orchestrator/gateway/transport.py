@@ -33,6 +33,7 @@ import httptools
 import httpx
 
 from orchestrator.gateway.lazy_deadline import LazyDeadline
+from orchestrator.loop_thread import foreign_loop
 
 _READ_HIGH_WATER = 1 << 20  # pause reading from the engine when this much body is unconsumed
 MAX_HEADER_BYTES = 64 * 1024  # an engine's status line + headers beyond this are no HTTP answer worth reading
@@ -43,10 +44,6 @@ _BODY_TIMEOUT = "timed out waiting for the engine's response body"
 class MalformedAnswer(httpx.RemoteProtocolError):
     """The engine answered, but not in HTTP/1.1 that can be read (bad status line, framing, oversized
     headers, an upgrade): its fault, not a connection that went away."""
-
-
-def _own() -> bool:
-    return True
 
 
 def _expire(waiter: asyncio.Future[None], message: str) -> None:
@@ -311,8 +308,8 @@ class FastTransport(httpx.AsyncBaseTransport):
         restarted engine behind the same address) sends no FIN or reset, so they look open and would each
         hold a request until its timeout. The next request opens a fresh connection. Called from the native
         data plane's thread, the closing is handed to the event loop (transports are the loop's: native/loop.py)."""
-        loop = asyncio._get_running_loop()
-        if loop is not None and not getattr(loop, "on_own_thread", _own)():
+        loop = foreign_loop()
+        if loop is not None:
             loop.call_soon_threadsafe(self.drop_idle, key)
             return 0
         idle = self._idle.pop(key, None)

@@ -84,10 +84,7 @@ def _abandon(what: tuple[Any, ...]) -> None:
             proxy.error_class = "client_gone"
             proxy.root_span.end()
             proxy._finish()
-        admitted.release()
-        admitted.finished()
-        if admitted.client_done is not None:
-            admitted.client_done()
+        admitted.give_back()
     elif kind == "continue":  # a broken stream whose continuation never started
         what[1].client_gone()
 
@@ -690,8 +687,8 @@ class Exchange:
                     "headers": [(b"content-type", b"text/event-stream")]})
         timer = TokenTimer(p.metrics.itl, relay.protocol.token_event, relay.protocol.no_token_event)
         try:
-            with request_context(self.admitted.rid, model=self.admitted.model):  # (its own: the plane's thread
-                await relay.run(send, None, timer.on_bytes, broken=(kind, detail))  # may enter self.context)
+            with request_context(self.admitted.rid, model=self.admitted.model):  # (its log lines, on the loop)
+                await relay.run(send, None, timer.on_bytes, broken=(kind, detail))
         except Exception:
             log.exception("request %s: continuing the native plane's stream failed", p.call.request_id)
             p.error_class = "gateway_error"
@@ -718,15 +715,6 @@ class Exchange:
 
     # --- the end ------------------------------------------------------------------------------------------------
 
-    def _release(self) -> None:
-        """The request's places in the limits (the dispatch slot, the client's concurrency count) and the
-        shutdown tracker, given back."""
-        a = self.admitted
-        a.release()
-        a.finished()
-        if a.client_done is not None:
-            a.client_done()
-
     def _end(self) -> None:
         """``ProxyResponse.__call__``'s and ``_Admitted``'s ends: accounting, the slot, the shutdown tracker."""
         if self.ended:
@@ -739,7 +727,7 @@ class Exchange:
             p.done = True
             p._finish()
         finally:
-            self._release()  # (whatever happened above: the limits' places are given back)
+            self.admitted.give_back()  # (whatever happened above: the limits' places are given back)
         a = self.admitted
         if a.settle is not None:
             settle = a.settle
