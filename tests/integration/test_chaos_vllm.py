@@ -92,6 +92,17 @@ class Load:
     def failures(self) -> list[tuple]:
         return [r for r in self.results if r[2] != 200 or r[4]]
 
+    def finished_since(self, t: float) -> int:
+        """How many requests that started after `t` have finished."""
+        return sum(1 for r in list(self.results) if r[0] > t)
+
+    def wait_finished_since(self, t: float, n: int, timeout: float) -> None:
+        """Keep the load going until `n` requests started after `t` have finished (on a starved machine
+        a fixed few seconds can pass with every client thread still inside one slow request)."""
+        deadline = time.monotonic() + timeout
+        while self.finished_since(t) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+
 
 def test_drain_under_load_loses_nothing_and_sends_nothing_new(live):
     gw, engines = live
@@ -102,6 +113,7 @@ def test_drain_under_load_loses_nothing_and_sends_nothing_new(live):
         assert r.status_code == 200 and r.json()["state"] == "draining"
         drained_at = time.monotonic()
         time.sleep(4)
+        load.wait_finished_since(drained_at + 0.05, 4, timeout=90)  # evidence for the check below, even if slow
     w0 = gw.runtime.fleet.get("w0")
     try:
         assert not load.failures(), load.failures()[:5]
@@ -111,7 +123,8 @@ def test_drain_under_load_loses_nothing_and_sends_nothing_new(live):
         before = [r for r in load.results if r[0] < drained_at]
         assert any(r[3] == "w0" for r in before)
         # requests routed after the drain call returned never went to w0 (allow 50 ms for in-progress routing)
-        assert not [r for r in load.results if r[0] > drained_at + 0.05 and r[3] == "w0"]
+        after = [r for r in load.results if r[0] > drained_at + 0.05]
+        assert len(after) >= 4 and not [r for r in after if r[3] == "w0"], after
         assert w0.inflight == 0  # what it had, it completed
     finally:
         httpx.post(f"{gw.url}/admin/workers/w0/undrain", headers=admin, timeout=10)
@@ -146,8 +159,11 @@ def test_engine_killed_under_mixed_load_the_stream_continues_and_no_request_fail
                         caught = in_gateway.inflight - 1
                         victim.kill()
                         killed_at = time.monotonic()
-                    elif caught >= 0 and time.monotonic() > killed_at + 5:
+                    elif caught >= 0 and time.monotonic() > killed_at + 5 and load.finished_since(killed_at + 1.0) >= 2:
                         load.stop.set()  # the load has shown what it must; the stream finishes alone
+        # if the stream finished first, the load goes on until it has shown the routing after the kill
+        if caught >= 0:
+            load.wait_finished_since(killed_at + 1.0, 2, timeout=90)
     assert not victim.alive()
     survivor = ({"w0", "w1"} - {victim_id}).pop()
 
@@ -168,7 +184,8 @@ def test_engine_killed_under_mixed_load_the_stream_continues_and_no_request_fail
     # the non-streamed requests beside it
     assert not load.failures(), load.failures()[:5]
     assert sum(1 for r in load.results if r[0] > killed_at) >= 4  # the load went on after the kill
-    assert {r[3] for r in load.results if r[0] > killed_at + 1.0} == {survivor}
+    after = [r for r in load.results if r[0] > killed_at + 1.0]
+    assert len(after) >= 2 and {r[3] for r in after} == {survivor}, (after, killed_at)
     retried = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("dyad_retries_total{"))
     assert caught >= 1, "the kill caught no non-streamed request: the test proved less than it says"
     assert retried >= 1, (caught, retried)  # those it caught were retried on the survivor, not failed
