@@ -22,6 +22,18 @@ class UnitTierViolation(RuntimeError):
     pass
 
 
+# matplotlib lists the machine's fonts once, on its first import anywhere (``fc-list``, a subprocess), and caches
+# the list in ~/.cache/matplotlib. Do it here, before the guard, so that a unit test that draws a figure passes on
+# a fresh machine whether or not another tier imported matplotlib first.
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401
+except ImportError:  # pragma: no cover - matplotlib comes with the test extra
+    pass
+
+
 _SOCKET_CALLS = ("bind", "connect", "connect_ex", "listen")
 _PROCESS_CALLS = ((os, "fork"), (os, "forkpty"), (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"),
                   (os, "execv"), (os, "execve"))
