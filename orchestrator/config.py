@@ -498,7 +498,7 @@ class PlannerConfig(_Section):
         0.0, ge=0, lt=1, description="Size prefill for the lead forecast times this quantile of how far arrivals "
                                      "recently outran it (0 = off; opt-in)")
     cold_backlog: Literal["off", "observed", "forecast"] = Field(
-        "off", description="Load mode: start cold prefill workers only for a backlog that outlasts the start-up, "
+        "observed", description="Load mode: start cold prefill workers only for a backlog that outlasts the start-up, "
                            "judged on arrivals seen now (observed) or the forecast; off = every confirmed "
                            "shortfall starts cold workers")
     insurance: Literal["fixed", "proportional"] = Field(

@@ -169,11 +169,13 @@ class PlannerSettings:
     # the measured history (``_pool_want``: between the larger role's want and the sum) and wakes a worker into the
     # role that needs it (a role change, ``role_change_s``, if it was parked in the other). Inert where it does not
     # apply (``standby_pooled``): the per-role pools (docs/benchmarks.md, Issue 14, helper plan10)
-    cold_backlog: str = "off"  # load mode: "off" = every confirmed shortfall starts cold workers; otherwise
-    # start cold prefill workers only for a backlog that outlasts the start-up, judged against the arrivals
-    # seen now ("observed": the larger of the forecast and the rate measured from the queue's growth between
-    # fast looks) or the forecast only ("forecast", lags a burst). Off by default: on Azure code x2 the starts
-    # it saves are the ones the burst floor then holds for the next burst (docs/benchmarks.md, Issue 14)
+    cold_backlog: str = "observed"  # load mode: start cold prefill workers only for a backlog that outlasts the
+    # start-up (``cold_prefill_need``), judged against the arrivals seen now ("observed": the larger of the forecast
+    # and the rate measured from the queue's growth between fast looks) or the forecast only ("forecast", lags a
+    # burst); "off" = every confirmed shortfall starts cold workers, sized on the queue. "observed" is the default
+    # since session 16: on three workloads no default was chosen on (two held-out days, N3) "off" started workers
+    # for backlogs gone before they served (up to 2.4x the static split's worker-hours); on Azure code x2 those
+    # starts happened to be insurance for the next burst, and it loses 2.8 points there (docs/benchmarks.md, Issue 14)
     fixed_fleet: bool = False  # the fleet's size is given (role changes only): re-split it, never start/stop
     insurance: str = "proportional"  # "fixed": the burst floor keeps the peak sizing for ``burst_window_s`` and
     # ``standby_*`` warm workers are kept. "proportional": once the load's own rise within a re-start horizon is

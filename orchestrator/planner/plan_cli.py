@@ -120,7 +120,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "--standby-* warm workers) or proportional (once the load's rise within --start-s + "
                              "--interval is measured, the floor and the warm standby keep only what the horizon's "
                              "largest need times that rise asks for; --burst-window and --standby-* are the bounds)")
-    parser.add_argument("--cold-backlog", choices=["off", "observed", "forecast"], default="off",
+    parser.add_argument("--cold-backlog", choices=["off", "observed", "forecast"], default="observed",
                         help="load mode: start cold prefill workers only for a backlog that outlasts the start-up, "
                              "judged on the arrivals seen now (observed) or the forecast (forecast); off = every "
                              "confirmed shortfall starts cold workers")
@@ -212,7 +212,7 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         decode_floor=g(args, "decode_floor", False), fast_interval_s=g(args, "fast_interval", 2.0),
         standby_auto=g(args, "standby_auto", False), standby_prefill=g(args, "standby_prefill", 1),
         standby_decode=g(args, "standby_decode", 1),
-        standby_wake_s=g(args, "standby_wake_s", 5.0), cold_backlog=g(args, "cold_backlog", "off"),
+        standby_wake_s=g(args, "standby_wake_s", 5.0), cold_backlog=g(args, "cold_backlog", "observed"),
         insurance=g(args, "insurance", "proportional"))
     for name in ON_OFF_SETTINGS:  # --x / --no-x: PlannerSettings' default unless given
         if g(args, name, None) is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -672,14 +673,20 @@ def test_a_burst_the_forecast_has_not_seen_starts_cold_workers_sized_on_what_arr
         assert len(starts) >= 8 and all(a.role is Role.PREFILL for a in starts)
 
 
-def test_cold_backlog_rule_is_off_by_default_every_lasting_shortfall_starts_cold():
-    # the same draining backlog as above, default settings: three looks over capacity start cold workers
-    pl = Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20), predictor="constant",
-                                         correct_from_latency=False, fast_interval_s=2, fast_confirm_cold=3,
-                                         start_s=60))
-    assert pl.settings.cold_backlog == "off"
-    pl.step(_obs(60, 1, 4096, 50), _fleet(3, 2), 60)
-    pl.react(_queued(3, 2, 20), 62)
-    pl.react(_queued(3, 2, 16), 64)
-    d = pl.react(_queued(3, 2, 12), 66)
-    assert d is not None and d.actions and all(a.kind == "start" for a in d.actions)
+def test_cold_backlog_rule_is_on_by_default_and_off_starts_cold_for_every_lasting_shortfall():
+    # the same draining backlog as above: by default ("observed") three looks over capacity start nothing cold
+    # (it clears long before a worker started now would serve); with the rule off they start cold workers
+    def planner(**kw: Any) -> Planner:
+        return Planner(perf(), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=20),
+                                               predictor="constant", correct_from_latency=False, fast_interval_s=2,
+                                               fast_confirm_cold=3, start_s=60, **kw))
+    for pl, starts in ((planner(), False), (planner(cold_backlog="off"), True)):
+        assert pl.settings.cold_backlog == ("observed" if not starts else "off")
+        pl.step(_obs(60, 1, 4096, 50), _fleet(3, 2), 60)
+        pl.react(_queued(3, 2, 20), 62)
+        pl.react(_queued(3, 2, 16), 64)
+        d = pl.react(_queued(3, 2, 12), 66)
+        if starts:
+            assert d is not None and d.actions and all(a.kind == "start" for a in d.actions)
+        else:
+            assert d is None

@@ -163,13 +163,13 @@ def test_opt_in_settings_come_from_the_config_file():
 
     s = settings_from_config(PlannerConfig(max_workers=12))
     assert (s.burst_window_s, s.scale_in_step, s.standby_auto, s.rise_quantile, s.cold_backlog,
-            s.standby_net_of_spare) == (0.0, 1, False, 0.0, "off", True)
+            s.standby_net_of_spare) == (0.0, 1, False, 0.0, "observed", True)
     s = settings_from_config(PlannerConfig(
         max_workers=12, burst_window_s="auto", scale_in_step=0, standby_auto=True, rise_quantile=0.9,
-        cold_backlog="observed", standby_net_of_spare=False))
+        cold_backlog="forecast", standby_net_of_spare=False))
     assert s.scale_in_step == 0 and Planner(perf(), s).settings.scale_in_step == 0
     assert s.burst_window_s is None and Planner(perf(), s).burst_window() == s.start_s + s.interval_s
-    assert (s.standby_auto, s.rise_quantile, s.cold_backlog, s.standby_net_of_spare) == (True, 0.9, "observed", False)
+    assert (s.standby_auto, s.rise_quantile, s.cold_backlog, s.standby_net_of_spare) == (True, 0.9, "forecast", False)
     for bad in ({"burst_window_s": -1}, {"burst_window_s": "soon"}, {"rise_quantile": 1.0}, {"cold_backlog": "x"}):
         with pytest.raises(ValueError):
             PlannerConfig(**bad)
