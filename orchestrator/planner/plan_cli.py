@@ -79,6 +79,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rise-quantile", type=float, default=0.0,
                         help="size for the lead forecast times this quantile of how far the load outran it "
                              "recently (a conformal upper bound; 0 = off)")
+    parser.add_argument("--jump-quantile", type=float, default=None,
+                        help="the quantile of the load's measured rises (and bursts) that insurance covers "
+                             "(default: PlannerSettings')")
     parser.add_argument("--scale-in-step", type=int, default=1,
                         help="most workers of a role given back per interval (0 = all above the need plus margin, "
                              "after the hysteresis intervals and the churn rule)")
@@ -214,6 +217,8 @@ def make_planner(args: argparse.Namespace, profile: EngineProfile, budget: int,
         standby_decode=g(args, "standby_decode", 1),
         standby_wake_s=g(args, "standby_wake_s", 5.0), cold_backlog=g(args, "cold_backlog", "observed"),
         insurance=g(args, "insurance", "proportional"))
+    if g(args, "jump_quantile", None) is not None:
+        settings.jump_quantile = args.jump_quantile
     for name in ON_OFF_SETTINGS:  # --x / --no-x: PlannerSettings' default unless given
         if g(args, name, None) is not None:
             setattr(settings, name, g(args, name))
