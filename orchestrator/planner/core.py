@@ -293,6 +293,9 @@ class Planner:
         self._last_look: tuple[float, float] | None = None  # fast mode: (when, prefill requests in flight)
         self._looks: deque[tuple[float, dict[Role, float]]] = deque()  # fast mode: (when, decode streams), one lead
         self._over_ahead = 0  # fast mode: consecutive looks whose decode streams extrapolate beyond the pool
+        # fast mode: cold prefill starts ``cold_backlog`` held back since the last interval (the largest shortfall
+        # held, and the look that held it: queue, arrivals, seconds), said in the next interval's reasons
+        self._held_cold: tuple[int, float, float, float] | None = None
         self._forecast: LoadForecast | None = None
         self._grown: dict[Role, tuple[float, float]] = {}  # role → (when it last grew, the need that grew it)
         # per interval: (5-s peak arrival rate, peak decode streams) — the burst history of ``standby_auto``
@@ -640,6 +643,12 @@ class Planner:
             self._learn(obs, serving, mean_streams, reasons)
             if obs.window_s > 0:
                 self._leads.append([obs.request_rate, None])
+        if self._held_cold is not None:
+            n, queue, rate, when = self._held_cold
+            self._held_cold = None
+            reasons.append(f"load mode: {n} cold prefill start{'s' if n > 1 else ''} held back at t={when:g}s: "
+                           f"{queue:.0f} prompts at prefill clear within the {s.start_s:g}s start-up at {rate:.1f} req/s "
+                           f"arriving (cold_backlog: {s.cold_backlog})")
         forecast = self.load.forecast()
         standby = self._standby_pool(fleet)
         standby_n = {r.value: len(standby[r]) for r in ROLES}
@@ -871,6 +880,17 @@ class Planner:
             # cold starts only for pressure that lasts, and within the budget (standby included)
             if self._over[r] < s.fast_confirm_cold:
                 return
+            held = 0  # starts the rule holds back that the budget would allow
+            pool_n = sum(len(pool[x]) for x in ROLES)
+            while max(used[r], cold_need[r]) + held < min(target[r], need[r]):
+                n = max(used[r], cold_need[r]) + held + 1
+                grown = {**used, r: n}
+                if not lim.fits(grown[Role.PREFILL] + (pool_n if r is Role.PREFILL else 0),
+                                grown[Role.DECODE] + (pool_n if r is Role.DECODE else 0)):
+                    break
+                held += 1
+            if held > 0 and (self._held_cold is None or held > self._held_cold[0]):
+                self._held_cold = (held, streams[r], max(f.request_rate, arriving or 0.0), now)
             while min(target[r], need[r], cold_need[r]) > used[r]:
                 grown = {**used, r: used[r] + 1}
                 pool_n = sum(len(pool[x]) for x in ROLES)

@@ -690,3 +690,10 @@ def test_cold_backlog_rule_is_on_by_default_and_off_starts_cold_for_every_lastin
             assert d is not None and d.actions and all(a.kind == "start" for a in d.actions)
         else:
             assert d is None
+            # the next interval says what the load mode held back, and why
+            nxt = pl.step(_obs(90, 1, 4096, 50), _fleet(3, 2), 90)
+            held = [r for r in nxt.reasons if r.startswith("load mode:")]
+            # 36 queued on 3 workers; the budget (20) leaves room for 15 more beyond the 3 + 2 serving
+            assert held == ["load mode: 15 cold prefill starts held back at t=66s: 36 prompts at prefill clear within the 60s "
+                            "start-up at 1.0 req/s arriving (cold_backlog: observed)"], nxt.reasons
+            assert not any(r.startswith("load mode:") for r in pl.step(_obs(120, 1, 4096, 50), _fleet(3, 2), 120).reasons)
