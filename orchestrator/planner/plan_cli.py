@@ -79,7 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rise-quantile", type=float, default=0.0,
                         help="size for the lead forecast times this quantile of how far the load outran it "
                              "recently (a conformal upper bound; 0 = off)")
-    parser.add_argument("--jump-quantile", type=float, default=None,
+    parser.add_argument("--jump-quantile", type=_quantile_arg, default=None,
                         help="the quantile of the load's measured rises (and bursts) that insurance covers "
                              "(default: PlannerSettings')")
     parser.add_argument("--scale-in-step", type=int, default=1,
@@ -148,6 +148,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="skip the planner and autoscaler runs: the static row (if any) and the --oracle rows only")
     parser.add_argument("--plot", default=None,
                         help=f"write a PNG here: load, workers, TTFT/ITL vs the SLO per strategy (needs {PLOT_EXTRA})")
+
+
+def _quantile_arg(v: str) -> float:
+    try:
+        q = float(v)
+    except ValueError:
+        q = math.nan
+    if not 0 < q <= 1:
+        raise argparse.ArgumentTypeError(f"expected a quantile in (0, 1] (got {v!r})")
+    return q
 
 
 def _auto_float(v: str) -> float | None:

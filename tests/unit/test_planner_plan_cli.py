@@ -158,3 +158,20 @@ def test_on_off_flags_reach_the_settings_and_their_absence_keeps_the_defaults():
         flag = ("--no-" if default else "--") + name.replace("_", "-")  # the flag that turns it the other way
         flipped = plan_cli.make_planner(parser.parse_args([*base, flag]), load_profile("gpu-like"), 8).settings
         assert getattr(flipped, name) is (not default), (name, flag)
+
+
+def test_jump_quantile_and_cold_backlog_flags_reach_the_settings():
+    from orchestrator.planner.core import PlannerSettings
+    from orchestrator.sim.profiles import load_profile
+
+    parser = argparse.ArgumentParser()
+    plan_cli.configure(parser)
+    base = ["--trace", "x", "--budget", "8"]
+    plain = plan_cli.make_planner(parser.parse_args(base), load_profile("gpu-like"), 8).settings
+    assert (plain.jump_quantile, plain.cold_backlog) == (PlannerSettings().jump_quantile, PlannerSettings().cold_backlog)
+    set_ = plan_cli.make_planner(parser.parse_args([*base, "--jump-quantile", "0.99", "--cold-backlog", "off"]),
+                                 load_profile("gpu-like"), 8).settings
+    assert (set_.jump_quantile, set_.cold_backlog) == (0.99, "off")
+    for bad in ("90", "0", "-0.5", "half"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, "--jump-quantile", bad])
