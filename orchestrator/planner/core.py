@@ -876,27 +876,23 @@ class Planner:
         used = dict(counts)
         pooled = self.standby_pooled()
 
+        def fits(r: Role, n: int) -> bool:  # role ``r`` at ``n`` workers within the budget (standby included)
+            grown = {**used, r: n}
+            pool_n = sum(len(pool[x]) for x in ROLES)
+            return lim.fits(grown[Role.PREFILL] + (pool_n if r is Role.PREFILL else 0),
+                            grown[Role.DECODE] + (pool_n if r is Role.DECODE else 0))
+
         def cold(r: Role) -> None:
             # cold starts only for pressure that lasts, and within the budget (standby included)
             if self._over[r] < s.fast_confirm_cold:
                 return
-            held = 0  # starts the rule holds back that the budget would allow
-            pool_n = sum(len(pool[x]) for x in ROLES)
-            while max(used[r], cold_need[r]) + held < min(target[r], need[r]):
-                n = max(used[r], cold_need[r]) + held + 1
-                grown = {**used, r: n}
-                if not lim.fits(grown[Role.PREFILL] + (pool_n if r is Role.PREFILL else 0),
-                                grown[Role.DECODE] + (pool_n if r is Role.DECODE else 0)):
-                    break
+            # what ``cold_backlog`` holds back (that the budget would allow), said in the next interval's reasons
+            held, start = 0, max(used[r], cold_need[r])
+            while start + held < min(target[r], need[r]) and fits(r, start + held + 1):
                 held += 1
             if held > 0 and (self._held_cold is None or held > self._held_cold[0]):
                 self._held_cold = (held, streams[r], max(f.request_rate, arriving or 0.0), now)
-            while min(target[r], need[r], cold_need[r]) > used[r]:
-                grown = {**used, r: used[r] + 1}
-                pool_n = sum(len(pool[x]) for x in ROLES)
-                if not lim.fits(grown[Role.PREFILL] + (pool_n if r is Role.PREFILL else 0),
-                                grown[Role.DECODE] + (pool_n if r is Role.DECODE else 0)):
-                    break
+            while min(target[r], need[r], cold_need[r]) > used[r] and fits(r, used[r] + 1):
                 actions.append(Action("start", r))
                 used[r] += 1
 
