@@ -139,7 +139,7 @@ def test_engine_killed_under_mixed_load_the_stream_continues_and_no_request_fail
             "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     events: list[str] = []
-    with Load(gw.url, threads=4, max_tokens=32) as load:
+    with Load(gw.url, threads=6, max_tokens=32) as load:
         time.sleep(3)
         with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
@@ -150,12 +150,13 @@ def test_engine_killed_under_mixed_load_the_stream_continues_and_no_request_fail
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
-                    # SIGKILL, mid-stream: early (by the 100th of 1500 tokens), so that even on a starved
+                    # SIGKILL, mid-stream: early (by the 400th of 1500 tokens), so that even on a starved
                     # machine (the client thread reads late) the engine cannot have sent them all into the
-                    # gateway's buffers before it dies (600 tokens once could: no failover was needed);
+                    # gateway's buffers before it dies (600 of 600 tokens once could: no failover was needed);
                     # and, if it comes within those, at a moment the engine also serves a non-streamed
-                    # request, so that the kill catches one of those too (checked below)
-                    if caught < 0 and len(events) >= 2 and (in_gateway.inflight >= 2 or len(events) >= 100):
+                    # request, so that the kill catches one of those too (checked below; with the native
+                    # plane's faster relay, 100 tokens once passed without one: six load threads, 400 tokens)
+                    if caught < 0 and len(events) >= 2 and (in_gateway.inflight >= 2 or len(events) >= 400):
                         caught = in_gateway.inflight - 1
                         victim.kill()
                         killed_at = time.monotonic()
