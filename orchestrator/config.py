@@ -368,7 +368,7 @@ class LimitsConfig(_Section):
 
 
 class HealthConfig(_Section):
-    """Background health probes; a worker leaves rotation after failure_threshold misses in a row, unless it served traffic within interval_s x failure_threshold (a completed request, a stream delivering tokens, or its engine's generated-token counter rising)."""
+    """Background health probes; a worker leaves rotation after failure_threshold misses in a row, unless it served traffic within failure_threshold x (interval_s + timeout_s), the time the loop takes to mark down an engine whose probes time out (a completed request, a stream delivering tokens, or its engine's generated-token counter rising)."""
 
     interval_s: float = Field(2.0, gt=0, description="Seconds between health probes of each worker")
     timeout_s: float = Field(2.0, gt=0, description="Probe timeout")

@@ -184,9 +184,11 @@ class FleetRegistry:
 
     @property
     def serving_window_s(self) -> float:
-        """How recent traffic must be to outrank missed probes: the time the health loop takes to mark a
-        worker down (``interval_s * failure_threshold``)."""
-        return self.health.interval_s * self.health.failure_threshold
+        """How recent traffic must be to outrank missed probes: the time the health loop takes to mark down
+        a worker whose probes time out, ``failure_threshold * (interval_s + timeout_s)`` (a round waits for
+        its slowest probe, then sleeps ``interval_s``). With ``interval_s`` alone, a loaded engine that
+        finished a request every 1.4 s was marked down by 1-s probe timeouts every 1.5 s (window 1 s)."""
+        return self.health.failure_threshold * (self.health.interval_s + self.health.timeout_s)
 
     def _recently_served(self, worker: Worker, now: float, quiet_for: float | None = None) -> bool:
         if worker.health_ok is not True:

@@ -7,7 +7,7 @@ Both are decision logic (plain data, a ``now`` from the caller's clock, no I/O),
   with "equal jitter" (half fixed, half random) so that the retries of many requests that failed
   together (an engine died under load) do not arrive together at the next worker.
 * ``CircuitBreakers`` keeps one breaker per worker. The health loop notices a dead engine within
-  ``health.interval_s * failure_threshold``; a breaker reacts to what the traffic itself sees — an
+  ``health.failure_threshold * (interval_s + timeout_s)`` at most; a breaker reacts to what the traffic itself sees — an
   engine that accepts connections but answers 5xx, stalls, or breaks streams. Only worker-caused
   failures reach it (``classify.py``, ``attempt.py``): an engine 4xx, or the same 5xx on a second
   worker, is the request's doing and counts against nobody. ``failure_threshold`` consecutive

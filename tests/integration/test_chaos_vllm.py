@@ -33,12 +33,12 @@ ADMIN = "chaos-admin"
 @pytest.fixture(scope="module")
 def chaos(vllm_pool: VllmPool) -> Iterator[tuple[GatewayThread, list[VllmEngine]]]:
     engines = engines_or_fail(vllm_pool.get, 2)
-    # Two missed probes before a worker leaves rotation (the fixtures' default is one): under a fresh clone's
-    # CI load (load average ~20) a single 1-s probe of the surviving engine once timed out just as the other
-    # was killed, and the stream had nowhere to continue. A killed engine is still taken out quickly: its
-    # probes fail at once (connection refused), and a request's connect error marks it down on the spot.
-    with vllm_gateway(engines, policy="least_load", gateway={"admin_token": ADMIN, "max_attempts": 3},
-                      health={"interval_s": 0.5, "timeout_s": 1.0, "failure_threshold": 2}) as gw:
+    # The fixtures' health settings (two missed probes of 2 s): under a fresh clone's CI load (load average
+    # ~20) the surviving engine's probes time out now and then, and once (1-s probes, a serving window of
+    # interval x threshold = 1 s) it was marked down just as the other was killed: the stream had nowhere to
+    # continue. The window is now threshold x (interval + timeout). A killed engine is still taken out at once:
+    # its probes fail at once (connection refused), and a request's connect error marks it down on the spot.
+    with vllm_gateway(engines, policy="least_load", gateway={"admin_token": ADMIN, "max_attempts": 3}) as gw:
         yield gw, engines
 
 

@@ -126,7 +126,7 @@ def test_a_worker_marked_down_lets_its_streams_that_deliver_tokens_finish():
 
 def test_a_stream_left_running_on_a_worker_marked_down_is_pulled_once_it_goes_quiet():
     """The stream spared when its worker was marked down stops delivering (the engine hung after all): it is
-    pulled once it has been quiet for the health loop's window (``interval_s * failure_threshold``), and
+    pulled once it has been quiet for the health loop's window (``failure_threshold * (interval_s + timeout_s)``), and
     ends honestly with the error ending, not after the 60 s stream idle timeout."""
     (eng,) = engines("poison_reset", tokens=30)
     eng.token_delay_s = 0.1

@@ -112,44 +112,65 @@ def test_add_remove_and_listeners():
 def test_missed_probes_do_not_evict_a_worker_that_is_serving_traffic():
     """Passive health: on an overloaded machine a /health probe can time out while the engine keeps
     answering real requests; those answers outrank the probe. Once traffic stops, probes decide again."""
-    reg = fleet(failure=2, success=1)  # interval 2 s → a success counts for 4 s
+    reg = fleet(failure=2, success=1)  # interval 2 s, timeout 2 s → a success counts for 2 x (2 + 2) = 8 s
+    assert reg.serving_window_s == 8.0
     w = reg.add(Worker("a", "http://a", models=["m"]))
     reg.record_health(w, True, 0.0)
     w.last_served_at = 9.0
+    # probes that time out: a round every interval + timeout = 4 s
     reg.record_health(w, False, 10.0, "ReadTimeout")
-    reg.record_health(w, False, 12.0, "ReadTimeout")
+    reg.record_health(w, False, 14.0, "ReadTimeout")
     assert w.state is WorkerState.HEALTHY and w.consecutive_failures == 0 and w.last_error == "ReadTimeout"
-    reg.record_health(w, False, 14.0, "ReadTimeout")  # 5 s since the last served request: probes count
-    reg.record_health(w, False, 16.0, "ReadTimeout")
+    reg.record_health(w, False, 18.0, "ReadTimeout")  # 9 s since the last served request: probes count
+    reg.record_health(w, False, 22.0, "ReadTimeout")
     assert w.state is WorkerState.UNHEALTHY
-    w.last_served_at = 16.5  # a worker already out of rotation is not brought back by stale traffic
-    reg.record_health(w, False, 17.0, "ReadTimeout")
+    w.last_served_at = 22.5  # a worker already out of rotation is not brought back by stale traffic
+    reg.record_health(w, False, 23.0, "ReadTimeout")
     assert w.state is WorkerState.UNHEALTHY
 
 
 def test_missed_probes_do_not_evict_a_worker_whose_streams_deliver_or_whose_engine_generates():
     """Traffic that has not completed is evidence too: a stream on the worker that delivered a data event
     ``quiet_for`` seconds ago, or a scrape that found the engine's generated-token counter risen
-    (``generating_at``), within the window in which the probes would take it out (interval x threshold)."""
-    reg = fleet(failure=2, success=1)  # interval 2 s → a window of 4 s
-    assert reg.serving_window_s == 4.0
+    (``generating_at``), within the window in which the probes would take it out."""
+    reg = fleet(failure=2, success=1)  # a window of 8 s
     w = reg.add(Worker("a", "http://a", models=["m"]))
     reg.record_health(w, True, 0.0)
-    for now in (10.0, 12.0, 14.0):  # long streams, none completed, the last event 0.1 s ago at each probe
+    for now in (10.0, 14.0, 18.0):  # long streams, none completed, the last event 0.1 s ago at each probe
         reg.record_health(w, False, now, "ReadTimeout", quiet_for=0.1)
     assert w.state is WorkerState.HEALTHY and w.consecutive_failures == 0
-    reg.record_health(w, False, 16.0, "ReadTimeout", quiet_for=5.0)  # quiet for longer than the window
-    reg.record_health(w, False, 18.0, "ReadTimeout", quiet_for=7.0)
+    reg.record_health(w, False, 22.0, "ReadTimeout", quiet_for=9.0)  # quiet for longer than the window
+    reg.record_health(w, False, 26.0, "ReadTimeout", quiet_for=13.0)
     assert w.state is WorkerState.UNHEALTHY
-    reg.record_health(w, False, 19.0, "ReadTimeout", quiet_for=0.1)  # (out of rotation: evidence does not bring it back)
+    reg.record_health(w, False, 27.0, "ReadTimeout", quiet_for=0.1)  # (out of rotation: evidence does not bring it back)
     assert w.state is WorkerState.UNHEALTHY
 
     g = reg.add(Worker("g", "http://g", models=["m"]))
     reg.record_health(g, True, 0.0)
     g.generating_at = 9.5
     reg.record_health(g, False, 10.0, "ReadTimeout")
-    reg.record_health(g, False, 12.0, "ReadTimeout")
+    reg.record_health(g, False, 14.0, "ReadTimeout")
     assert g.state is WorkerState.HEALTHY
-    reg.record_health(g, False, 14.0, "ReadTimeout")  # the counter stopped rising 4.5 s ago
-    reg.record_health(g, False, 16.0, "ReadTimeout")
+    reg.record_health(g, False, 18.0, "ReadTimeout")  # the counter stopped rising 8.5 s ago
+    reg.record_health(g, False, 22.0, "ReadTimeout")
     assert g.state is WorkerState.UNHEALTHY
+
+
+def test_a_loaded_engine_answering_slower_than_the_probe_interval_stays_in_rotation():
+    """The window is the loop's real period when probes time out (a round waits for its slowest probe, then
+    sleeps): with interval 0.5 s, timeout 1 s and two misses, an engine whose /health always times out but
+    which finishes a request every 1.4 s stays in rotation (a window of interval x threshold, 1 s, took it
+    out, as it did in CI under a load average of ~20); once its requests stop, it is out within the window."""
+    reg = FleetRegistry(health=HealthConfig(interval_s=0.5, timeout_s=1.0, failure_threshold=2))
+    w = reg.add(Worker("a", "http://a", models=["m"]))
+    reg.record_health(w, True, 0.0)
+    completions = [0.6 + 1.4 * i for i in range(17)]  # until 23.0 s
+    now = 0.0
+    while now < 30.0:
+        now += 0.5 + 1.0  # sleep, then a probe that times out
+        served = [t for t in completions if t <= now]
+        w.last_served_at = served[-1] if served else None
+        reg.record_health(w, False, now, "ReadTimeout")
+        if now < 24.0:
+            assert w.state is WorkerState.HEALTHY, now
+    assert w.state is WorkerState.UNHEALTHY
