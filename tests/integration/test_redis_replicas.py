@@ -123,35 +123,50 @@ async def test_replicas_share_index_and_load_and_survive_redis_restart(redis_ser
 async def test_approximate_entries_expire_on_a_shared_clock(redis_server):  # noqa: F811
     """Approximate mode (no KV events): an entry lives ttl after the last replica that used it —
     the replica that recorded it first does not delete it while another still uses it, and entries
-    of a replica that stopped are dropped by the others."""
-    prefix = unique_prefix("approx")
-    a, fa, pa = replica(redis_server.url, prefix, approximate_ttl_s=1.0)
-    b, fb, pb = replica(redis_server.url, prefix, approximate_ttl_s=1.0)
-    await a.start()
-    await b.start()
-    try:
-        req_a, d = await route(a, fa, pa, "a1", SYSTEM + " first")
-        await a.on_finished(req_a, d, True, 0.0)  # done: its in-flight load no longer repels B
-        await asyncio.sleep(0.6)
-        req_b, d_b = await route(b, fb, pb, "b1", SYSTEM + " second")  # B uses and refreshes it
-        assert d_b.worker.id == d.worker.id and req_b.overlaps[d.worker.id].blocks == 20
-        await asyncio.sleep(0.7)  # A's own TTL has passed; B's refresh has not
-        probe = RouteRequest(request_id="p1", model="m", prompt_tokens=0)
-        probe = await a.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fa.candidates("m"))
-        if a.approx._pass is not None:
-            await a.approx._pass
-        assert probe.overlaps[d.worker.id].blocks == 20  # still in Redis: B refreshed it
-        await a.stop()  # A goes away; B's expiry pass cleans up after everyone
-        await asyncio.sleep(0.6)
-        probe = await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
-        if b.approx._pass is not None:
-            await b.approx._pass
-        probe = await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
-        assert probe.overlaps == {}
-        assert await b.index.size() == 0
-    finally:
-        await a.stop()
-        await b.stop()
+    of a replica that stopped are dropped by the others.
+
+    The moments are measured, not assumed: the probe runs once A's own TTL has passed, and counts only if it
+    finished before B's refresh could have expired (on a starved machine fixed sleeps of 0.6 and 0.7 s around
+    a 1-s TTL once probed after B's refresh had run out too); a scenario that missed its window is run again
+    with a fresh prefix, and the test fails if none of three hit it."""
+    ttl = 2.0
+    for _ in range(3):
+        prefix = unique_prefix("approx")
+        a, fa, pa = replica(redis_server.url, prefix, approximate_ttl_s=ttl)
+        b, fb, pb = replica(redis_server.url, prefix, approximate_ttl_s=ttl)
+        await a.start()
+        await b.start()
+        try:
+            req_a, d = await route(a, fa, pa, "a1", SYSTEM + " first")
+            a_recorded = time.monotonic()  # A's entry expires (for A) by a_recorded + ttl
+            await a.on_finished(req_a, d, True, 0.0)  # done: its in-flight load no longer repels B
+            await asyncio.sleep(ttl / 2)
+            b_refreshing = time.monotonic()  # B's refresh lands after this: it lives until past b_refreshing + ttl
+            req_b, d_b = await route(b, fb, pb, "b1", SYSTEM + " second")  # B uses and refreshes it
+            b_refreshed = time.monotonic()
+            assert d_b.worker.id == d.worker.id and req_b.overlaps[d.worker.id].blocks == 20
+            await asyncio.sleep(max(0.0, a_recorded + ttl + 0.1 - time.monotonic()))  # A's own TTL has passed
+            probe = RouteRequest(request_id="p1", model="m", prompt_tokens=0)
+            probe = await a.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fa.candidates("m"))
+            if a.approx._pass is not None:
+                await a.approx._pass
+            if time.monotonic() >= b_refreshing + ttl:
+                continue  # too slow to tell: B's refresh may have run out as well
+            assert a.approx.remaining(d.worker.id, req_a.block_hashes[0]) in (None, 0.0)  # A's own record is over
+            assert probe.overlaps[d.worker.id].blocks == 20  # still in Redis: B refreshed it
+            await a.stop()  # A goes away; B's expiry pass cleans up after everyone
+            await asyncio.sleep(max(0.0, b_refreshed + ttl + 0.1 - time.monotonic()))
+            probe = await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
+            if b.approx._pass is not None:
+                await b.approx._pass
+            probe = await b.annotate(probe, {"prompt": SYSTEM}, "/v1/completions", fb.candidates("m"))
+            assert probe.overlaps == {}
+            assert await b.index.size() == 0
+            return
+        finally:
+            await a.stop()
+            await b.stop()
+    pytest.fail("three tries, and each probe came after B's refresh could have expired: the machine is too slow")
 
 
 # --- two `dyad serve` processes ----------------------------------------------------------------------
