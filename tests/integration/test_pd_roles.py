@@ -49,6 +49,14 @@ def both(vllm_pd_engines: PdEngines):
         yield gw, a, b
 
 
+# The clients wait longer than the gateway's own bounds on a split request (prefill step 120 s + stall
+# watchdog 120 s, the fixture above), as in test_pd_vllm.py: under load the gateway's verdict must arrive,
+# not the client's timeout. A fresh-clone CI run (load average ~36) had a hand-off's NIXL read post for
+# 82 s on the decode engine (vLLM's "Avg post time (ms)=82289"; docs/engines.md) and a client give up at
+# 120 s; the waits for the load's progress outlast such a stall too.
+CLIENT_TIMEOUT_S = 300.0
+
+
 class SteadyLoad:
     """``concurrency`` clients sending long-prompt requests back to back until stopped."""
 
@@ -61,7 +69,7 @@ class SteadyLoad:
         self._tasks: list[asyncio.Task] = []
 
     async def _client(self, n: int) -> None:
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S) as http:
             i = 0
             while not self._stop.is_set():
                 prompt = f"client {n} request {i}: " + " ".join(f"part{j} of {j * 3}" for j in range(90))
@@ -80,12 +88,12 @@ class SteadyLoad:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._client(n)) for n in range(self.concurrency)]
 
-    async def until(self, count: int, timeout: float = 180) -> None:
+    async def until(self, count: int, timeout: float = CLIENT_TIMEOUT_S) -> None:
         async with asyncio.timeout(timeout):
             while len(self.results) < count:
                 await asyncio.sleep(0.1)
 
-    async def until_served(self, workers: set[str], since: int, timeout: float = 60) -> None:
+    async def until_served(self, workers: set[str], since: int, timeout: float = CLIENT_TIMEOUT_S) -> None:
         async with asyncio.timeout(timeout):
             while not workers <= {x[2] for x in self.results[since:]}:
                 await asyncio.sleep(0.1)
