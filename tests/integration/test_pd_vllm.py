@@ -135,6 +135,18 @@ def completion_body(prompt: str, max_tokens: int = 24, **extra) -> dict:
     return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
 
 
+def test_the_engines_expose_what_the_lease_alert_reads(pd):
+    """deploy/prometheus/rules.yml's DyadKvHandoffLeaseExpired reads two NIXL counters from the engines; both
+    are there, on both sides, under the names the rule uses (promtool's unit test feeds them by name only)."""
+    _, prefill, decode = pd
+    for engine in (prefill, decode):
+        names = {line.split("{", 1)[0].split(" ", 1)[0]
+                 for line in httpx.get(f"{engine.url}/metrics", timeout=10).text.splitlines()
+                 if line and not line.startswith("#")}
+        assert {LEASE_EXPIRED, "vllm:nixl_num_notifications_after_expiry_total"} <= names, (
+            engine.name, sorted(n for n in names if "nixl" in n))
+
+
 def test_nixl_completion_transfers_the_prompt_and_matches_aggregated(pd):
     gw, prefill, decode = pd
     # Aggregated reference on the prefill engine (cold cache), then forget it again.
