@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 
+from adapters.prometheus_text import parse_samples
 from tests.fixtures.vllm import MODEL_NAME
 from tests.fixtures.vllm_gateway import engines_or_fail, vllm_gateway
 from tests.fixtures.vllm_pd import PdEngines
@@ -140,11 +141,9 @@ def test_the_engines_expose_what_the_lease_alert_reads(pd):
     are there, on both sides, under the names the rule uses (promtool's unit test feeds them by name only)."""
     _, prefill, decode = pd
     for engine in (prefill, decode):
-        names = {line.split("{", 1)[0].split(" ", 1)[0]
-                 for line in httpx.get(f"{engine.url}/metrics", timeout=10).text.splitlines()
-                 if line and not line.startswith("#")}
+        names = {x.name for x in parse_samples(httpx.get(f"{engine.url}/metrics", timeout=10).text, ("vllm:nixl_",))}
         assert {LEASE_EXPIRED, "vllm:nixl_num_notifications_after_expiry_total"} <= names, (
-            engine.name, sorted(n for n in names if "nixl" in n))
+            engine.name, sorted(names))
 
 
 def test_nixl_completion_transfers_the_prompt_and_matches_aggregated(pd):
