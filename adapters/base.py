@@ -140,7 +140,9 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     async def health(self, client: httpx.AsyncClient, base_url: str, timeout: float) -> bool:
-        """True when the engine answers its health endpoint with success."""
+        """True when the engine answers its health endpoint with success, False on another answer or no
+        connection; ``TimeoutError`` when it took the probe but did not answer within ``timeout`` (busy, not
+        gone: ``FleetRegistry.last_resort``)."""
 
     @abstractmethod
     def parse_metrics(self, text: str, now: float, model: str | None = None) -> LoadSnapshot:

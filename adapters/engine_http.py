@@ -34,9 +34,16 @@ def error_message(response: httpx.Response) -> str:
 
 
 async def probe_ok(client: httpx.AsyncClient, url: str, timeout: float) -> bool:
-    """GET ``url``: True on a 2xx answer, False on anything else (including no answer)."""
+    """GET ``url``: True on a 2xx answer, False on any other answer or no connection. Raises ``TimeoutError``
+    when the engine took the connection but did not answer within ``timeout`` (busy, not gone: the health
+    loop tells the two apart, ``FleetRegistry.last_resort``); a connection that could not be made in time is
+    no connection (False)."""
     try:
         r = await client.get(url, timeout=timeout)
+    except httpx.ConnectTimeout:
+        return False
+    except httpx.TimeoutException:
+        raise TimeoutError(f"{url} did not answer within {timeout:g} s") from None
     except httpx.HTTPError:
         return False
     return r.is_success

@@ -374,6 +374,12 @@ class HealthConfig(_Section):
     timeout_s: float = Field(2.0, gt=0, description="Probe timeout")
     failure_threshold: int = Field(2, ge=1, description="Consecutive failures before a worker is unhealthy")
     success_threshold: int = Field(1, ge=1, description="Consecutive successes before it is healthy again")
+    last_resort: bool = Field(
+        True, description="When no worker that can decode a model is healthy, send its requests to the workers "
+                          "out of rotation only because their probes timed out (an engine too busy to answer "
+                          "/health in time still accepts connections) instead of answering 503; a worker that "
+                          "refused a connection, answered a probe with an error or was never up stays out, and "
+                          "the stall watchdog pulls a try on an engine that does no work")
 
 
 class ScrapeConfig(_Section):

@@ -49,6 +49,7 @@ class HealthChecker:
     async def check_worker(self, worker: Worker) -> bool:
         adapter = self.adapter_for(worker.engine)
         error: str | None = None
+        timed_out = False  # took the probe, did not answer in time (the registry's last resort)
         timeout = self.config.timeout_s
         try:
             ok = await self._bounded(worker, adapter.health(self.http, worker.url, timeout))
@@ -66,13 +67,15 @@ class HealthChecker:
                     self._learn_limits(worker, await self._bounded(worker, adapter.model_cards(self.http, worker.url, timeout)))
                 except Exception:  # noqa: BLE001 - optional information: a failure here is not a failed probe
                     worker.model_cards_read = True
+        except TimeoutError as e:  # (``within``, or the adapter's: the engine took the probe, no answer in time)
+            ok, error, timed_out = False, f"TimeoutError: {e}", True
         except Exception as e:  # any failure of the probe is a failed probe, never a dead loop
             ok, error = False, f"{type(e).__name__}: {e}"
         if not ok:  # the next probe (and request) opens a fresh connection: pooled ones may lead nowhere
             drop_idle(self.http, worker.url)
         was = worker.state
         quiet = self.quiet_for(worker) if not ok and self.quiet_for is not None else None
-        self.fleet.record_health(worker, ok, self.clock.now(), error, quiet)
+        self.fleet.record_health(worker, ok, self.clock.now(), error, quiet, timed_out)
         if worker.state is not was:
             log.log(logging.INFO if ok else logging.WARNING,"worker %s (%s): %s -> %s%s", worker.id, worker.url, was.value, worker.state.value,
                         f" ({error})" if error else "")

@@ -128,6 +128,24 @@ class FleetRegistry:
             out.append(w)
         return out
 
+    def last_resort(self, model: str, role: Role | None = None) -> list[Worker]:
+        """Workers out of rotation for ``model`` only because their probes timed out (``Worker.out_by_timeouts``)
+        and that were up before: where requests go when ``candidates`` is empty and ``health.last_resort`` is
+        on. An engine too busy to answer /health within ``timeout_s`` is slow, not gone: sending to it beats a
+        certain 503, and a try on one that does no work is pulled by the stall watchdog. Never a worker that
+        refused a connection or answered a probe with an error, a draining or standby one, or one never up."""
+        out = []
+        for w in self._snapshot:
+            if w.state is not WorkerState.UNHEALTHY or not w.out_by_timeouts or w.ready_at is None \
+                    or model not in w.models:
+                continue
+            if role is Role.DECODE and not w.can_decode():
+                continue
+            if role is Role.PREFILL and not w.can_prefill():
+                continue
+            out.append(w)
+        return out
+
     def models(self) -> list[str]:
         """Models the fleet knows: configured ones plus every model a registered worker serves."""
         seen = dict.fromkeys(self._configured_models)
@@ -152,19 +170,21 @@ class FleetRegistry:
             self._notify("state", worker)
 
     def record_health(self, worker: Worker, ok: bool, now: float, error: str | None = None,
-                      quiet_for: float | None = None) -> None:
+                      quiet_for: float | None = None, timed_out: bool = False) -> None:
         """One probe result. ``failure_threshold`` consecutive failures make a worker unhealthy;
         ``success_threshold`` consecutive successes make it healthy again. A worker never probed
         before becomes healthy at its first success (nothing to distrust yet). A failure is not held
         against a healthy worker that is serving traffic (``serving_window_s``): one that completed a
         request, whose generated-token counter rose at its last scrape (``generating_at``), or whose streams
-        delivered a data event ``quiet_for`` seconds ago."""
+        delivered a data event ``quiet_for`` seconds ago. ``timed_out``: the engine took the probe but did not
+        answer it in time (``out_by_timeouts`` while every failure since the last success was one)."""
         first = worker.last_health_at is None
         worker.last_health_at = now
         if ok:
             worker.consecutive_successes += 1
             worker.consecutive_failures = 0
             worker.last_error = None
+            worker.out_by_timeouts = False
             if first or worker.consecutive_successes >= self.health.success_threshold:
                 worker.health_ok = True
                 if worker.ready_at is None:
@@ -178,6 +198,7 @@ class FleetRegistry:
             worker.consecutive_failures += 1
             worker.consecutive_successes = 0
             worker.last_error = error
+            worker.out_by_timeouts = timed_out and (worker.consecutive_failures == 1 or worker.out_by_timeouts)
             if first or worker.consecutive_failures >= self.health.failure_threshold:
                 worker.health_ok = False
         self._apply_health(worker)
@@ -205,6 +226,7 @@ class FleetRegistry:
         worker.consecutive_successes = 0
         worker.last_error = error
         worker.health_ok = False
+        worker.out_by_timeouts = False  # (unreachable: no last resort)
         self._apply_health(worker)
 
     def _apply_health(self, worker: Worker) -> None:

@@ -50,6 +50,9 @@ class Worker:
     generating_at: float | None = None  # a scrape found its generated-token counter risen (the engine is working)
     last_error: str | None = None
     health_ok: bool | None = None  # last verdict of the health thresholds; None = never probed
+    # Every probe failure since the last success was a timeout (the engine accepts connections but answers
+    # late: busy, not gone): the registry's ``last_resort`` when no worker is healthy.
+    out_by_timeouts: bool = False
     ready_at: float | None = None  # when its health probe first passed (None: never ready yet)
     # A pending role change (applied once the worker has drained its old-role work):
     target_role: Role | None = None

@@ -90,9 +90,11 @@ async def ready(request: Request) -> Response:
     """200 when every model the fleet knows has a worker that can decode it, counting health AND
     circuit breakers (a worker whose breaker is open serves nothing); 503 otherwise. Per model and
     role the JSON says how many workers are usable; a model whose prefill pool is all out (decode
-    workers then prefill locally) is ``degraded`` — still 200, with the reason."""
+    workers then prefill locally), or that no healthy worker serves while workers out only for slow
+    probes take its requests (``health.last_resort``), is ``degraded`` — still 200, with the reason."""
     rt: GatewayRuntime = request.app.state.runtime
     from adapters.base import Role
+    from orchestrator.fleet.worker import WorkerState
 
     blocked = rt.breakers.blocked(rt.clock.now())
     models: dict[str, dict] = {}
@@ -101,7 +103,14 @@ async def ready(request: Request) -> Response:
     for m in rt.fleet.models():
         healthy = rt.router.candidates(m)
         usable = [w for w in healthy if w.id not in blocked]
-        entry: dict = {"healthy_workers": len(healthy), "usable_workers": len(usable)}
+        last_resort = sorted(w.id for w in healthy if w.state is not WorkerState.HEALTHY)
+        entry: dict = {"healthy_workers": len(healthy) - len(last_resort), "usable_workers": len(usable)}
+        if last_resort:
+            entry["last_resort"] = last_resort
+            if usable:
+                degraded = True
+                reasons.append(f"model '{m}': no healthy worker; its requests go to {', '.join(last_resort)}, out "
+                               "of rotation only because their health probes time out (health.last_resort)")
         if len(usable) < len(healthy):
             entry["breaker_open"] = sorted(w.id for w in healthy if w.id in blocked)
         pool = [w for w in rt.fleet.workers() if m in w.models and w.role is Role.PREFILL]

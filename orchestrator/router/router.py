@@ -6,7 +6,8 @@ Public API — an annotated request in, a decision out, plus the accounting call
 * ``await annotate(req, body, endpoint)`` — once per request: the prefix tracker (when one is plugged
   in) fills ``req`` with token ids, block hashes, per-worker cache overlaps and other replicas' load;
 * ``await decide(req, exclude=())`` — once per try: candidates (healthy, serving the model, able to
-  decode, not in ``exclude``), the prefixes each is computing right now (``inflight``), the pure
+  decode, not in ``exclude``; when none is healthy, the workers out only for probes that timed out,
+  ``FleetRegistry.last_resort``), the prefixes each is computing right now (``inflight``), the pure
   policy's ``choose(req, candidates, now)``; raises ``NoHealthyWorker`` when there is no candidate;
 * ``await route(req, body, endpoint, exclude=())`` — both, for callers that route a request once;
 * ``begin(decision, req)`` / ``first_token(decision, req)`` / ``finish(decision, req, ok)`` — the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -29,13 +31,16 @@ from adapters.base import Role
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.errors import NoHealthyWorker
 from orchestrator.fleet.registry import FleetRegistry
-from orchestrator.fleet.worker import Worker
+from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.router.inflight import InflightLedger
 from orchestrator.router.types import RouteDecision, RouteRequest, RoutingPolicy
 from orchestrator.telemetry.children import child
 from orchestrator.telemetry.metrics import DyadMetrics
 
 RECENT_DECISIONS = 200
+LAST_RESORT_LOG_S = 60.0  # at most one log line a minute per model while it is served by last resort
+
+log = logging.getLogger(__name__)
 
 
 class PrefixTracker(Protocol):
@@ -65,9 +70,15 @@ class Router:
         self.inflight = InflightLedger()
         self._background: set[asyncio.Future[Any]] = set()
         self._metric_children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self._last_resort_logged: dict[str, float] = {}  # model -> when it was last logged (configured models)
 
     def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[Worker]:
+        """Workers that may take a try for ``model``: healthy ones able to decode it; when there is none, the
+        fleet's last resort (``health.last_resort``: workers out only because their probes timed out). Then
+        ``exclude`` is left out: a retry does not turn to the last resort while a healthy worker exists."""
         found = self.fleet.candidates(model, Role.DECODE)
+        if not found and self.fleet.health.last_resort:
+            found = self.fleet.last_resort(model, Role.DECODE)
         if exclude:
             skip = set(exclude)
             found = [w for w in found if w.id not in skip]
@@ -132,6 +143,8 @@ class Router:
             routed_tokens.inc(req.prompt_tokens)
             if decision.predicted_cached_tokens:
                 cached_tokens.inc(decision.predicted_cached_tokens)
+        if decision.worker.state is not WorkerState.HEALTHY:
+            self._last_resort(req.model, decision.worker, now)
         self.recent_decisions.append({
             "time": now,
             "request_id": req.request_id,
@@ -145,6 +158,18 @@ class Router:
             "predicted_cached_tokens": decision.predicted_cached_tokens,
         })
         return decision
+
+    def _last_resort(self, model: str, worker: Worker, now: float) -> None:
+        """A try sent to a worker out of rotation (``candidates``' last resort): counted, and logged at most
+        once a minute per model."""
+        if self.metrics is not None:
+            self.metrics.routing_decisions.labels(self.policy.name, "last_resort").inc()
+        last = self._last_resort_logged.get(model)
+        if last is None or now - last >= LAST_RESORT_LOG_S:
+            self._last_resort_logged[model] = now
+            log.warning("model %s: no worker is healthy; routing to %s, out of rotation only because its health "
+                        "probes time out (%s) (health.last_resort)", model, worker.id,
+                        worker.last_error or "no answer in time")
 
     def _decision_metrics(self, model: str) -> tuple[Any, ...]:
         """A decision's metric children for this policy and model, looked up once (the model is a configured

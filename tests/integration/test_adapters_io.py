@@ -109,6 +109,23 @@ async def test_unreachable_engine_is_adapter_error_and_unhealthy():
         assert await VllmAdapter().health(c, "http://127.0.0.1:9", timeout=1.0) is False
 
 
+async def test_a_probe_the_engine_takes_but_does_not_answer_in_time_is_a_timeout_not_a_refusal():
+    """A socket that takes the connection and never answers (an engine too busy to answer /health): the probe
+    raises ``TimeoutError`` (busy, not gone: the health loop keeps such a worker as its last resort); a
+    refused connection is plain False."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # never accepted: the kernel completes the handshake, nobody answers
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        async with httpx.AsyncClient() as c:
+            for adapter in (VllmAdapter(), SglangAdapter()):
+                with pytest.raises(TimeoutError, match="did not answer within 0.2 s"):
+                    await adapter.health(c, url, 0.2)
+            assert await VllmAdapter().health(c, "http://127.0.0.1:9", timeout=1.0) is False
+
+
 async def test_health_status_codes():
     async with Engine(status=200).client() as c:
         assert await VllmAdapter().health(c, BASE, 1.0) is True

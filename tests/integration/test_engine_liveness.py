@@ -20,7 +20,15 @@ import httpx
 import pytest
 
 from tests.integration.test_gateway_transport import RawServer, VanishedPeer
-from tests.integration.test_request_path_failures import MODEL, complete, engines, events, gateway, healthy
+from tests.integration.test_request_path_failures import (
+    MODEL,
+    complete,
+    engines,
+    events,
+    gateway,
+    healthy,
+    sample,
+)
 
 
 def stream_in_thread(gw, tokens: int, prompt: str = "hello") -> tuple[threading.Thread, dict]:
@@ -189,6 +197,50 @@ def test_a_slow_health_probe_does_not_take_out_an_engine_whose_metrics_show_it_g
         worker = gw.runtime.fleet.get("w0")
         assert worker.last_error and "did not answer" in worker.last_error  # the probes did fail meanwhile
         assert len(busy.bodies) == 1  # never pulled and sent again
+
+
+def test_with_every_worker_out_for_slow_probes_requests_still_go_to_them():
+    """An engine too busy to answer /health in time (its probes time out; it still takes connections and
+    answers requests) leaves rotation. With no healthy worker left, its requests were answered 503: an outage
+    the gateway made itself. They now go to it (``health.last_resort``), counted, with /ready 200 and
+    ``degraded`` naming it; never to a worker whose probes answer with an error. Once a probe answers it is
+    back in rotation (no more last-resort decisions); once its probes answer with an error too, the answer is a
+    503 at once, not a hang. (A worker a request finds unreachable leaves the last resort too: unit-tested in
+    tests/unit/test_fleet_registry.py, since a stopped ``FakeEngine`` still answers on open connections.)"""
+    slow, sick = engines("ok", "ok")
+    with gateway([slow, sick], health={"interval_s": 0.2, "timeout_s": 0.3, "failure_threshold": 2}) as gw:
+        healthy(gw)
+        fleet = gw.runtime.fleet
+        w0, w1 = fleet.get("w0"), fleet.get("w1")
+        sick.healthy = False  # its probes answer 503
+        slow.health_delay_s = 1.0  # busy: answers /health after the probe gave up
+        wait_for(lambda: w0.health_ok is False and w1.health_ok is False)
+        assert w0.out_by_timeouts and not w1.out_by_timeouts
+        served = len(slow.bodies)
+        for _ in range(3):
+            r = complete(gw)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "w0 w1 w2 w3 w4", r.text
+            assert r.headers["x-dyad-worker"] == "w0"
+        assert len(slow.bodies) == served + 3
+        labels = {"policy": "round_robin", "outcome": "last_resort"}
+        assert sample(gw, "dyad_routing_decisions_total", labels) == 3
+        ready = httpx.get(gw.url + "/ready", timeout=10)
+        assert ready.status_code == 200, ready.text
+        body = ready.json()
+        assert body["status"] == "degraded" and body["models"][MODEL]["last_resort"] == ["w0"], body
+        assert body["models"][MODEL]["healthy_workers"] == 0 and "health.last_resort" in body["reason"]
+        slow.health_delay_s = 0.0
+        wait_for(lambda: w0.health_ok is True)
+        assert complete(gw).status_code == 200
+        assert sample(gw, "dyad_routing_decisions_total", labels) == 3  # in rotation: no last resort
+        slow.healthy = False  # its probes answer 503 at once
+        wait_for(lambda: w0.health_ok is False)
+        assert not w0.out_by_timeouts
+        started = time.monotonic()
+        r = complete(gw)
+        assert r.status_code == 503, r.text
+        assert time.monotonic() - started < 10
+        assert sample(gw, "dyad_routing_decisions_total", labels) == 3
 
 
 def test_a_worker_whose_pooled_connections_lead_nowhere_stays_in_rotation():

@@ -34,7 +34,7 @@ def test_real_prometheus_loads_every_rule(prometheus_server):
     names = {r["name"] for g in groups.values() for r in g["rules"]}
     for alert in ("DyadTTFTOverSLO", "DyadNoHealthyWorker", "DyadWorkerDown", "DyadHighErrorRatio",
                   "DyadKvEventGaps", "DyadIndexNearCap", "DyadIndexOnLocalMirror", "DyadPlannerAtBudget",
-                  "DyadKvHandoffLeaseExpired"):
+                  "DyadKvHandoffLeaseExpired", "DyadLastResortRouting"):
         assert alert in names
     # Every rule evaluates without error (health "err" would mean a bad expression at runtime).
     prometheus_server.wait_until(

@@ -174,3 +174,45 @@ def test_a_loaded_engine_answering_slower_than_the_probe_interval_stays_in_rotat
         if now < 24.0:
             assert w.state is WorkerState.HEALTHY, now
     assert w.state is WorkerState.UNHEALTHY
+
+
+def _out_by(reg: FleetRegistry, w: Worker, *timeouts: bool) -> None:
+    """Probe results after a first success at t=0: False = a failed probe (timed out or not, as given)."""
+    reg.record_health(w, True, 0.0)
+    for i, timed_out in enumerate(timeouts, 1):
+        reg.record_health(w, False, 10.0 * i, "x", timed_out=timed_out)
+
+
+def test_last_resort_holds_workers_out_only_for_probes_that_timed_out():
+    """A worker whose every failed probe since its last success timed out (it took the connection, answered
+    late: busy) is the last resort; one whose streak holds any other failure (refused, an error answer), one
+    a request found unreachable, one never up, a draining or standby one, or one of another model is not."""
+    reg = fleet(failure=2, success=1)
+    slow = reg.add(Worker("slow", "http://slow", models=["m"]))
+    mixed = reg.add(Worker("mixed", "http://mixed", models=["m"]))
+    refused = reg.add(Worker("refused", "http://refused", models=["m"]))
+    unreachable = reg.add(Worker("unreach", "http://u", models=["m"]))
+    other = reg.add(Worker("other", "http://o", models=["n"]))
+    prefill = reg.add(Worker("pre", "http://p", models=["m"], role=Role.PREFILL))
+    _out_by(reg, slow, True, True)
+    _out_by(reg, mixed, True, False, True)  # a refused probe in the streak: no last resort until a success
+    _out_by(reg, refused, False, False)
+    _out_by(reg, unreachable, True, True)
+    reg.mark_failed(unreachable, 30.0, "cannot connect")  # a request could not connect: unreachable
+    _out_by(reg, other, True, True)
+    _out_by(reg, prefill, True, True)
+    assert all(w.state is WorkerState.UNHEALTHY for w in reg.workers())
+    assert reg.candidates("m") == []
+    assert reg.last_resort("m", Role.DECODE) == [slow]
+    assert reg.last_resort("m", Role.PREFILL) == [slow, prefill]
+    never = reg.add(Worker("never", "http://n", models=["m"], state=WorkerState.UNHEALTHY))
+    reg.record_health(never, False, 1.0, "x", timed_out=True)  # timed out, but never up: no last resort
+    reg.drain("slow")
+    assert reg.last_resort("m", Role.DECODE) == []
+    reg.undrain("slow")
+    assert reg.last_resort("m", Role.DECODE) == [slow]
+    reg.record_health(slow, True, 50.0)  # a probe answered: in rotation again, no longer a last resort
+    assert reg.candidates("m") == [slow] and not slow.out_by_timeouts
+    reg.record_health(mixed, True, 50.0)
+    _out_by(reg, mixed, True, True)
+    assert mixed in reg.last_resort("m")

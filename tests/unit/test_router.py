@@ -167,3 +167,38 @@ async def test_prefixes_in_flight_are_credited_and_charged_once():
     assert d3.predicted_cached_tokens == 0  # from now on the KV-event index speaks for those blocks
     assert (a.inflight_prefill_tokens, b.inflight_prefill_tokens) == (0, 0)
     assert len(router.inflight) == 0
+
+
+def _slow(wid: str) -> Worker:
+    """A worker out of rotation only because its probes timed out (``FleetRegistry.last_resort``)."""
+    return Worker(wid, f"http://{wid}", models=["m"], state=WorkerState.UNHEALTHY, out_by_timeouts=True,
+                  ready_at=1.0)
+
+
+async def test_with_no_healthy_worker_the_router_turns_to_the_last_resort_and_counts_it():
+    """Every worker out, two of them only for slow probes: tries go to those two (counted as ``last_resort``
+    decisions, besides ``routed``), never to the one out for another reason; ``exclude`` still applies (a retry
+    goes to the other slow worker, then there is none)."""
+    dead = Worker("dead", "http://dead", models=["m"], state=WorkerState.UNHEALTHY, ready_at=1.0)
+    router, metrics = make_router(dead, _slow("s1"), _slow("s2"))
+    chosen = {(await router.route(req(), {}, "/v1/completions")).worker.id for _ in range(4)}
+    assert chosen == {"s1", "s2"}
+    assert metrics.routing_decisions.labels("round_robin", "last_resort")._value.get() == 4
+    assert (await router.route(req(), {}, "/v1/completions", exclude={"s1"})).worker.id == "s2"
+    with pytest.raises(NoHealthyWorker):
+        await router.route(req(), {}, "/v1/completions", exclude={"s1", "s2"})
+
+
+async def test_a_healthy_worker_keeps_the_last_resort_out_even_for_a_retry():
+    """One healthy worker: every try goes there, and a retry that excludes it is a 503 rather than a turn to a
+    worker whose probes time out; with ``health.last_resort`` off, no healthy worker is a 503 as before."""
+    ok = Worker("ok", "http://ok", models=["m"])
+    router, metrics = make_router(ok, _slow("s1"))
+    assert {(await router.route(req(), {}, "/v1/completions")).worker.id for _ in range(3)} == {"ok"}
+    with pytest.raises(NoHealthyWorker):
+        await router.route(req(), {}, "/v1/completions", exclude={"ok"})
+    assert metrics.routing_decisions.labels("round_robin", "last_resort")._value.get() == 0
+    off, _ = make_router(_slow("s1"))
+    off.fleet.health.last_resort = False
+    with pytest.raises(NoHealthyWorker):
+        await off.route(req(), {}, "/v1/completions")
