@@ -24,7 +24,6 @@ from pathlib import Path
 
 import httpx
 
-
 CLAIM_TTL_S = 600.0  # a claimed port is not handed out again for this long (a child binds it well within)
 CLAIM_SPAN = 12_000  # how many ports below the ephemeral range are handed out
 _CLAIM_TRIES = 200
