@@ -28,8 +28,12 @@ def pki(tmp_path_factory) -> Path:
 
 
 def assert_no_fallback(caplog) -> None:
-    said = [r.getMessage() for r in caplog.records if "response owners" in r.getMessage()]
-    assert not said, said  # every replica reached Redis: nothing was decided from a local map alone
+    """Every replica reached Redis: nothing was decided from a local map alone. A replica whose first look at
+    Redis, at start, timed out (a TLS handshake on a loaded machine: CI, once) tries again on first use and
+    decides nothing from its local map meanwhile: that message alone is no fallback."""
+    said = [m for r in caplog.records if "response owners" in (m := r.getMessage())
+            and "did not answer at start" not in m]
+    assert not said, said
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
