@@ -57,6 +57,17 @@ def worker_from_config(wc: WorkerConfig) -> Worker:
     )
 
 
+def _serves(w: Worker, model: str, role: Role | None) -> bool:
+    """``w`` serves ``model`` and can take ``role``'s part (None or ``Role.BOTH``: any)."""
+    if model not in w.models:
+        return False
+    if role is Role.DECODE:
+        return w.can_decode()
+    if role is Role.PREFILL:
+        return w.can_prefill()
+    return True
+
+
 class FleetRegistry:
     def __init__(self, workers: Iterable[Worker] = (), health: HealthConfig | None = None,
                  configured_models: Iterable[str] = ()) -> None:
@@ -117,16 +128,7 @@ class FleetRegistry:
     def candidates(self, model: str, role: Role | None = None) -> list[Worker]:
         """Workers that may take a new request for ``model`` now; ``role`` filters by capability
         (``Role.DECODE``: can decode, ``Role.PREFILL``: can prefill, ``Role.BOTH``/None: any)."""
-        out = []
-        for w in self._snapshot:
-            if w.state is not WorkerState.HEALTHY or model not in w.models:
-                continue
-            if role is Role.DECODE and not w.can_decode():
-                continue
-            if role is Role.PREFILL and not w.can_prefill():
-                continue
-            out.append(w)
-        return out
+        return [w for w in self._snapshot if w.state is WorkerState.HEALTHY and _serves(w, model, role)]
 
     def last_resort(self, model: str, role: Role | None = None) -> list[Worker]:
         """Workers out of rotation for ``model`` only because their probes timed out (``Worker.out_by_timeouts``)
@@ -134,17 +136,8 @@ class FleetRegistry:
         on. An engine too busy to answer /health within ``timeout_s`` is slow, not gone: sending to it beats a
         certain 503, and a try on one that does no work is pulled by the stall watchdog. Never a worker that
         refused a connection or answered a probe with an error, a draining or standby one, or one never up."""
-        out = []
-        for w in self._snapshot:
-            if w.state is not WorkerState.UNHEALTHY or not w.out_by_timeouts or w.ready_at is None \
-                    or model not in w.models:
-                continue
-            if role is Role.DECODE and not w.can_decode():
-                continue
-            if role is Role.PREFILL and not w.can_prefill():
-                continue
-            out.append(w)
-        return out
+        return [w for w in self._snapshot if w.state is WorkerState.UNHEALTHY and w.out_by_timeouts
+                and w.ready_at is not None and _serves(w, model, role)]
 
     def models(self) -> list[str]:
         """Models the fleet knows: configured ones plus every model a registered worker serves."""
