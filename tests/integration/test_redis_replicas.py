@@ -172,24 +172,15 @@ async def test_approximate_entries_expire_on_a_shared_clock(redis_server):  # no
 # --- two `dyad serve` processes ----------------------------------------------------------------------
 
 class GatewayProcess:
-    """``dyad serve --config`` as a child process on a free port; stopped by its own pid.
-
-    ``free_port`` only finds a port that was free a moment ago: another test process (pytest-xdist) can bind it
-    before this child does (a fresh-clone CI run: "address already in use"). A start that lost its port that
-    way is started again on a new one (``wait_ready``); any other exit is an error."""
-
-    PORT_TRIES = 3
+    """``dyad serve --config`` as a child process on a free port (claimed machine-wide: orchestrator/ports.py);
+    stopped by its own pid."""
 
     def __init__(self, config: dict, workdir: Path, name: str) -> None:
-        self.config, self.workdir, self.name = config, workdir, name
-        self._start()
-
-    def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = self.workdir / f"{self.name}.json"
-        cfg.write_text(json.dumps({**self.config, "gateway": {"host": "127.0.0.1", "port": self.port}}))
-        self.log = self.workdir / f"{self.name}.log"
+        cfg = workdir / f"{name}.json"
+        cfg.write_text(json.dumps({**config, "gateway": {"host": "127.0.0.1", "port": self.port}}))
+        self.log = workdir / f"{name}.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(cfg)],
                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -197,15 +188,9 @@ class GatewayProcess:
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        tries = 1
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                log = self.log.read_text()
-                if "address already in use" in log and tries < self.PORT_TRIES:
-                    tries += 1
-                    self._start()  # the port was taken between free_port() and the bind
-                    continue
-                raise RuntimeError(f"gateway exited: {log[-2000:]}")
+                raise RuntimeError(f"gateway exited: {self.log.read_text()[-2000:]}")
             try:
                 if httpx.get(f"{self.url}/ready", timeout=1.0, trust_env=False).status_code == 200:
                     return
