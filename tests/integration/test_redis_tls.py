@@ -138,7 +138,7 @@ def test_dyad_serve_with_a_rediss_url(tls_redis):
             text = httpx.get(f"{url}/metrics", timeout=10).text
             return sum(x.value for x in parse_samples(text, ("dyad_rate_limit_local_fallbacks_total",)))
 
-        # The first request pays the TLS handshake; on a loaded machine it can outlast the limiter's 0.5-s
+        # The first request pays the TLS handshake; on a loaded machine it can outlast the limiter's 0.25-s
         # Redis timeout and be counted locally (CI, once). Warm until a warm request went through Redis.
         for _ in range(5):
             before = fallbacks()
