@@ -104,6 +104,36 @@ class Load:
             time.sleep(0.1)
 
 
+def _kill_mid_stream(gw: GatewayThread, victim_id: str, victim: VllmEngine, kill: dict) -> None:
+    """SIGKILL the victim while the gateway still receives the stream from it — judged from the gateway's
+    side, not from what the test's client has read: on a starved machine that client lags the engine by
+    seconds, and a kill timed from its reads once came after the engine had sent all 1,500 tokens (the
+    stream never broke). The kill comes once the stream's try on the victim has relayed its first token and
+    a non-streamed request runs there too (so the kill catches one of those: checked by the test), or 2 s
+    after the first token at the latest (a few hundred of the 1,500 tokens at this engine's speed)."""
+    worker = gw.runtime.fleet.get(victim_id)
+    first_at = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            streams = [a for a in gw.runtime.attempts.on_worker(victim_id) if a.req.max_tokens == 1500]
+        except RuntimeError:  # (the gateway's loop changed the set while this thread copied it)
+            continue
+        if first_at is None and streams and streams[0].quiet_for() is not None:
+            first_at = time.monotonic()
+        if first_at is not None:
+            if not streams:
+                kill["error"] = "the stream's try ended before the kill"
+                return
+            if worker.inflight >= 2 or time.monotonic() > first_at + 2.0:
+                kill["caught"] = worker.inflight - 1
+                victim.kill()
+                kill["at"] = time.monotonic()
+                return
+        time.sleep(0.005)
+    kill["error"] = "no stream try with a first token on the victim within 60 s"
+
+
 def test_drain_under_load_loses_nothing_and_sends_nothing_new(live):
     gw, engines = live
     admin = {"authorization": f"Bearer {ADMIN}"}
@@ -139,32 +169,25 @@ def test_engine_killed_under_mixed_load_the_stream_continues_and_no_request_fail
             "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     events: list[str] = []
+    kill: dict = {}
     with Load(gw.url, threads=6, max_tokens=32) as load:
         time.sleep(3)
         with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
             victim_id = r.headers["x-dyad-worker"]
             victim = engines[int(victim_id[1:])]
-            in_gateway = gw.runtime.fleet.get(victim_id)
-            caught = -1
+            watcher = threading.Thread(target=_kill_mid_stream, args=(gw, victim_id, victim, kill), daemon=True)
+            watcher.start()
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
-                    # SIGKILL, mid-stream: early (by the 400th of 1500 tokens), so that even on a starved
-                    # machine (the client thread reads late) the engine cannot have sent them all into the
-                    # gateway's buffers before it dies (600 of 600 tokens once could: no failover was needed);
-                    # and, if it comes within those, at a moment the engine also serves a non-streamed
-                    # request, so that the kill catches one of those too (checked below; with the native
-                    # plane's faster relay, 100 tokens once passed without one: six load threads, 400 tokens)
-                    if caught < 0 and len(events) >= 2 and (in_gateway.inflight >= 2 or len(events) >= 400):
-                        caught = in_gateway.inflight - 1
-                        victim.kill()
-                        killed_at = time.monotonic()
-                    elif caught >= 0 and time.monotonic() > killed_at + 5 and load.finished_since(killed_at + 1.0) >= 2:
+                    if "at" in kill and time.monotonic() > kill["at"] + 5 and load.finished_since(kill["at"] + 1.0) >= 2:
                         load.stop.set()  # the load has shown what it must; the stream finishes alone
+            watcher.join(60)
         # if the stream finished first, the load goes on until it has shown the routing after the kill
-        if caught >= 0:
-            load.wait_finished_since(killed_at + 1.0, 2, timeout=90)
+        assert "at" in kill, f"the watcher never killed the engine: {kill}"
+        killed_at, caught = kill["at"], kill["caught"]
+        load.wait_finished_since(killed_at + 1.0, 2, timeout=90)
     assert not victim.alive()
     survivor = ({"w0", "w1"} - {victim_id}).pop()
 
