@@ -155,10 +155,19 @@ class OpenAIChunks(StreamProtocol):
         self.answered = False  # an event with a choice (or an error) was screened
 
     def ended(self, out: bytes) -> bool:
-        return out.endswith(DONE_EVENT) or out.endswith(b"data:[DONE]\n\n")
+        if out.endswith(DONE_EVENT) or out.endswith(b"data:[DONE]\n\n"):  # (how engines end: the usual case)
+            return True
+        # ``[DONE]`` as any SSE event whose data is ``[DONE]`` (``screen`` cuts there, so it is the last one)
+        return b"[DONE]" in out and out.endswith(b"\n\n") and self.end_event(out[:-2].rsplit(b"\n\n", 1)[-1])
 
     def end_event(self, event: bytes) -> bool:
-        return event == b"data: [DONE]" or event == b"data:[DONE]"
+        """The event whose data is ``[DONE]``, with other SSE fields (``id:``, ``event:``, comments) or
+        whitespace around it too: ``bad_event`` passes such an event as the end and the client's SDK reads it
+        as the end, so the stream is complete there (it was judged broken after it: the worker blamed, and
+        events after it relayed)."""
+        if event == b"data: [DONE]" or event == b"data:[DONE]":
+            return True
+        return b"[DONE]" in event and sse_fields(event)[1] == b"[DONE]"
 
     def screen(self, out: bytes) -> tuple[bytes, str | None, bool]:
         if out == DONE_EVENT:  # (the end of every stream, alone in its chunk)
