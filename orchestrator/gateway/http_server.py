@@ -20,7 +20,8 @@ in one class, because per request it is the largest cost left after the gateway'
 * what uvicorn's protocol does that the gateway relies on: keep-alive with uvicorn's idle timeout,
   pipelined requests answered in order (reading pauses while one is in progress), HTTP/1.0,
   ``Connection: close``, ``Expect: 100-continue``, ``HEAD``, chunked answers when the app gives no
-  Content-Length, back-pressure from a slow reader (``pause_writing``), graceful ``shutdown()``,
+  Content-Length (to an HTTP/1.0 request, which cannot read chunks, a body ended by the close instead:
+  uvicorn chunks those too), back-pressure from a slow reader (``pause_writing``), graceful ``shutdown()``,
   the ASGI scope uvicorn builds (with its ``ProxyHeadersMiddleware`` around the app, as configured),
   header names and values checked before they are written, and a 500 when the app fails before
   answering. WebSocket upgrades are not offered (the gateway has no WebSocket route): such a
@@ -94,7 +95,7 @@ class _Cycle:
 
     __slots__ = ("conn", "scope", "body", "more_body", "event", "disconnected", "keep_alive", "continue_100",
                  "started", "complete", "chunked", "remaining", "head", "delivered", "direct", "start_tried",
-                 "left_callback")
+                 "left_callback", "to_close")
 
     def __init__(self, conn: HttpProtocol, scope: dict[str, Any], keep_alive: bool, continue_100: bool) -> None:
         self.conn = conn
@@ -109,6 +110,7 @@ class _Cycle:
         self.complete = False
         self.chunked = False
         self.remaining = 0  # Content-Length bytes still to send
+        self.to_close = False  # the body ends where the connection closes (an HTTP/1.0 request, no Content-Length)
         self.head = scope["method"] == "HEAD"
         self.delivered = False  # the last http.request message went to the app
         self.direct: Any = None  # the app's hot endpoint, served without the ASGI layers (``HttpProtocol.direct``)
@@ -238,8 +240,11 @@ class _Cycle:
             if chunked:
                 length = None
             elif length is None and not self.head and status not in (204, 304):
-                chunked = True
-                out.append(b"transfer-encoding: chunked\r\n")
+                if self.scope["http_version"] == "1.0":  # (an HTTP/1.0 client reads no chunks: RFC 9112 6.1)
+                    self.to_close = True  # (its connection is never kept alive: the close ends the body)
+                else:
+                    chunked = True
+                    out.append(b"transfer-encoding: chunked\r\n")
             self.chunked = chunked
             self.remaining = length or 0
             self.started = True  # (after the checks: a refused head still leaves room for the 500)
@@ -260,6 +265,9 @@ class _Cycle:
                 conn.write(b"%x\r\n%s\r\n" % (len(body), body) if more else b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
             elif not more:
                 conn.write(b"0\r\n\r\n")
+        elif self.to_close:
+            if body:
+                conn.write(body)
         else:
             n = len(body)
             if n > self.remaining:
