@@ -90,6 +90,96 @@ _INTERNAL_ERROR = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-l
                    (b"connection", b"close")]
 
 
+class UpgradeBody:
+    """The body of a request that offers an ``Upgrade`` (pure: framing only, no I/O).
+
+    httptools stops at the head of a request with ``Connection: upgrade`` + ``Upgrade`` (it completes the
+    message without its body and hands the rest of the bytes over as the new protocol's), but the gateway
+    switches to no other protocol: it ignores the offer, as RFC 9110 7.8 lets a server do, and serves the
+    request as HTTP/1.1 — its body framed here by its Content-Length or chunked coding. Clients send such
+    requests unasked: the JDK's ``HttpClient`` (HTTP/2 by default) offers ``Upgrade: h2c`` on every cleartext
+    request, ``curl --http2`` too; their bodies were lost (400 "Request body is empty").
+    """
+
+    MAX_LINE = 4096  # a chunk-size line or trailer line longer than this is no HTTP/1.1
+
+    def __init__(self, length: int | None) -> None:
+        """``length``: the Content-Length, or None for a chunked body."""
+        self.remaining = length or 0
+        self.state = "data" if length is not None else "size"  # size | data | crlf | trailers | done
+        self.chunked = length is None
+        self.buf = b""
+        self.trailer_bytes = 0
+
+    def feed(self, data: bytes) -> tuple[list[bytes], bool, bytes]:
+        """(body pieces in ``data``, whether the body is complete, the bytes after it); ValueError when the
+        framing is broken."""
+        pieces: list[bytes] = []
+        buf = self.buf + data if self.buf else data
+        self.buf = b""
+        while True:
+            if self.state == "data":
+                if self.remaining:
+                    take = buf[:self.remaining]
+                    if take:
+                        pieces.append(take)
+                        self.remaining -= len(take)
+                        buf = buf[len(take):]
+                    if self.remaining:
+                        return pieces, False, b""
+                self.state = "crlf" if self.chunked else "done"
+            elif self.state == "done":
+                return pieces, True, buf
+            elif self.state == "crlf":
+                if len(buf) < 2:
+                    self.buf = buf
+                    return pieces, False, b""
+                if buf[:2] != b"\r\n":
+                    raise ValueError("a chunk is not followed by CRLF")
+                buf = buf[2:]
+                self.state = "size"
+            else:  # "size" or "trailers": one line at a time
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > self.MAX_LINE:
+                        raise ValueError("a chunk-size or trailer line is too long")
+                    self.buf = buf
+                    return pieces, False, b""
+                line, buf = buf[:end], buf[end + 2:]
+                if self.state == "trailers":
+                    self.trailer_bytes += len(line)
+                    if self.trailer_bytes > MAX_HEADER_BYTES:
+                        raise ValueError("the trailers are too large")
+                    if not line:
+                        self.state = "done"
+                    continue
+                size = line.split(b";", 1)[0].strip()
+                if not size or len(size) > 16 or size.strip(b"0123456789abcdefABCDEF"):
+                    raise ValueError("a chunk size is not a hexadecimal number")
+                self.remaining = int(size, 16)
+                self.state = "data" if self.remaining else "trailers"
+
+
+def _request_parser(protocol: Any) -> httptools.HttpRequestParser:
+    parser = httptools.HttpRequestParser(protocol)
+    try:  # answer the first of pipelined requests even when the client half-closed after sending them
+        parser.set_dangerous_leniencies(lenient_data_after_close=True)
+    except AttributeError:  # httptools < 0.6.3
+        pass
+    return parser
+
+
+def _declared_body(headers: list[tuple[bytes, bytes]]) -> UpgradeBody | None:
+    """The body a request's head announces (Content-Length above 0, or chunked), as an ``UpgradeBody``."""
+    length = 0
+    for name, value in headers:
+        if name == b"transfer-encoding" and value.strip().lower().endswith(b"chunked"):
+            return UpgradeBody(None)
+        if name == b"content-length" and value.strip().isdigit():
+            length = int(value)
+    return UpgradeBody(length) if length else None
+
+
 class _Cycle:
     """One request/response on a connection: the ASGI ``receive`` and ``send`` of its app call."""
 
@@ -304,11 +394,8 @@ class HttpProtocol(asyncio.Protocol):
         # uvicorn's proxy-headers middleware in front of the app: its rewrite, applied here to hot requests
         self.trusted_proxies = self.app.trusted_hosts if isinstance(self.app, ProxyHeadersMiddleware) else None
         self.loop = _loop or asyncio.get_event_loop()
-        self.parser = httptools.HttpRequestParser(self)
-        try:  # answer the first of pipelined requests even when the client half-closed after sending them
-            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
-        except AttributeError:  # httptools < 0.6.3
-            pass
+        self.parser = _request_parser(self)
+        self.upgrade_body: UpgradeBody | None = None  # the body of a request offering an Upgrade (ignored)
         self.root_path = config.root_path
         self.asgi = {"version": config.asgi_version, "spec_version": "2.3"}
         self.app_state = app_state
@@ -382,12 +469,36 @@ class HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._deadline_what == "idle":
             self._deadline.clear()
+        if self.upgrade_body is not None:
+            self._upgrade_body_received(data)
+            return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            _logger.warning("Unsupported upgrade request.")  # (served as plain HTTP: the request is dispatched)
+        except httptools.HttpParserUpgrade as e:  # (the offer is ignored: the request is served as HTTP/1.1)
+            if self.upgrade_body is not None:  # its body follows the head (UpgradeBody)
+                self._upgrade_body_received(data[e.args[0]:] if e.args else b"")
         except httptools.HttpParserError:
             self._refuse_unparsable()
+
+    def _upgrade_body_received(self, data: bytes) -> None:
+        """Bytes of the body of a request whose Upgrade offer is ignored (``UpgradeBody``); once it is whole,
+        the connection goes on with a fresh parser (httptools' own stays in its upgraded state)."""
+        body = self.upgrade_body
+        assert body is not None
+        try:
+            pieces, done, rest = body.feed(data)
+        except ValueError:
+            self.upgrade_body = None
+            self._refuse_unparsable()
+            return
+        for piece in pieces:
+            self.on_body(piece)
+        if done:
+            self.upgrade_body = None
+            self.parser = _request_parser(self)
+            self.on_message_complete()
+            if rest and not self.transport.is_closing():
+                self.data_received(rest)
 
     def pause_writing(self) -> None:
         if self.writable is None:
@@ -547,6 +658,8 @@ class HttpProtocol(asyncio.Protocol):
                  "query_string": parsed.query or b""}
         cycle = self.cycle = _Cycle(self, scope, version != "1.0" and parser.should_keep_alive(),
                                     self.expect_continue)
+        if parser.should_upgrade() and method != "CONNECT":  # (an offer the gateway ignores: UpgradeBody)
+            self.upgrade_body = _declared_body(self.headers)
         direct = self.direct
         if direct is not None:
             cycle.direct = endpoint = direct.hot_endpoint(method, scope["path"], root)
@@ -569,6 +682,8 @@ class HttpProtocol(asyncio.Protocol):
         cycle.wake()
 
     def on_message_complete(self) -> None:
+        if self.upgrade_body is not None:  # (httptools' end of a request offering an Upgrade: its body follows)
+            return
         self._disarm()
         cycle = self.cycle
         if cycle is None or cycle.complete:

@@ -167,3 +167,73 @@ def test_a_stream_to_an_http_1_0_client_is_not_chunked():
     finally:
         gw.stop()
         engine.stop()
+
+
+# --- client: a request offering an Upgrade (h2c) -------------------------------------------------------
+
+def _exchange(port: int, pieces: list[bytes], answers: int) -> list[tuple[bytes, bytes]]:
+    """Send ``pieces`` (separate writes) on one connection; read ``answers`` answers (head, body) back."""
+    import time
+
+    out: list[tuple[bytes, bytes]] = []
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+        for piece in pieces:
+            s.sendall(piece)
+            time.sleep(0.05)
+        data = b""
+        while len(out) < answers:
+            head_end = data.find(b"\r\n\r\n")
+            if head_end >= 0:
+                head = data[:head_end].lower()
+                length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                if len(data) >= head_end + 4 + length:
+                    out.append((head, data[head_end + 4:head_end + 4 + length]))
+                    data = data[head_end + 4 + length:]
+                    continue
+            more = s.recv(65536)
+            assert more, (out, data)
+            data += more
+    return out
+
+
+def test_a_request_offering_an_h2c_upgrade_is_served_as_http_1_1_with_its_body():
+    """The JDK's HttpClient (HTTP/2 by default) sends every cleartext request with ``Connection: Upgrade,
+    HTTP2-Settings`` + ``Upgrade: h2c`` (``curl --http2`` too). httptools stops at such a request's head, so the
+    Python plane served it without its body: 400 "Request body is empty" for every request such a client sent
+    (uvicorn's known defect, Kludex/uvicorn#2722; the native plane serves them). Now the offer is ignored (RFC 9110
+    7.8) and the body read by its Content-Length or chunks, then the connection goes on: a request pipelined
+    after it is answered too."""
+    from orchestrator.config import load_config
+    from orchestrator.gateway.serve import GatewayThread
+
+    engine = SimEngineThread(model=MODEL, profile="cpu-tiny", kv_events=False).start()
+    config = load_config({"models": [{"name": MODEL, "block_size": 16}],
+                          "workers": [{"id": "s0", "url": engine.url, "engine": "sim", "models": [MODEL]}],
+                          "health": {"interval_s": 30}}, environ={})
+    gw = GatewayThread(config).start()
+    offer = b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAEAAEAAAAIAAAAAAAMAAABkAAQBAAAAAAUAAEAA\r\n"
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    plain = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(body), body)
+    try:
+        healthy(gw)
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" + offer
+        by_length = [head + b"content-length: %d\r\n\r\n%s" % (len(body), body) + plain]  # (one write, then pipelined)
+        chunked = [head + b"transfer-encoding: chunked\r\n\r\n", b"%x;ext=1\r\n%s\r\n" % (10, body[:10]),
+                   b"%x\r\n%s\r\n" % (len(body) - 10, body[10:]), b"0\r\nx-trailer: t\r\n\r\n" + plain]
+        for name, pieces in (("content-length", by_length), ("chunked", chunked)):
+            answers = _exchange(gw.port, pieces, 2)
+            for h, b in answers:
+                assert h.startswith(b"http/1.1 200"), (name, h, b)
+                assert json.loads(b)["choices"], (name, b)
+            assert b"upgrade" not in answers[0][0], answers[0][0]
+        # a chunked body whose framing is broken is refused, not taken for a shorter body
+        answers = _exchange(gw.port, [head + b"transfer-encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"], 1)
+        assert answers[0][0].startswith(b"http/1.1 400"), answers
+        # a request offering an upgrade without a body is served as before
+        get = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + offer + b"\r\n"
+        answers = _exchange(gw.port, [get], 1)
+        assert answers[0][0].startswith(b"http/1.1 200") and json.loads(answers[0][1])["data"], answers
+    finally:
+        gw.stop()
+        engine.stop()
