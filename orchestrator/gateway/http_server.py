@@ -24,8 +24,8 @@ in one class, because per request it is the largest cost left after the gateway'
   uvicorn chunks those too), back-pressure from a slow reader (``pause_writing``), graceful ``shutdown()``,
   the ASGI scope uvicorn builds (with its ``ProxyHeadersMiddleware`` around the app, as configured),
   header names and values checked before they are written, and a 500 when the app fails before
-  answering. WebSocket upgrades are not offered (the gateway has no WebSocket route): such a
-  request is served as plain HTTP, as uvicorn does without a WebSocket library.
+  answering. No upgrade is offered (no WebSocket route, no h2c): a request offering one is served as
+  plain HTTP, with its body (``UpgradeBody``: uvicorn drops that body, Kludex/uvicorn#2722).
 
 Two shortcuts past the ASGI layers, for the gateway's hot routes (docs/benchmarks.md, issue 13, "the hot
 routes straight from the protocol"):
