@@ -32,6 +32,7 @@ __all__ = [
     "get_adapter",
     "internal_field_carriers",
     "internal_fields",
+    "scheduling_fields",
 ]
 
 _shared: dict[EngineKind, EngineAdapter] = {}
@@ -54,6 +55,11 @@ def get_adapter(kind: EngineKind | str) -> EngineAdapter:
 def internal_fields() -> frozenset[str]:
     """Every body field some adapter declares as Dyad's own (``EngineAdapter.internal_fields``)."""
     return VllmAdapter.internal_fields | SglangAdapter.internal_fields
+
+
+def scheduling_fields() -> frozenset[str]:
+    """Every body field some adapter's engine orders its requests by (``EngineAdapter.scheduling_fields``)."""
+    return VllmAdapter.scheduling_fields | SglangAdapter.scheduling_fields
 
 
 def internal_field_carriers() -> frozenset[str]:

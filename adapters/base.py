@@ -137,6 +137,10 @@ class EngineAdapter(ABC):
     # Body fields whose members this engine merges into the place where it keeps an internal field, so an
     # internal field inside one of them acts as if set at the top level: refused there too.
     internal_field_carriers: frozenset[str] = frozenset()
+    # Body fields that set this engine's scheduling order among the requests it holds (vLLM's and SGLang's
+    # ``priority``). The order between clients is Dyad's (a key's priority class is its ceiling: admission.py),
+    # so a client may send only the engine's default (absent, null or 0); anything else is refused with a 400.
+    scheduling_fields: frozenset[str] = frozenset()
 
     @abstractmethod
     async def health(self, client: httpx.AsyncClient, base_url: str, timeout: float) -> bool:

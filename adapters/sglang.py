@@ -110,6 +110,7 @@ class SglangAdapter(EngineAdapter):
 
     kind = EngineKind.SGLANG
     internal_fields = INTERNAL_FIELDS
+    scheduling_fields = frozenset({"priority"})  # (lower runs earlier; non-zero needs priority scheduling)
 
     def __init__(self, cache: TokenizeCache | None = None, deep_health: bool = False) -> None:
         """``deep_health`` probes ``/health_generate`` (runs a one-token generation) instead of ``/health``."""

@@ -133,6 +133,7 @@ class VllmAdapter(EngineAdapter):
     kind = EngineKind.VLLM
     internal_fields = INTERNAL_FIELDS
     internal_field_carriers = INTERNAL_FIELD_CARRIERS
+    scheduling_fields = frozenset({"priority"})  # (lower runs earlier; non-zero needs priority scheduling)
 
     def __init__(self, cache: TokenizeCache | None = None) -> None:
         self.cache = cache if cache is not None else TokenizeCache()

@@ -5,7 +5,7 @@ sends no Content-Length), parsed once with orjson, and checked field by field. E
 gateway does not look at is forwarded to the engine untouched, so new OpenAI/vLLM fields work
 without a Dyad release. Each failure names the offending field in ``param``.
 
-Three classes of body are refused although they parse:
+Four classes of body are refused although they parse:
 
 * **internal fields** — a field some adapter declares as Dyad's own (``EngineAdapter.internal_fields``:
   vLLM's ``kv_transfer_params``, SGLang's ``bootstrap_host/port/room`` and ``rid``) steers an
@@ -15,6 +15,9 @@ Three classes of body are refused although they parse:
   them (``EngineAdapter.internal_field_carriers``: vLLM's ``vllm_xargs``). The check runs once here,
   so every path (aggregated, split, local prefill, retries, failover continuations, all built from
   this body) is covered;
+* **scheduling fields** — a field the engine orders its requests by (``EngineAdapter.scheduling_fields``:
+  vLLM's and SGLang's ``priority``): the order between clients is Dyad's (a key's priority class is its
+  ceiling), so only the engine's default (absent, null, 0) is accepted;
 * **bodies that do not re-serialize** — orjson reads 1024 levels of nesting but writes only
   254; the gateway writes every body again for the engine, so deeper nesting is refused here
   (400 naming the limit) instead of failing later as a 500;
@@ -28,11 +31,12 @@ from typing import Any
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
-from adapters import internal_field_carriers, internal_fields
+from adapters import internal_field_carriers, internal_fields, scheduling_fields
 from orchestrator.errors import InvalidRequest, PayloadTooLarge
 
 INTERNAL_FIELDS = internal_fields()
 INTERNAL_FIELD_CARRIERS = internal_field_carriers()
+SCHEDULING_FIELDS = tuple(sorted(scheduling_fields()))
 # orjson.dumps refuses deeper nesting than this (the body object itself is level 1).
 MAX_NESTING = 254
 
@@ -124,6 +128,20 @@ def check_internal_fields(body: dict[str, Any]) -> None:
             raise InvalidRequest(f"'{name}' is set by the gateway (the engine reads '{carrier}' as its own "
                                  "internal parameters, where it keeps the prefill/decode hand-off); a request "
                                  "must not carry it.", param=name, code="internal_field")
+    for name in SCHEDULING_FIELDS:  # (the engine's order among requests: Dyad's, by the key's class)
+        v = body.get(name)
+        if v is not None and not (type(v) is int and v == 0):
+            raise InvalidRequest(f"'{name}' sets the engine's scheduling order, which the gateway decides (a key's "
+                                 "priority class, lowered per request with the priority header); a request may "
+                                 f"send only the engine's default (0 or null), got {_short(v)}.", param=name,
+                                 code="internal_field")
+
+
+def _short(v: Any) -> str:
+    """A scalar as JSON, at most 40 characters (for an error message); a container by its type."""
+    text = repr(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else (
+        orjson.dumps(v).decode() if isinstance(v, (str, bool)) else _type_name(v))
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _type_name(v: Any) -> str:

@@ -13,7 +13,7 @@ import contextlib
 import httpx
 import pytest
 
-from adapters import internal_field_carriers, internal_fields
+from adapters import internal_field_carriers, internal_fields, scheduling_fields
 from orchestrator.config import load_config
 from tests.fixtures.sim_gateway import gateway_over
 from tests.integration.fake_engine import FakeEngine
@@ -83,6 +83,36 @@ def test_every_internal_field_is_refused_on_every_path(path, stream):
                 kvp = b.get("kv_transfer_params")
                 assert kvp is None or kvp.get("remote_host") != "10.0.0.1"
 
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_client_cannot_set_the_engines_scheduling_order(kind):
+    """vLLM and SGLang order the requests they hold by ``priority`` (lower first, under priority scheduling):
+    a client setting it would overtake other keys at the engine whatever its own key's class. Only the
+    engine's default (absent, null, 0) is accepted, on every route; the rest is refused before any engine."""
+    assert "priority" in scheduling_fields()
+    with fleet([(kind, "both")]) as (gw, engines):
+        routes = {"/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                  "/v1/chat/completions": {"model": MODEL, "max_tokens": 2,
+                                           "messages": [{"role": "user", "content": "hi"}]}}
+        for path, base in routes.items():
+            for default in (0, None):
+                r = httpx.post(gw.url + path, json={**base, "priority": default}, timeout=10)
+                assert r.status_code == 200, (path, default, r.text)
+        seen = len(engines[0].bodies)
+        assert seen == 4 and all(b.get("priority") in (0, None) for b in engines[0].bodies)
+        for path, base in {**routes, "/v1/embeddings": {"model": MODEL, "input": "hi"}}.items():
+            for value in (-100, 1, 2**40, "high", True, 0.5, [0]):
+                for stream in (False, True):
+                    body = {**base, "priority": value}
+                    if path != "/v1/embeddings":
+                        body["stream"] = stream
+                    r = httpx.post(gw.url + path, json=body, timeout=10)
+                    assert r.status_code == 400, (path, value, r.text)
+                    err = r.json()["error"]
+                    assert err["param"] == "priority" and err["code"] == "internal_field", err
+                    assert "scheduling order" in err["message"]
+        assert len(engines[0].bodies) == seen  # nothing more reached the engine
 
 def test_session_keys_are_stored_bounded():
     with fleet([("vllm", "both"), ("vllm", "both")]) as (gw, engines):
