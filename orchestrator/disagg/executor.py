@@ -40,7 +40,7 @@ from orchestrator.disagg import sglang_flow, vllm_flow
 from orchestrator.errors import NoHealthyWorker, UpstreamError
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
-from orchestrator.gateway.classify import ACCESS_STATUSES
+from orchestrator.gateway.classify import ACCESS_STATUSES, NOT_SERVED_STATUSES
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
 from orchestrator.gateway.resilience import stall_budget, worked_since
 from orchestrator.gateway.transport import AnswerTooLarge, MalformedAnswer, raw_headers, read_all, send_post
@@ -59,8 +59,11 @@ MODE_FALLBACK = "fallback"  # a split was planned but the prefill side failed; d
 
 # Prefill answers that mean "your request is wrong", not "I am broken": the decode step would say the same.
 # Not a refusal of the gateway's access (401/403/407, classify.ACCESS_STATUSES): that is about the prefill
-# worker's key or set-up, which the decode worker does not share; the decode worker prefills locally.
+# worker's key or set-up, which the decode worker does not share; the decode worker prefills locally. Under
+# vLLM not a 404 either (classify.NOT_SERVED_STATUSES: that prefill engine does not serve the model; the decode
+# engine, asked next, answers for itself); SGLang asks its other prefill workers, and a 404 from one is the answer.
 _CLIENT_ERRORS = frozenset(range(400, 500)) - {408, 409, 429} - ACCESS_STATUSES
+_VLLM_PREFILL_REFUSALS = _CLIENT_ERRORS - NOT_SERVED_STATUSES
 
 SGLANG_MAX_PREFILL_TRIES = 3
 
@@ -272,7 +275,7 @@ class PdExecutor:
         Bounded by ``disagg.prefill_timeout_s``; closing the connection on timeout or cancellation
         makes the engine abort the step."""
         r = await self._post_prefill(call, prefill, body)
-        if r.status_code in _CLIENT_ERRORS:
+        if r.status_code in _VLLM_PREFILL_REFUSALS:
             return httpx.Response(r.status_code, content=r.content,
                                   headers={"content-type": r.headers.get("content-type", "application/json")})
         if r.status_code >= 300:

@@ -19,6 +19,10 @@ wrong; Dyad does the same so that a handful of bad requests cannot open every br
   while the worker kept serving others. These go back to the client once and count against nobody.
 * **busy** — a 429 (the engine, or a proxy in front of it, sheds load): the request is tried on another
   worker like a 5xx, and the same 429 everywhere goes back to the client; it counts against nobody.
+* **not served here** — a 404 (vLLM's "the model does not exist": the engine does not serve the model, alias or
+  adapter the gateway's configuration says it does, or not any more): tried on another worker like a 429, and
+  the same 404 everywhere goes back to the client; it counts against nobody (a breaker is per worker, and a
+  worker that lacks one model may serve others). Its ``dyad_upstream_errors_total{kind="http_404"}`` shows it.
 
 A 5xx, garbage, a stall or a dropped connection is therefore judged only when the next try's result is
 known: ``SecondOpinion`` holds it until then. A stream that breaks after its first bytes (reset, garbage,
@@ -40,9 +44,11 @@ from orchestrator.gateway.responses import engine_error_body
 
 ACCESS_STATUSES = frozenset({401, 403, 407})  # the engine refuses the gateway's access (module docstring)
 # answered before any byte: another worker may do better
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504}) | ACCESS_STATUSES
+RETRY_STATUSES = frozenset({404, 429, 500, 502, 503, 504}) | ACCESS_STATUSES
 UNAVAILABLE_STATUSES = frozenset({502, 503})  # the engine says it cannot serve: counts against its health
 BUSY_STATUSES = frozenset({429})  # the engine is busy, not broken: tried elsewhere, never held against it
+NOT_SERVED_STATUSES = frozenset({404})  # the engine does not serve this model here: tried elsewhere, held against nobody
+UNCOUNTED_STATUSES = BUSY_STATUSES | NOT_SERVED_STATUSES  # (no breaker counts them)
 
 
 def engine_error(status: int, raw: bytes, worker_id: str = "?") -> UpstreamError:

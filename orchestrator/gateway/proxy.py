@@ -483,7 +483,7 @@ class ProxyResponse:
         now = rt.clock.now()
         for wid, failure in judge.settle(request_caused):
             rt.metrics.upstream_errors.labels(wid, failure if isinstance(failure, str) else f"http_{failure}").inc()
-            if failure in classify.BUSY_STATUSES:
+            if failure in classify.UNCOUNTED_STATUSES:
                 continue
             rt.breakers.record_failure(wid, now)
             w = rt.fleet.get(wid)

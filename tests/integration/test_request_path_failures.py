@@ -333,6 +333,37 @@ def test_an_engine_429_is_tried_on_another_worker_and_held_against_nobody(stream
         assert r.status_code == 429 and r.json()["error"]["message"] == "fake engine says 429"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_that_does_not_serve_the_model_404_is_routed_around_and_held_against_nobody(stream):
+    """A worker whose engine answers 404 ("the model does not exist": it serves another model, or an alias or
+    adapter the gateway's configuration promised is not loaded) is the worker's mismatch, not the client's
+    mistake: the request is tried on another worker. The same 404 everywhere goes back to the client, after
+    two tries. Either way no breaker counts it (a breaker is per worker; that worker may serve other models)."""
+    lost, good = engines("status", "ok", status_code=404)
+    with gateway([lost, good], resilience={"breaker_failure_threshold": 1}) as gw:
+        healthy(gw)
+        for _ in range(6):
+            r = complete(gw, stream=stream)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-dyad-worker"] == "w1"
+        assert len(lost.bodies) >= 2  # round robin kept sending it some: each was served by the other
+        assert breakers(gw) == {}
+        assert sample(gw, "dyad_upstream_errors_total", {"worker": "w0", "kind": "http_404"}) >= 2
+        assert httpx.get(f"{gw.url}/ready", timeout=10).json()["status"] == "ready"
+    both = engines("status", "status", status_code=404)
+    with gateway(both, resilience={"breaker_failure_threshold": 1}) as gw:
+        healthy(gw)
+        r = complete(gw, stream=stream)
+        assert r.status_code == 404 and r.json()["error"]["message"] == "fake engine says 404", r.text
+        assert sum(len(e.bodies) for e in both) == 2  # one second opinion, then the answer
+        assert breakers(gw) == {}
+    with gateway(engines("status", status_code=404), resilience={"breaker_failure_threshold": 1}) as gw:
+        healthy(gw)
+        for _ in range(3):  # (nowhere else to go: the engine's 404, and still no breaker)
+            r = complete(gw, stream=stream)
+            assert r.status_code == 404, r.text
+        assert breakers(gw) == {}
+
 @pytest.mark.parametrize("status", [429, 503])
 def test_an_engines_429_or_503_with_nowhere_to_go_tells_the_client_when_to_retry(status):
     """Relayed, an engine's 429/503 carries a Retry-After like the gateway's own 429/503s: the engine's
