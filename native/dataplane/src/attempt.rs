@@ -146,7 +146,7 @@ pub async fn hot(sh: Arc<Shared>, rq: Req) -> Response<OutBody> {
                         forward::strip_hop(&mut parts.headers);
                         Response::from_parts(parts, OutBody::proxy(body))
                     }
-                    Err(_) => respond(503, &[], sh.limits.overloaded.clone(), true),
+                    Err(e) => forward::unreachable(&e),
                 };
             }
             Step::Reply(status, headers, body) => return respond(status, &headers, body, false),

@@ -4,6 +4,7 @@
 
 use crate::body::OutBody;
 use crate::server::{respond, Shared};
+use hyper::body::Bytes;
 use hyper::header::{HeaderName, HeaderValue, CONNECTION};
 use hyper::{Body, HeaderMap, Method, Request, Response, Uri};
 
@@ -60,11 +61,29 @@ pub fn fallback_request(sh: &Shared, method: Method, path_query: &str, mut heade
     req
 }
 
-/// Forward a client's request to the fallback and its answer to the client (503 `overloaded` if the
-/// fallback cannot be reached).
+/// The answer when a request could not be carried to the fallback or its answer back (`e`: hyper's client
+/// error): the client's own body broke off (400), else the fallback could not be reached (502; not the
+/// connection limit's 503, which is answered where it applies, server.rs).
+pub fn unreachable(e: &hyper::Error) -> Response<OutBody> {
+    let (status, message, kind, code) = if e.is_user() {
+        (400, "the request body broke off".to_string(), "invalid_request_error", "bad_request")
+    } else {
+        (502, format!("The gateway could not reach its own fallback (the Python gateway behind the native data \
+                       plane): {}.", e), "server_error", "fallback_unreachable")
+    };
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+    respond(status, &[], Bytes::from(body.to_string()), true)
+}
+
+/// Forward a client's request to the fallback and its answer to the client (`unreachable` if that fails).
+/// An asterisk-form target (`OPTIONS *`) goes as the path `/*`, the path the Python plane gives it.
 pub async fn forward(sh: &Shared, method: Method, uri: &Uri, headers: HeaderMap, body: Body, peer: &str)
                      -> Response<OutBody> {
-    let pq = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let pq = match uri.path_and_query().map(|p| p.as_str()) {
+        Some("*") => "/*",
+        Some(p) => p,
+        None => "/",
+    };
     let req = fallback_request(sh, method, pq, headers, body, Some(peer));
     match sh.fb.request(req).await {
         Ok(resp) => {
@@ -72,6 +91,6 @@ pub async fn forward(sh: &Shared, method: Method, uri: &Uri, headers: HeaderMap,
             strip_hop(&mut parts.headers);
             Response::from_parts(parts, OutBody::proxy(body))
         }
-        Err(_) => respond(503, &[], sh.limits.overloaded.clone(), true),
+        Err(e) => unreachable(&e),
     }
 }

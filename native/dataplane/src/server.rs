@@ -103,6 +103,7 @@ struct ClientIo {
     io: TcpStream,
     cs: Arc<ConnState>,
     pending: Vec<u8>, // a rewritten refusal still to be written
+    heads: Arc<Mutex<Heads>>,
 }
 
 /// The largest request line + headers, as the Python plane's (`http_server.MAX_HEADER_BYTES`).
@@ -154,6 +155,9 @@ impl AsyncRead for ClientIo {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.heads.lock().unwrap().feed(&buf.filled()[before..]);
+        }
         if buf.filled().len() > before && self.cs.active.load(Ordering::Relaxed) == 0 {
             let mut h = self.cs.head_since.lock().unwrap();
             if h.is_none() {
@@ -213,10 +217,14 @@ async fn connection(io: TcpStream, peer: String, sh: Arc<Shared>, over: bool, mu
         served: Default::default(),
     });
     let fd = io.as_raw_fd();
-    let io = ClientIo { io, cs: cs.clone(), pending: Vec::new() };
+    let heads: Arc<Mutex<Heads>> = Default::default();
+    let io = ClientIo { io, cs: cs.clone(), pending: Vec::new(), heads: heads.clone() };
     let svc = {
         let (sh, cs) = (sh.clone(), cs.clone());
-        service_fn(move |req| handle(req, sh.clone(), peer.clone(), cs.clone(), over))
+        service_fn(move |req| {
+            let verdict = heads.lock().unwrap().verdicts.pop_front().flatten();
+            handle(req, sh.clone(), peer.clone(), cs.clone(), over, verdict)
+        })
     };
     let conn = Http::new()
         .http1_only(true)
@@ -305,8 +313,16 @@ pub async fn read_body(mut body: Body, max: usize, until: Instant) -> Result<Byt
     }
 }
 
-async fn handle(mut req: Request<Body>, sh: Arc<Shared>, peer: String, cs: Arc<ConnState>, over: bool)
-                -> Result<Response<OutBody>, Infallible> {
+/// A 400 in OpenAI's shape (`invalid_http`, as the Python plane answers a request it cannot frame) that closes
+/// the connection: what is pipelined behind such a request is not read as requests.
+fn invalid(message: &str) -> Response<OutBody> {
+    let body = serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "param": null,
+                                            "code": "invalid_http"}});
+    respond(400, &[], Bytes::from(body.to_string()), true)
+}
+
+async fn handle(mut req: Request<Body>, sh: Arc<Shared>, peer: String, cs: Arc<ConnState>, over: bool,
+                framing: Option<String>) -> Result<Response<OutBody>, Infallible> {
     let t0 = Instant::now();
     sh.stats.requests.fetch_add(1, Ordering::Relaxed);
     *cs.head_since.lock().unwrap() = None;
@@ -315,6 +331,18 @@ async fn handle(mut req: Request<Body>, sh: Arc<Shared>, peer: String, cs: Arc<C
         let ra = [(Bytes::from_static(b"retry-after"), sh.limits.retry_after.clone())];
         let r = respond(503, &ra, sh.limits.overloaded.clone(), true);
         return Ok(r.map(|b| b.guarded(guard)));
+    }
+    if let Some(problem) = framing {
+        // (a request framed two ways: RFC 9112 6.3 asks for an error and the connection closed after it)
+        return Ok(invalid(&problem).map(|b| b.guarded(guard)));
+    }
+    // origin-form ("/..."), or absolute-form with a path (RFC 9112 3.2.2: a server must accept it; served by its
+    // path, as the Python plane serves it); asterisk-form goes to the fallback (forward.rs), which answers it as
+    // the Python plane does; anything else (authority-form, an absolute URL without a path) is refused
+    let target = req.uri().path_and_query().map_or("", |p| p.as_str());
+    if target != "*" && !target.starts_with('/') {
+        let msg = format!("The request is not valid HTTP/1.1: its target {:?} is not a path.", req.uri().to_string());
+        return Ok(invalid(&msg).map(|b| b.guarded(guard)));
     }
     let forged: Vec<HeaderName> =
         req.headers().keys().filter(|k| k.as_str().starts_with("x-dyad-native-")).cloned().collect();
@@ -337,4 +365,186 @@ async fn handle(mut req: Request<Body>, sh: Arc<Shared>, peer: String, cs: Arc<C
         }
     };
     Ok(resp.map(|b| b.guarded(guard)))
+}
+
+/// Where the client's bytes are, for `Heads` (what hyper frames the same way).
+enum Framing {
+    Head(Vec<u8>),            // a head, up to its blank line
+    Body(u64),                // Content-Length bytes left
+    ChunkSize(Vec<u8>),       // a chunk-size line
+    ChunkData(u64),           // chunk bytes left, then CRLF
+    ChunkEnd(u8),             // the CRLF after a chunk's data (bytes of it seen)
+    Trailers(Vec<u8>),        // the trailer section, up to its blank line
+    Off,                      // lost track (hyper refuses such bytes itself): no more verdicts
+}
+
+/// Reads the client's bytes beside hyper to see each request's head as sent: hyper keeps neither a
+/// Content-Length after a Transfer-Encoding nor a second equal Content-Length, so the head it hands over cannot
+/// tell a request framed two ways (RFC 9112 6.3: the smuggling shape) from a plain one. One verdict per head,
+/// in order (`None`: the head is sound; `Some(problem)`): `handle` takes one per request.
+pub struct Heads {
+    state: Framing,
+    pub verdicts: std::collections::VecDeque<Option<String>>,
+}
+
+impl Default for Heads {
+    fn default() -> Self {
+        Heads { state: Framing::Head(Vec::new()), verdicts: Default::default() }
+    }
+}
+
+/// What is wrong with a head's framing headers (None: nothing), and the body's framing (None: cannot tell).
+fn judge(head: &[u8]) -> (Option<String>, Option<Framing>) {
+    let (mut cls, mut codings, mut te_lines) = (Vec::new(), Vec::new(), 0);
+    for line in head.split(|&b| b == b'\n').skip(1) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(colon) = line.iter().position(|&b| b == b':') else { continue };
+        let (name, value) = (&line[..colon], String::from_utf8_lossy(&line[colon + 1..]).trim().to_string());
+        if name.eq_ignore_ascii_case(b"content-length") {
+            cls.push(value);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            te_lines += 1;
+            codings.extend(value.split(',').map(|c| c.trim().to_ascii_lowercase()).filter(|c| !c.is_empty()));
+        }
+    }
+    let problem = if te_lines > 0 && !cls.is_empty() {
+        Some("it has both Transfer-Encoding and Content-Length (RFC 9112 6.3)")
+    } else if cls.len() > 1 {
+        Some("it has more than one Content-Length")
+    } else if codings.iter().filter(|c| *c == "chunked").count() > 1 {
+        Some("its Transfer-Encoding applies chunked more than once")
+    } else {
+        None
+    };
+    let framing = if te_lines > 0 {
+        (codings.last().map(|c| c.as_str()) == Some("chunked")).then(|| Framing::ChunkSize(Vec::new()))
+    } else if let Some(cl) = cls.first() {
+        cl.parse::<u64>().ok().map(|n| if n == 0 { Framing::Head(Vec::new()) } else { Framing::Body(n) })
+    } else {
+        Some(Framing::Head(Vec::new()))
+    };
+    (problem.map(|p| format!("The request is not valid HTTP/1.1: {}.", p)), framing)
+}
+
+impl Heads {
+    /// Take in the next bytes the client sent.
+    pub fn feed(&mut self, mut b: &[u8]) {
+        while !b.is_empty() {
+            match &mut self.state {
+                Framing::Off => return,
+                Framing::Head(h) => {
+                    if h.is_empty() {
+                        let skip = b.iter().take_while(|&&c| c == b'\r' || c == b'\n').count(); // (blank lines first)
+                        b = &b[skip..];
+                        if b.is_empty() {
+                            return;
+                        }
+                    }
+                    let start = h.len().saturating_sub(3);
+                    let take = b.len().min(MAX_HEAD_BYTES + 4 - h.len());
+                    h.extend_from_slice(&b[..take]);
+                    match h[start..].windows(4).position(|w| w == b"\r\n\r\n") {
+                        Some(p) => {
+                            let end = start + p + 4;
+                            let rest = h.len() - end; // bytes past the head, given back
+                            let (verdict, next) = judge(&h[..end]);
+                            let bad = verdict.is_some();
+                            self.verdicts.push_back(verdict);
+                            self.state = if bad { Framing::Off } else { next.unwrap_or(Framing::Off) };
+                            b = &b[take - rest..];
+                        }
+                        None if h.len() > MAX_HEAD_BYTES => self.state = Framing::Off,
+                        None => b = &b[take..],
+                    }
+                }
+                Framing::Body(n) => {
+                    let k = (*n).min(b.len() as u64);
+                    *n -= k;
+                    b = &b[k as usize..];
+                    if *n == 0 {
+                        self.state = Framing::Head(Vec::new());
+                    }
+                }
+                Framing::ChunkSize(_) | Framing::Trailers(_) => {
+                    let trailers = matches!(self.state, Framing::Trailers(_));
+                    let line = match &mut self.state {
+                        Framing::ChunkSize(l) | Framing::Trailers(l) => l,
+                        _ => unreachable!(),
+                    };
+                    let nl = b.iter().position(|&c| c == b'\n');
+                    let take = nl.map_or(b.len(), |p| p + 1);
+                    line.extend_from_slice(&b[..take]);
+                    b = &b[take..];
+                    if line.len() > MAX_HEAD_BYTES {
+                        self.state = Framing::Off;
+                    } else if nl.is_some() {
+                        let l = std::mem::take(line);
+                        let text = l.strip_suffix(b"\n").unwrap_or(&l);
+                        let text = text.strip_suffix(b"\r").unwrap_or(text);
+                        self.state = if trailers {
+                            if text.is_empty() { Framing::Head(Vec::new()) } else { Framing::Trailers(Vec::new()) }
+                        } else {
+                            let size = text.split(|&c| c == b';').next().unwrap_or(b"");
+                            match u64::from_str_radix(String::from_utf8_lossy(size).trim(), 16) {
+                                Ok(0) => Framing::Trailers(Vec::new()),
+                                Ok(n) => Framing::ChunkData(n),
+                                Err(_) => Framing::Off,
+                            }
+                        };
+                    }
+                }
+                Framing::ChunkData(n) => {
+                    let k = (*n).min(b.len() as u64);
+                    *n -= k;
+                    b = &b[k as usize..];
+                    if *n == 0 {
+                        self.state = Framing::ChunkEnd(0);
+                    }
+                }
+                Framing::ChunkEnd(seen) => {
+                    // "\r\n" (hyper also takes a bare "\n")
+                    let c = b[0];
+                    b = &b[1..];
+                    self.state = match (*seen, c) {
+                        (0, b'\r') => Framing::ChunkEnd(1),
+                        (_, b'\n') => Framing::ChunkSize(Vec::new()),
+                        _ => Framing::Off,
+                    };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn verdicts(pieces: &[&[u8]]) -> Vec<Option<String>> {
+        let mut h = Heads::default();
+        for p in pieces {
+            h.feed(p);
+        }
+        h.verdicts.into_iter().collect()
+    }
+
+    #[test]
+    fn sound_requests_in_any_pieces_each_get_a_none() {
+        let all: &[u8] = b"POST /a HTTP/1.1\r\ncontent-length: 5\r\n\r\nhello\r\nGET /b HTTP/1.1\r\n\r\n\
+POST /c HTTP/1.1\r\nTransfer-Encoding: gzip, Chunked\r\n\r\n5;x=1\r\nhello\r\n0\r\nx-t: 1\r\n\r\nGET /d HTTP/1.1\r\n\r\n";
+        assert_eq!(verdicts(&[all]), vec![None, None, None, None]);
+        let bytes: Vec<&[u8]> = all.chunks(1).collect();
+        assert_eq!(verdicts(&bytes), vec![None, None, None, None]);
+    }
+
+    #[test]
+    fn two_framings_are_named() {
+        let te_cl = verdicts(&[b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n0\r\n\r\nGET / HTTP/1.1\r\n\r\n"]);
+        assert_eq!(te_cl.len(), 1);
+        assert!(te_cl[0].as_deref().unwrap().contains("both Transfer-Encoding and Content-Length"));
+        let cl_cl = verdicts(&[b"POST / HTTP/1.1\r\nContent-Length: 1\r\ncontent-length: 1\r\n\r\nx"]);
+        assert!(cl_cl[0].as_deref().unwrap().contains("more than one Content-Length"));
+        let twice = verdicts(&[b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n"]);
+        assert!(twice[0].as_deref().unwrap().contains("chunked more than once"));
+    }
 }
