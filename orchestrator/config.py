@@ -30,6 +30,38 @@ class ConfigError(Exception):
     """The configuration is invalid; ``str(e)`` names every bad field."""
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with the same key twice. PyYAML keeps the last one
+    silently, so a section written twice (two ``gateway:`` blocks, a worker entry with two ``role:``
+    lines) lost every setting of the first without a word."""
+
+
+def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # ``<<: *anchor`` merges: keys written beside it override those, as YAML intends
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: construct_mapping says so
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {first + 1}): each key may appear once",
+                key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (``yaml.YAMLError`` naming the key and lines)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -76,6 +108,13 @@ class WorkerConfig(_Section):
         parts = urlsplit(v)
         if not parts.hostname:
             raise ValueError("must name a host (http://host:port)")
+        # the gateway appends /v1/... to the URL: a query or fragment would swallow it, and credentials
+        # in it would be shown wherever the URL is (the admin API, /ui, logs, a file worker's id)
+        if "@" in parts.netloc:
+            raise ValueError("must not carry credentials (user:password@): set the worker's api_key instead")
+        if parts.query or parts.fragment or v.endswith(("?", "#")):
+            raise ValueError("must not have a query string or fragment (?... or #...): a base URL, "
+                             "http(s)://host:port[/path]")
         try:
             port = parts.port  # raises on a port that is not a number in 0..65535
         except ValueError:
@@ -267,7 +306,9 @@ class GatewayConfig(_Section):
     max_answer_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Longest non-streamed answer read from an engine; a longer one is "
                                                "cut off and the client gets 502 naming this limit (a stream is "
-                                               "relayed event by event, each event at most 1 MiB)")
+                                               "relayed event by event, each event at most 1 MiB; "
+                                               "what it keeps to be continued elsewhere is at most this: a longer "
+                                               "stream that breaks ends with an error event)")
     api_keys: list[str] = Field(default_factory=list, description="Client keys; empty = no client auth")
     admin_token: str | None = Field(None, description="Bearer token for /admin/*; unset = admin API disabled")
     connect_timeout_s: float = Field(5.0, gt=0, description="Connecting to an engine")
@@ -687,13 +728,22 @@ class DyadConfig(_Section):
 
     @model_validator(mode="after")
     def _unique_ids(self) -> DyadConfig:
+        from orchestrator.fleet.registry import url_key
+
         seen: set[str] = set()
+        urls: dict[str, int] = {}  # url_key → the entry that has it
         for i, w in enumerate(self.workers):
             if w.id is None:
                 w.id = f"w{i}"
             if w.id in seen:
                 raise ValueError(f"workers.{i}.id: duplicate worker id '{w.id}'")
             seen.add(w.id)
+            # one engine as two workers gets twice its share of requests and counts twice as capacity
+            # (the workers file and POST /admin/workers refuse it too)
+            key = url_key(w.url)
+            if key in urls:
+                raise ValueError(f"workers.{i}.url: the engine at {w.url} is already workers.{urls[key]}")
+            urls[key] = i
         return self
 
     def model(self, name: str) -> ModelConfig | None:
@@ -835,8 +885,11 @@ def load_config(source: str | Path | dict[str, Any] | None = None, environ: dict
             text = path.read_text()
         except OSError as e:
             raise ConfigError(f"cannot read configuration file {path}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a text file (byte {e.start} is not UTF-8): a YAML configuration "
+                              "is UTF-8 text") from e
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = load_yaml(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(raw, dict):

@@ -17,8 +17,10 @@ than ``resilience.stream_idle_timeout_s`` (dribbled bytes and comments are no pr
    tokens from prompt to completion), so the client sees one stream;
 3. where that is impossible — ``n`` > 1, ``best_of``, logprobs, tools, structured output, ``echo``,
    ``suffix``, non-text or multiple prompts, a chat on an engine other than vLLM (or Dyad's
-   simulator), no other worker, or ``resilience.max_failovers`` used up — ends the stream with an SSE
-   error event ``data: {"error": {...}}`` and ``data: [DONE]``.
+   simulator), no other worker, ``resilience.max_failovers`` used up, or a stream longer than
+   ``gateway.max_answer_bytes`` (what was sent is kept only up to that bound: ``SseRecorder``; past it the
+   stream is relayed on but cannot be replayed) — ends the stream with an SSE error event
+   ``data: {"error": {...}}`` and ``data: [DONE]``.
 
 The text of the continuation is not token-for-token what the dead engine would have produced
 (sampling, and re-tokenizing the replayed text can merge tokens across the cut); at temperature 0 it
@@ -74,16 +76,25 @@ def error_event(message: str, code: str | int = "upstream_stream_failed", type_:
 
 
 class SseRecorder:
-    """Forwards whole SSE events only and remembers every byte forwarded (for a continuation)."""
+    """Forwards whole SSE events only and keeps what was forwarded (for a continuation), up to ``limit`` bytes.
 
-    __slots__ = ("pending", "sent", "done", "protocol", "cr_end")
+    Past ``limit`` (``gateway.max_answer_bytes`` for a relayed stream) the stream is no longer kept whole: ``cut``
+    is set and ``sent`` holds only the first chunk relayed and the latest one with data (what an error ending
+    reads: a Responses stream's ``response`` object and its last sequence number), so that what a stream keeps
+    is bounded whatever its length. A cut stream that breaks is not continued (its text cannot be replayed).
+    """
 
-    def __init__(self, protocol: StreamProtocol | None = None) -> None:
+    __slots__ = ("pending", "sent", "done", "protocol", "cr_end", "limit", "kept", "cut")
+
+    def __init__(self, protocol: StreamProtocol | None = None, limit: int | None = None) -> None:
         self.pending = b""
         self.cr_end = False  # the last chunk ended with CR: an LF starting the next one is part of that line end
         self.sent: list[bytes] = []
         self.done = False  # saw the protocol's honest end (data: [DONE] for OpenAI chunks)
         self.protocol = protocol or OpenAIChunks()  # stream_protocol.py: what ends this stream
+        self.limit = limit  # the most bytes kept in ``sent`` (None: no bound)
+        self.kept = 0  # bytes relayed so far (while not cut: the bytes in ``sent``)
+        self.cut = False  # more than ``limit`` was relayed: ``sent`` is only [first chunk, latest chunk with data]
 
     def split(self, chunk: bytes) -> bytes:
         """The complete events in ``pending + chunk``; keeps the incomplete tail. Lines ended with CRLF or
@@ -107,9 +118,23 @@ class SseRecorder:
         return data[:cut + 2]
 
     def record(self, out: bytes) -> None:
-        self.sent.append(out)
         if self.protocol.ended(out):
             self.done = True
+        if not out:
+            return
+        self.kept += len(out)
+        if self.cut:
+            if b"data:" in out:
+                self.sent[-1] = out
+        elif self.limit is not None and self.kept > self.limit:
+            self.lose(out)
+        else:
+            self.sent.append(out)
+
+    def lose(self, latest: bytes = b"") -> None:
+        """Stop keeping the stream whole (it outgrew ``limit``, or the native plane did not keep it)."""
+        self.cut = True
+        self.sent = [self.sent[0] if self.sent else latest, latest]
 
 
 def _events(raw: bytes) -> list[bytes]:
@@ -387,13 +412,16 @@ class StreamRelay:
         self.proxy = proxy
         self.rt = proxy.rt
         self.protocol = protocol_for(proxy.call.endpoint)  # how this stream ends (stream_protocol.py)
-        self.recorder = SseRecorder(self.protocol)
+        # (what the client was sent is kept for a continuation up to the bound of a whole non-streamed answer:
+        # past it the stream is relayed on, but a break ends it with an error event: SseRecorder)
+        self.recorder = SseRecorder(self.protocol, self.rt.config.gateway.max_answer_bytes)
         self.chat = proxy.call.endpoint == CHAT
         self.failovers = 0
         self.breaks: list[str] = []  # how each upstream of this stream broke (kinds, in order)
         self.judge = classify.SecondOpinion()  # breaks held until the continuation shows whose they were
         self.events = 0  # data: events relayed
         self.held: list[bytes] | None = [] if self.protocol.holds_preamble else None  # (until the first token)
+        self.held_bytes = 0  # (in ``held``: bounded as what the recorder keeps)
         self.on_bytes: Callable[[bytes], None] | None = None  # sees every body relayed (ITL: TokenTimer.on_bytes)
 
     async def run(self, send: Any, response: httpx.Response | None, on_bytes: Callable[[bytes], None] | None = None,
@@ -514,6 +542,9 @@ class StreamRelay:
                         out = b""  # (nothing has reached the client: the stream starts over elsewhere)
                     else:
                         self.held.append(out)
+                        self.held_bytes += len(out)
+                        if recorder.limit is not None and self.held_bytes > recorder.limit:
+                            return "garbage", f"the engine sent {self.held_bytes} bytes before its first token"
                         if first:
                             if progress:
                                 idle_timer.resume(first_wait)
@@ -609,6 +640,10 @@ class StreamRelay:
                 return await self._start_over(failure)
             return self._give_up(f"the engine stream broke ({failure})",
                                  f"a {self.protocol.name} stream's items and ids belong to the engine that began it")
+        if self.recorder.cut:  # (the stream was relayed on past the bound, not kept whole: it cannot be replayed)
+            return self._give_up(f"the engine stream broke ({failure})",
+                                 f"the answer was too long to continue elsewhere: longer than "
+                                 f"gateway.max_answer_bytes ({self.recorder.limit} bytes)")
         sent = parse_sent(self.recorder.sent, self.chat)
         if sent.done or sent.errored:
             return DONE_EVENT if not sent.done else b"", None, None
@@ -660,6 +695,7 @@ class StreamRelay:
                                           f"{self.breaks.count(self.breaks[-1])} workers")
         self.failovers += 1
         self.held = []
+        self.held_bytes = 0
         self.recorder.pending = b""
         self.recorder.cr_end = False
         try:

@@ -1,7 +1,8 @@
 //! The relay of a streamed 200: the engine's events screened (screen.rs) to the client, timed (idle,
 //! deadline) and cancellable; then `attempt.stream_done` (complete: called before the chunk that holds
-//! `[DONE]` is written, so a client with the whole stream finds it counted) or `attempt.stream_broken` and its
-//! `("end", data)` or `("continue", ...)` (the fallback's body piped into the client's stream), or
+//! `[DONE]` is written, so a client with the whole stream finds it counted) or `attempt.stream_broken` (with
+//! what the client was sent: up to `max_answer_bytes`, else None) and its `("end", data)` or `("continue", ...)`
+//! (the fallback's body piped into the client's stream), or
 //! `attempt.client_gone` when the client left. Runs as its own task: the client's head is already sent.
 
 use crate::attempt::{self, far, Ctx, Stop};
@@ -37,7 +38,10 @@ struct Timing {
 pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body, conn: PooledConn, key: Key,
                    tx: mpsc::Sender<Bytes>, drained: oneshot::Receiver<()>) {
     let mut scr = Screener::new(a.strip_usage);
+    // What the client was sent, for a continuation (`stream_broken`), kept up to `max_answer_bytes`: past it the
+    // stream is relayed on but no longer kept (`sent_cut`; handed to Python as None: not continuable).
     let mut sent: Vec<u8> = Vec::new();
+    let mut sent_cut = false;
     let mut tm = Timing { first: None, last: None, last_write: None, gaps: Vec::new() };
     let idle = a.idle_timeout.map(|t| crate::secs(t.max(0.0)));
     // until the first data event the wait is the first-byte timeout (the engine may still be prefilling)
@@ -108,7 +112,14 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
             }
         }
         if !f.out.is_empty() {
-            sent.extend_from_slice(&f.out);
+            if !sent_cut {
+                if sent.len() + f.out.len() > a.max_answer_bytes {
+                    sent_cut = true;
+                    sent = Vec::new();
+                } else {
+                    sent.extend_from_slice(&f.out);
+                }
+            }
             // a client that takes nothing for client_write_timeout_s stopped reading: let go of it and its engine
             match tokio::time::timeout(write_timeout, tx.send(Bytes::from(f.out))).await {
                 Ok(Ok(())) => {}
@@ -144,7 +155,8 @@ pub async fn relay(ctx: Ctx, a: AttemptParams, attempt: PyObject, mut body: Body
     let (kind, detail) = broke;
     let gaps = std::mem::take(&mut tm.gaps);
     let step = Python::with_gil(|py| {
-        let args = (kind, detail, PyBytes::new(py, &sent), scr.usage.clone(), scr.events, tm.first, tm.last, gaps);
+        let sent: PyObject = if sent_cut { py.None() } else { PyBytes::new(py, &sent).into() };
+        let args = (kind, detail, sent, scr.usage.clone(), scr.events, tm.first, tm.last, gaps);
         py::step_of(attempt.call_method1(py, "stream_broken", args)?.as_ref(py))
     });
     match step {

@@ -399,7 +399,7 @@ class NativeTry:
                     gaps: list[float] | None = None) -> None:
         self.x.guarded(self.x.stream_done, self, usage, events, gaps)
 
-    def stream_broken(self, kind: str, detail: str, sent: bytes, usage: str | None, events: int,
+    def stream_broken(self, kind: str, detail: str, sent: bytes | None, usage: str | None, events: int,
                       first_s: float | None, last_s: float | None, gaps: list[float] | None = None) -> tuple[Any, ...]:
         return self.x.guarded(self.x.stream_broken, self, kind, detail, sent, usage, events,  # type: ignore[no-any-return]
                               gaps)
@@ -645,12 +645,18 @@ class Exchange:
             for g in gaps:
                 observe(g)
 
-    def stream_broken(self, t: NativeTry, kind: str, detail: str, sent: bytes, usage: str | None, events: int,
+    def stream_broken(self, t: NativeTry, kind: str, detail: str, sent: bytes | None, usage: str | None, events: int,
                       gaps: list[float] | None) -> tuple[Any, ...]:
+        """``sent``: what the plane wrote to the client; None when that was more than ``max_answer_bytes`` (the
+        plane stopped keeping it: the stream cannot be continued, it ends with an error event)."""
         p = self.proxy
         relay = p._relay = StreamRelay(p)
-        relay.recorder.record(sent)
-        relay.events = sent.count(b"data:")
+        if sent is None:
+            relay.recorder.lose()
+            relay.events = events
+        else:
+            relay.recorder.record(sent)
+            relay.events = sent.count(b"data:")
         self._stream_counts(usage, 0, gaps)
         if kind == "deadline":
             t.attempt.cancelled()
