@@ -62,7 +62,7 @@ def _discovered(cfg: Any) -> str:
         from orchestrator.fleet.discovery.file import WorkersFileError, parse_workers_file
         path = cfg.discovery.file.path
         try:
-            n = len(parse_workers_file(Path(path).read_text(), path))
+            n = len(parse_workers_file(Path(path).read_bytes().decode(errors="replace"), path))
         except OSError as e:
             raise ConfigError(f"discovery.file.path: cannot read {path}: {e.strerror}") from e
         except WorkersFileError as e:

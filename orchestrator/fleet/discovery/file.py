@@ -22,11 +22,14 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from orchestrator.config import FileDiscoveryConfig, WorkerConfig
+from orchestrator.config import FileDiscoveryConfig, WorkerConfig, load_yaml
 from orchestrator.fleet.discovery.reconcile import WorkerSpec
 from orchestrator.fleet.registry import url_key
 
 log = logging.getLogger("dyad.discovery")
+
+
+MAX_FILE_BYTES = 16 << 20  # a workers file of 100,000 entries is ~10 MB; anything larger is not one
 
 
 class WorkersFileError(ValueError):
@@ -36,13 +39,21 @@ class WorkersFileError(ValueError):
 def parse_workers_file(text: str, origin: str = "workers file") -> dict[str, WorkerSpec]:
     """The file's text → workers by id. Raises ``WorkersFileError`` naming the bad entry and field."""
     try:
-        raw = yaml.safe_load(text)  # JSON is YAML
+        raw = load_yaml(text)  # JSON is YAML; a key written twice is refused, not the last one kept
     except yaml.YAMLError as e:
         raise WorkersFileError(f"{origin}: not valid YAML/JSON: {e}") from e
     if raw is None:
         raw = []
     if isinstance(raw, dict):
-        raw = raw.get("workers", [])
+        # a mapping without ``workers`` (a typo: ``worker:``, ``Workers:``) read as "no workers" withdrew
+        # every worker in force: say what is wrong instead (``[]`` or ``workers: []`` empties the list)
+        other = sorted(str(k) for k in raw if k != "workers")
+        if other:
+            raise WorkersFileError(f"{origin}: {', '.join(other)}: unknown key(s); the file is a list of workers "
+                                   "or a mapping with only 'workers'")
+        if "workers" not in raw:
+            raise WorkersFileError(f"{origin}: workers: missing (write 'workers: []' to remove every worker)")
+        raw = raw["workers"]
     if not isinstance(raw, list):
         raise WorkersFileError(f"{origin}: expected a list of workers or a mapping with 'workers'")
     out: dict[str, WorkerSpec] = {}
@@ -51,7 +62,10 @@ def parse_workers_file(text: str, origin: str = "workers file") -> dict[str, Wor
         if not isinstance(entry, dict):
             raise WorkersFileError(f"{origin}: workers.{i}: expected a mapping")
         entry = dict(entry)
-        draining = bool(entry.pop("draining", False))
+        draining = entry.pop("draining", None)
+        draining = False if draining is None else draining  # ``draining:`` with no value: not draining
+        if not isinstance(draining, bool):  # bool("false") is True: a quoted "false" drained the worker
+            raise WorkersFileError(f"{origin}: workers.{i}.draining: expected true or false, got {draining!r}"[:300])
         try:
             wc = WorkerConfig.model_validate(entry)
         except ValidationError as e:
@@ -80,13 +94,15 @@ class FileSource:
         self.interval_s = cfg.interval_s
         self._digest: str | None = None  # the contents last applied (or refused)
         self._pending: str | None = None  # changed contents seen once, applied if unchanged at the next poll
+        self._applied = False  # whether ``_digest`` is contents that were applied (not refused)
         self.loads = 0
         self.last_error: str | None = None
 
     def poll(self) -> dict[str, WorkerSpec] | None:
         """The workers when the file changed since the last poll, else None."""
         try:
-            data = self.path.read_bytes()
+            with self.path.open("rb") as f:  # at most MAX_FILE_BYTES + 1: a runaway file is refused, not read
+                data = f.read(MAX_FILE_BYTES + 1)
         except OSError as e:
             err = f"cannot read {self.path}: {e.strerror}"
             if err != self.last_error:
@@ -97,6 +113,11 @@ class FileSource:
         digest = hashlib.sha256(data).hexdigest()
         if digest == self._digest:
             self._pending = None
+            if self.last_error is not None and self._applied:
+                # readable again with the contents in force (restored after a delete, a failed mount):
+                # the error is over (it stayed in the status and the next log line was never written)
+                log.info("discovery: %s readable again; the list in force is unchanged", self.path)
+                self.last_error = None
             return None
         if self._digest is not None and digest != self._pending:
             # Changed since the list in force: apply it once it reads the same at the next poll. A file
@@ -108,15 +129,20 @@ class FileSource:
         self._pending = None
         self._digest = digest
         try:
+            if len(data) > MAX_FILE_BYTES:
+                raise WorkersFileError(f"{self.path}: larger than {MAX_FILE_BYTES >> 20} MiB (a workers file "
+                                       "lists engines; is this the right file?)")
             if self.loads and not data.strip():
                 raise WorkersFileError(f"{self.path}: empty (being rewritten?); write [] to remove every worker")
             workers = parse_workers_file(data.decode(errors="replace"), str(self.path))
         except WorkersFileError as e:
             self.last_error = str(e)
+            self._applied = False
             log.warning("discovery: %s (keeping the last good list)", e)
             self._error()
             return None
         self.last_error = None
+        self._applied = True
         self.loads += 1
         return workers
 
