@@ -534,7 +534,12 @@ async def relay_stream(send: Any, upstream: httpx.Response, extra_headers: list[
             if out[:1] not in (b"e", b"d", b":", b"i", b"r"):
                 failure = "the engine sent bytes that are not server-sent events"
                 break
-            sent.append(out)
+            # what an error ending reads (the response object, the last sequence number): the first chunk and the
+            # latest with data, never the whole replay (a stored stream is as long as the engine makes it)
+            if len(sent) < 2:
+                sent.append(out)
+            elif b"data" in out:
+                sent[1] = out
             await send({"type": "http.response.body", "body": out, "more_body": True})
             if protocol.ended(out):
                 break

@@ -87,3 +87,58 @@ def test_lose_marks_a_stream_the_native_plane_did_not_keep():
     r = SseRecorder(OpenAIChunks(), limit=4096)
     r.lose()
     assert r.cut and not r.done
+
+
+class _Upstream:
+    """A stored Responses stream as ``relay_stream`` reads it (``aiter_raw``): ``n`` events, then a reset."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    async def aiter_raw(self):
+        import httpx
+
+        yield b"event: response.created\ndata: " + orjson.dumps(
+            {"type": "response.created", "sequence_number": 0, "response": {"id": "resp_1", "status": "in_progress"}}) + b"\n\n"
+        for i in range(1, self.n):
+            yield b"event: response.output_text.delta\ndata: " + orjson.dumps(
+                {"type": "response.output_text.delta", "sequence_number": i, "delta": "x" * 2000}) + b"\n\n"
+            if i % 97 == 0:
+                yield b": keep-alive\n\n"  # (a chunk without data: not the latest with data)
+        raise httpx.ReadError("reset by the engine")
+
+
+def test_a_replayed_responses_stream_that_breaks_keeps_two_chunks_and_ends_numbered_on():
+    """``GET /v1/responses/{id}?stream=true`` (responses_api.relay_stream) kept every relayed chunk for its error
+    ending; it needs only the response object (first chunk) and the last sequence number (latest chunk with
+    data). 40 MB relayed: the peak of what stays allocated is a small fraction of it, and the ending is right."""
+    import asyncio
+    import tracemalloc
+
+    from orchestrator.gateway.responses_api import relay_stream
+
+    n = 20_000
+    bodies: list[int] = []
+    endings: list[bytes] = []
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            bodies.append(len(message["body"]))
+            if not message.get("more_body"):
+                endings.append(message["body"])
+
+    tracemalloc.start()
+    try:
+        complete = asyncio.run(relay_stream(send, _Upstream(n), []))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    relayed = sum(bodies)
+    assert not complete and relayed > 40_000_000
+    assert peak < relayed / 10, (peak, relayed)
+    events = [e for e in endings[0].split(b"\n\n") if e]
+    error = json.loads(events[0].split(b"data: ", 1)[1])
+    failed = json.loads(events[1].split(b"data: ", 1)[1])
+    assert error["type"] == "error" and error["sequence_number"] == n and "reset by the engine" in error["message"]
+    assert failed["type"] == "response.failed" and failed["sequence_number"] == n + 1
+    assert failed["response"]["id"] == "resp_1" and failed["response"]["status"] == "failed"
