@@ -643,6 +643,10 @@ class HttpProtocol(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self.parser
         version = parser.get_http_version()
+        if version == "1.0" and any(name == b"transfer-encoding" for name, _ in self.headers):
+            # HTTP/1.0 has no transfer codings (RFC 9112 6.1: such framing is faulty; a proxy in front may frame the
+            # same bytes otherwise): refused as invalid HTTP, the connection closed (httptools would read chunks)
+            raise ValueError("Transfer-Encoding on an HTTP/1.0 request")
         parsed = httptools.parse_url(self.url)
         raw_path = parsed.path
         path = raw_path.decode("ascii")
