@@ -12,9 +12,10 @@ from __future__ import annotations
 import gzip
 import json
 import socket
-import threading
 import time
 from typing import Any
+
+from tests.integration.socket_engine import SocketEngine
 
 MODES = ("truncated", "close_before_headers", "bad_json_event", "bad_chunk_size", "status_429", "status_503",
          "status_400", "status_404", "empty_200", "array_200", "string_200", "no_choices_200",
@@ -65,64 +66,31 @@ def _whole(chat: bool) -> dict[str, Any]:
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
-class RawEngine:
+class RawEngine(SocketEngine):
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.generations = 0  # generation requests answered (in any way)
         self.flood_sent = 0  # bytes of "flood" answers the gateway took
         self.flood_closed = False  # the gateway closed a "flood" answer's connection before its end
         self.stored_status = 0  # when set: what GET/POST /v1/responses/{id}[/cancel] answer (an error status)
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def stop(self) -> None:
-        self._sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        f = conn.makefile("rb")
-        try:
-            while True:
-                line = f.readline()
-                if not line:
-                    return
-                method, path = line.decode().split(" ")[:2]
-                headers = {}
-                while (h := f.readline()) not in (b"\r\n", b"\n", b""):
-                    k, v = h.decode().split(":", 1)
-                    headers[k.strip().lower()] = v.strip()
-                body = f.read(int(headers.get("content-length", 0)))
-                if path.startswith("/v1/responses/") and self.stored_status:  # a stored response's GET/cancel
-                    out = json.dumps({"error": {"message": f"raw engine says {self.stored_status}", "type": "X",
-                                                "code": self.stored_status}}).encode()
-                    conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"retry-after: 7\r\n\r\n%s" % (self.stored_status, len(out), out))
-                    continue
-                if method == "GET":
-                    out = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode() \
-                        if path == "/v1/models" else b""
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(out), out))
-                    continue
-                self.generations += 1
-                req = json.loads(body or b"{}")
-                if not self._answer(conn, req.get("stream") is True, path.endswith("/chat/completions")):
-                    return
-        except OSError:
-            pass
-        finally:
-            conn.close()
+    def respond(self, conn: socket.socket, method: str, path: str, headers: dict[str, str], body: bytes) -> bool:
+        if path.startswith("/v1/responses/") and self.stored_status:  # a stored response's GET/cancel
+            out = json.dumps({"error": {"message": f"raw engine says {self.stored_status}", "type": "X",
+                                        "code": self.stored_status}}).encode()
+            conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                         b"retry-after: 7\r\n\r\n%s" % (self.stored_status, len(out), out))
+            return True
+        if method == "GET":
+            out = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode() \
+                if path == "/v1/models" else b""
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(out), out))
+            return True
+        self.generations += 1
+        req = json.loads(body or b"{}")
+        return self._answer(conn, req.get("stream") is True, path.endswith("/chat/completions"))
 
     def _answer(self, conn: socket.socket, stream: bool, chat: bool) -> bool:
         """Write one answer; False when the connection is to be closed after it."""

@@ -16,40 +16,25 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.integration.socket_engine import STREAM_HEAD, SocketEngine, chunk, event
 from tests.integration.test_request_path_failures import MODEL, gateway, healthy
 
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+HEAD = STREAM_HEAD
 BOUND = 4096  # gateway.max_answer_bytes in these tests
 PROMPT = "hi"
-
-
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-def event(chat: bool, text: str, finish: str | None = None) -> bytes:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-    if chat:
-        choice["delta"] = {"content": text}
-    else:
-        choice["text"] = text
-    obj = {"id": "brk", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
-           "choices": [choice]}
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 def is_continuation(req: dict[str, Any], chat: bool) -> bool:
     return bool(req.get("continue_final_message")) if chat else req.get("prompt") != PROMPT
 
 
-class BreakingEngine:
+class BreakingEngine(SocketEngine):
     """Answers a first request with ``first(chat, write)`` (it writes raw bytes after the head; the connection is
     then closed: the body never ends), and a continuation with " END" and ``[DONE]``. ``sent``: bytes written."""
 
@@ -57,54 +42,25 @@ class BreakingEngine:
         self.first = first
         self.requests: list[dict[str, Any]] = []
         self.sent = 0
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def stop(self) -> None:
-        self._sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__()
 
     def _write(self, conn: socket.socket, data: bytes) -> None:
         conn.sendall(data)
         self.sent += len(data)
 
-    def _serve(self, conn: socket.socket) -> None:
-        f = conn.makefile("rb")
-        try:
-            while line := f.readline():
-                method, path = line.decode().split(" ")[:2]
-                headers = {}
-                while (h := f.readline()) not in (b"\r\n", b"\n", b""):
-                    k, v = h.decode("latin-1").split(":", 1)
-                    headers[k.strip().lower()] = v.strip()
-                body = f.read(int(headers.get("content-length", 0)))
-                if method == "GET":
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                    continue
-                req = json.loads(body or b"{}")
-                chat = path.endswith("/chat/completions")
-                self.requests.append(req)
-                if not path.endswith("/responses") and is_continuation(req, chat):
-                    conn.sendall(HEAD + chunk(event(chat, " END", "stop") + b"data: [DONE]\n\n") + chunk(b""))
-                    continue
-                conn.sendall(HEAD)
-                self.first(chat, lambda data: self._write(conn, chunk(data)))
-                return  # (closed without the body's last chunk: the stream broke)
-        except OSError:
-            pass
-        finally:
-            conn.close()
+    def respond(self, conn: socket.socket, method: str, path: str, headers: dict[str, str], body: bytes) -> bool:
+        if method == "GET":
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            return True
+        req = json.loads(body or b"{}")
+        chat = path.endswith("/chat/completions")
+        self.requests.append(req)
+        if not path.endswith("/responses") and is_continuation(req, chat):
+            conn.sendall(HEAD + chunk(event(chat, " END", "stop") + b"data: [DONE]\n\n") + chunk(b""))
+            return True
+        conn.sendall(HEAD)
+        self.first(chat, lambda data: self._write(conn, chunk(data)))
+        return False  # (closed without the body's last chunk: the stream broke)
 
 
 def words(n: int) -> Callable[[bool, Callable[[bytes], None]], None]:

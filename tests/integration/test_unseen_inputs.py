@@ -10,80 +10,34 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from orchestrator.sim.server import SimEngineThread
+from tests.integration.socket_engine import STREAM_HEAD, SocketEngine, chunk, event
 from tests.integration.test_request_path_failures import MODEL, gateway, healthy
 
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+HEAD = STREAM_HEAD
 
 
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-def event(chat: bool, text: str, finish: str | None = None) -> bytes:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-    if chat:
-        choice["delta"] = {"content": text}
-    else:
-        choice["text"] = text
-    obj = {"id": "scripted", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
-           "choices": [choice]}
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-class ScriptedEngine:
+class ScriptedEngine(SocketEngine):
     """Answers each POST with ``answer(request body, chat)`` (raw bytes: status line, headers, body), then
     keeps the connection for the next request; GETs (health) get an empty 200."""
 
     def __init__(self, answer: Callable[[dict[str, Any], bool], bytes]) -> None:
         self.answer = answer
         self.generations = 0
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def start(self) -> ScriptedEngine:
-        return self
-
-    def stop(self) -> None:
-        self._sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        f = conn.makefile("rb")
-        try:
-            while line := f.readline():
-                method, path = line.decode().split(" ")[:2]
-                headers = {}
-                while (h := f.readline()) not in (b"\r\n", b"\n", b""):
-                    k, v = h.decode("latin-1").split(":", 1)
-                    headers[k.strip().lower()] = v.strip()
-                body = f.read(int(headers.get("content-length", 0)))
-                if method == "GET":
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                    continue
-                self.generations += 1
-                conn.sendall(self.answer(json.loads(body or b"{}"), path.endswith("/chat/completions")))
-        except OSError:
-            pass
-        finally:
-            conn.close()
+    def respond(self, conn: socket.socket, method: str, path: str, headers: dict[str, str], body: bytes) -> bool:
+        if method == "GET":
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            return True
+        self.generations += 1
+        conn.sendall(self.answer(json.loads(body or b"{}"), path.endswith("/chat/completions")))
+        return True
 
 
 def stream_body(chat: bool) -> dict[str, Any]:
