@@ -48,10 +48,11 @@ def build_runtime(config: DyadConfig, *, clock: Clock | None = None, metrics: Dy
 
 async def start(rt: GatewayRuntime, read_metrics: Callable[[], bytes | str]) -> None:
     """Start the loops: health, scrape, KV events (``GatewayRuntime.start``), intake, and the planner; connect
-    the shared response-owner map."""
+    the shared response-owner map and the shared rate-limit buckets."""
     rt.add_task(rt.intake.run(), name="dyad-intake")
     await rt.start()
     await responses_api.connect_owners(rt)
+    await rt.intake.limiter.connect()  # (shared rate-limit buckets: a first connection before the first request)
     if rt.config.planner.enabled:
         from orchestrator.planner.install import build_service
         service = build_service(rt, read_metrics)

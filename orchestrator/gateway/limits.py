@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.clock import Clock
 from orchestrator.errors import RateLimited
 from orchestrator.loop_thread import on_loop_thread
-from orchestrator.redis_clients import close_quietly
+from orchestrator.redis_clients import ColdConnection, OffPathClient
 
 if TYPE_CHECKING:
     from orchestrator.gateway.auth import ClientIdentity
@@ -208,6 +208,8 @@ class RateLimiter:
             await on_loop_thread()  # (network I/O: on the loop's thread, never the native plane's)
             try:
                 result = await self._take_redis(name, limits, check)
+            except ColdConnection:
+                pass  # no open connection yet: one is being opened off the path; this request decides locally
             except Exception as e:  # noqa: BLE001 - any Redis failure: decide locally, retry later
                 self._redis_down_until = now + REDIS_RETRY_S
                 if not self._redis_down:
@@ -223,29 +225,40 @@ class RateLimiter:
             self.metrics.rate_limit_fallbacks.inc()
         return self.local.take(name, limits, now, check)
 
-    async def _take_redis(self, name: str, limits: list[Limit], check: bool) -> tuple[float, int, list[float]]:
+    def _client(self) -> OffPathClient:
         if self._redis is None:
-            import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
             from redis.exceptions import ConnectionError as RedisConnectionError
 
-            # One immediate retry on a connection error only: a pooled connection that died with a Redis
-            # restart is replaced at once. Never on a reply timeout: the script may have run and charged
-            # the bucket already, and running it again would charge the request twice.
-            self._redis = aioredis.from_url(self.redis_url, socket_timeout=REDIS_TIMEOUT_S,
-                                            socket_connect_timeout=REDIS_TIMEOUT_S,
-                                            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-                                            retry_on_error=[RedisConnectionError], retry_on_timeout=False)
-            self._script = self._redis.register_script(TAKE_LUA)
+            assert self.redis_url is not None
+            # Connections are opened off the request path (``OffPathClient``): a call waits at most
+            # ``REDIS_TIMEOUT_S`` on an open one. No retry of a reply timeout: the script may have run and
+            # charged the bucket already, and running it again would charge the request twice.
+            self._redis = OffPathClient(self.redis_url, call_timeout_s=REDIS_TIMEOUT_S, retry_s=REDIS_RETRY_S,
+                                        name="rate limits",
+                                        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                                        retry_on_error=[RedisConnectionError], retry_on_timeout=False)
+            self._script = self._redis.redis.register_script(TAKE_LUA)
+        return self._redis
+
+    async def connect(self) -> bool:
+        """Open the first shared-bucket connection before a request needs one (the gateway awaits it at start;
+        without Redis configured, nothing). False when Redis did not answer (requests then decide locally until
+        a connection is open)."""
+        return True if self.redis_url is None else await self._client().connect()
+
+    async def _take_redis(self, name: str, limits: list[Limit], check: bool) -> tuple[float, int, list[float]]:
+        client = self._client()
         # One hash tag per key name: both buckets in the same cluster slot.
         keys = [f"{self.key_prefix}:rl:{{{name}}}:{lim.dimension}" for lim in limits]
         args: list[float] = [1 if check else 0]
         for lim in limits:
             args += [lim.capacity, lim.per_s / 1000.0, lim.cost]
-        wait_ms, short, *levels = await self._script(keys=keys, args=args)
+        wait_ms, short, *levels = await client.call(self._script, keys=keys, args=args)
         return int(wait_ms) / 1000.0, int(short) - 1, [float(v) for v in levels]
 
     async def close(self) -> None:
         client, self._redis = self._redis, None
-        await close_quietly(client)
+        if client is not None:
+            await client.aclose()

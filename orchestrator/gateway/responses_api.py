@@ -43,7 +43,7 @@ from orchestrator.errors import ApiError, InvalidRequest, NotFound
 from orchestrator.gateway import request as rq
 from orchestrator.gateway.failover import MAX_PENDING_EVENT, SseRecorder
 from orchestrator.gateway.stream_protocol import ResponsesEvents, sse_fields
-from orchestrator.redis_clients import close_quietly, cluster_client
+from orchestrator.redis_clients import ColdConnection, OffPathClient, close_quietly, cluster_client
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -251,17 +251,17 @@ class SharedOwners:
         self.key_prefix = key_prefix
         self.cluster = cluster
         self._redis: Any = None
+        self._off: OffPathClient | None = None  # (a single node: connections opened off the request path)
         self._down_until = 0.0
 
     def _client(self) -> Any:
         if self._redis is None:
             if self.cluster:  # seeds "rediss://h1:p1,h2:p2?ssl_ca_certs=..." (orchestrator/redis_clients.py)
                 self._redis = cluster_client(self.url, REDIS_TIMEOUT_S)
-            else:
-                import redis.asyncio as aioredis
-
-                self._redis = aioredis.from_url(self.url, socket_timeout=REDIS_TIMEOUT_S,
-                                                socket_connect_timeout=REDIS_TIMEOUT_S)
+            else:  # (connections opened off the request path: a call waits only on an open one)
+                self._off = OffPathClient(self.url, call_timeout_s=REDIS_TIMEOUT_S, retry_s=REDIS_RETRY_S,
+                                          name="response owners")
+                self._redis = self._off.redis
         return self._redis
 
     async def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
@@ -270,11 +270,14 @@ class SharedOwners:
         (TLS too, with ``rediss://``) to the node of the key. On a loaded machine that can outlast one call's
         bound (``CLUSTER_CALL_TIMEOUT_S``), and the map would then count Redis as down for
         ``REDIS_RETRY_S``: the first ids created after start would be known to this replica only. Best
-        effort: a Redis that does not answer here is tried again by the first call."""
+        effort: a Redis that does not answer here is tried again by the first call. (On a single node every
+        later connection is opened off the request path too: ``redis_clients.OffPathClient``.)"""
+        client = self._client()
+        if self._off is not None:
+            await self._off.connect(timeout_s)
+            return
         try:
-            client = self._client()
-            ping = client.ping(target_nodes=client.PRIMARIES) if self.cluster else client.ping()
-            await asyncio.wait_for(ping, timeout_s)
+            await asyncio.wait_for(client.ping(target_nodes=client.PRIMARIES), timeout_s)
         except Exception as e:  # noqa: BLE001 - best effort (see the class docstring)
             log.warning("response owners: Redis did not answer at start (%s: %s); tried again on first use",
                         type(e).__name__, e)
@@ -284,8 +287,10 @@ class SharedOwners:
             return f"{self.key_prefix}:resp:{{{key.hex()}}}"
         return f"{self.key_prefix}:resp:{key.hex()}"
 
-    async def _bounded(self, call: Any) -> Any:
-        return await asyncio.wait_for(call, CLUSTER_CALL_TIMEOUT_S) if self.cluster else await call
+    async def _bounded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._off is not None:
+            return await self._off.call(fn, *args, **kwargs)
+        return await asyncio.wait_for(fn(*args, **kwargs), CLUSTER_CALL_TIMEOUT_S)
 
     def _failed(self, e: Exception) -> None:
         loop = asyncio.get_running_loop()
@@ -298,8 +303,10 @@ class SharedOwners:
         if asyncio.get_running_loop().time() < self._down_until:
             return
         try:
-            await self._bounded(self._client().set(self._name(key), f"{owner.worker_id} {owner.client.hex()}",
-                                                   ex=max(1, int(ttl_s))))
+            await self._bounded(self._client().set, self._name(key), f"{owner.worker_id} {owner.client.hex()}",
+                                ex=max(1, int(ttl_s)))
+        except ColdConnection:
+            pass  # (no open connection yet: one is being opened off the path; this id stays local)
         except Exception as e:  # noqa: BLE001 - best effort (see the class docstring)
             self._failed(e)
 
@@ -307,7 +314,9 @@ class SharedOwners:
         if asyncio.get_running_loop().time() < self._down_until:
             return None
         try:
-            raw = await self._bounded(self._client().get(self._name(key)))
+            raw = await self._bounded(self._client().get, self._name(key))
+        except ColdConnection:
+            return None
         except Exception as e:  # noqa: BLE001 - best effort
             self._failed(e)
             return None
@@ -321,7 +330,11 @@ class SharedOwners:
 
     async def close(self) -> None:
         client, self._redis = self._redis, None
-        await close_quietly(client)
+        off, self._off = self._off, None
+        if off is not None:
+            await off.aclose()
+        else:
+            await close_quietly(client)
 
 
 def build_owners(config: Any) -> ResponseOwners:
