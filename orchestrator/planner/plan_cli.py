@@ -35,7 +35,7 @@ from orchestrator.planner.perf_model import PerfModel, ProfileError
 from orchestrator.planner.predictors import LoadForecast
 from orchestrator.planner.solver import Limits, Targets, fit_budget, solve
 from orchestrator.sim.profiles import EngineProfile
-from orchestrator.sim.virtual_cli import add_common, fail, load_requests
+from orchestrator.sim.virtual_cli import MAX_WORKERS, add_common, fail, load_requests, number
 from orchestrator.sim.virtual_time import (
     FleetSpec,
     SimRequest,
@@ -51,8 +51,8 @@ PLOT_EXTRA = "dyad-serve[plots]"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--budget", type=int, required=True, help="most workers (prefill + decode) allowed")
-    parser.add_argument("--goal", type=float, default=0.99, help="SLO attainment a split must reach (0..1)")
+    parser.add_argument("--budget", type=number(int, le=MAX_WORKERS), required=True, help="most workers (prefill + decode) allowed")
+    parser.add_argument("--goal", type=number(), default=0.99, help="SLO attainment a split must reach (0..1)")
     parser.add_argument("--start", default="auto",
                         help="split the planner and the autoscaler start from: P:D, or auto (the profile's "
                              "sizing for the first interval's load)")
@@ -63,33 +63,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "--profile)")
     parser.add_argument("--decode-perf-profile", default=None,
                         help="planner performance profile JSON of the decode workers (default: sweep --decode-profile)")
-    parser.add_argument("--prefill-cost", type=float, default=1.0, help="price of a prefill worker-hour")
-    parser.add_argument("--decode-cost", type=float, default=1.0, help="price of a decode worker-hour")
-    parser.add_argument("--cost-budget", type=float, default=None, help="most spent per hour on the fleet")
+    parser.add_argument("--prefill-cost", type=number(ge=0), default=1.0, help="price of a prefill worker-hour")
+    parser.add_argument("--decode-cost", type=number(ge=0), default=1.0, help="price of a decode worker-hour")
+    parser.add_argument("--cost-budget", type=number(gt=0), default=None, help="most spent per hour on the fleet")
     parser.add_argument("--predictor", default="auto", choices=["constant", "ewma", "linear", "holt_winters", "auto"])
-    parser.add_argument("--headroom", type=float, default=0.0,
+    parser.add_argument("--headroom", type=number(ge=0), default=0.0,
                         help="planner plans for (1 + headroom) x the forecast rate (surges during engine start)")
-    parser.add_argument("--decode-headroom", type=float, default=0.25,
+    parser.add_argument("--decode-headroom", type=number(ge=0), default=0.25,
                         help="decode sized for (1 + this) x the peak streams in flight within an interval")
     parser.add_argument("--burst-window", type=_auto_float, default=600.0,
                         help="burst floor: prefill sized for seconds-scale peaks and kept this many seconds (0 = off; "
                              "auto = --start-s + --interval, the time a worker given back takes to return)")
     parser.add_argument("--decode-floor", action="store_true",
                         help="the burst floor keeps decode's peak sizing too (default: prefill's only)")
-    parser.add_argument("--rise-quantile", type=float, default=0.0,
+    parser.add_argument("--rise-quantile", type=number(ge=0, lt=1), default=0.0,
                         help="size for the lead forecast times this quantile of how far the load outran it "
                              "recently (a conformal upper bound; 0 = off)")
     parser.add_argument("--jump-quantile", type=_quantile_arg, default=None,
                         help="the quantile of the load's measured rises (and bursts) that insurance covers "
                              "(default: PlannerSettings')")
-    parser.add_argument("--scale-in-step", type=int, default=1,
+    parser.add_argument("--scale-in-step", type=number(int, ge=0), default=1,
                         help="most workers of a role given back per interval (0 = all above the need plus margin, "
                              "after the hysteresis intervals and the churn rule)")
-    parser.add_argument("--fast-interval", type=float, default=2.0,
+    parser.add_argument("--fast-interval", type=number(ge=0), default=2.0,
                         help="load-reactive mode: look at queues every this many seconds between intervals (0 = off)")
-    parser.add_argument("--standby-prefill", type=int, default=1,
+    parser.add_argument("--standby-prefill", type=number(int, ge=0), default=1,
                         help="warm standby prefill workers kept at least (0 = none)")
-    parser.add_argument("--standby-decode", type=int, default=1, help="warm standby decode workers kept at least")
+    parser.add_argument("--standby-decode", type=number(int, ge=0), default=1, help="warm standby decode workers kept at least")
     parser.add_argument("--standby-auto", action="store_true",
                         help="keep more than --standby-prefill/--standby-decode warm workers when the recent bursts "
                              "need them (sized from observed burst factors)")
@@ -116,7 +116,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "rise) cold-starts a worker only once it held over the last scale-in intervals (a want "
                              "born of one interval's rounding wobble is gone before the worker is ready); parking "
                              "is not held back (default: PlannerSettings')")
-    parser.add_argument("--standby-wake-s", type=float, default=5.0,
+    parser.add_argument("--standby-wake-s", type=number(ge=0), default=5.0,
                         help="seconds a standby worker takes to serve once activated (vLLM sleep mode: ~seconds)")
     parser.add_argument("--insurance", choices=["fixed", "proportional"], default="proportional",
                         help="capacity beyond the model's sizing: fixed (the --burst-window floor and the "
@@ -127,11 +127,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="load mode: start cold prefill workers only for a backlog that outlasts the start-up, "
                              "judged on the arrivals seen now (observed) or the forecast (forecast); off = every "
                              "confirmed shortfall starts cold workers")
-    parser.add_argument("--keda-prefill-target", type=float, default=1.0,
+    parser.add_argument("--keda-prefill-target", type=number(gt=0), default=1.0,
                         help="queue-length baseline: requests per prefill worker")
-    parser.add_argument("--keda-decode-target", type=float, default=32.0,
+    parser.add_argument("--keda-decode-target", type=number(gt=0), default=32.0,
                         help="queue-length baseline: requests per decode worker")
-    parser.add_argument("--keda-window", type=float, default=300.0, help="baseline scale-down stabilization, s")
+    parser.add_argument("--keda-window", type=number(ge=0), default=300.0, help="baseline scale-down stabilization, s")
     parser.add_argument("--no-static-search", action="store_true", help="skip the static search (faster)")
     parser.add_argument("--static", default=None, metavar="P:D",
                         help="replay this static split as the comparison row instead of searching (e.g. a split "

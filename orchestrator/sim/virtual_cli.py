@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +39,34 @@ def detect_format(path: str) -> str:
     return "sharegpt"
 
 
+MAX_WORKERS = 10_000  # the simulator builds every worker: a fleet larger than this is a typo, not a what-if
+MAX_REQUESTS = 5_000_000  # a trace looped by --duration beyond this would only fill memory
+
+
+def number(kind: type = float, *, gt: float | None = None, ge: float | None = None,
+           le: float | None = None, lt: float | None = None) -> Any:
+    """An argparse ``type`` for a finite number in range: argparse names the flag in its error
+    (``argument --interval: must be > 0 (got -5)``) instead of a traceback from deep in the run."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'} (got {text!r})") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected a finite number (got {text!r})")
+        if gt is not None and not value > gt:
+            raise argparse.ArgumentTypeError(f"must be > {gt:g} (got {text})")
+        if ge is not None and not value >= ge:
+            raise argparse.ArgumentTypeError(f"must be >= {ge:g} (got {text})")
+        if le is not None and not value <= le:
+            raise argparse.ArgumentTypeError(f"must be <= {le:g} (got {text})")
+        if lt is not None and not value < lt:
+            raise argparse.ArgumentTypeError(f"must be < {lt:g} (got {text})")
+        return value
+    return parse
+
+
 def load_requests(path: str, fmt: str = "auto", *, speed: float = 1.0, scale_len: float = 1.0,
                   duration_s: float | None = None, limit: int | None = None) -> list[SimRequest]:
     """A trace as simulator requests. ``speed`` compresses time (2 = twice the rate); ``duration_s``
@@ -54,6 +83,9 @@ def load_requests(path: str, fmt: str = "auto", *, speed: float = 1.0, scale_len
     if duration_s is None:
         return reqs
     span = max(reqs[-1].arrival + 1e-3, 1.0)
+    if duration_s > span and math.ceil(duration_s / span) * len(reqs) > MAX_REQUESTS:
+        raise ValueError(f"--duration {duration_s:g}: loops the trace ({len(reqs)} requests in {span:g} s) to more "
+                         f"than {MAX_REQUESTS:,} requests; give a shorter duration (or --speed < 1)")
     max_block = max((b for r in reqs for b in r.blocks), default=0) + 1
     out: list[SimRequest] = []
     loop = 0
@@ -70,30 +102,30 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="trace file: Mooncake JSONL (or any JSONL of timestamp ms, input_length, output_length), AIBrix JSONL, a CSV of arrival time + prompt and output lengths (Azure, BurstGPT), ShareGPT (JSONL or the JSON array)")
     parser.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "aibrix", "sharegpt"])
     parser.add_argument("--profile", default="gpu-like", help="engine profile: gpu-like, cpu-tiny or a JSON file")
-    parser.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier (2 = twice as fast)")
-    parser.add_argument("--scale-len", type=float, default=1.0, help="multiply prompt/output lengths")
-    parser.add_argument("--duration", type=float, default=None, help="loop or cut the trace to this many seconds")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N requests of the trace")
+    parser.add_argument("--speed", type=number(gt=0), default=1.0, help="arrival-rate multiplier (2 = twice as fast)")
+    parser.add_argument("--scale-len", type=number(gt=0), default=1.0, help="multiply prompt/output lengths")
+    parser.add_argument("--duration", type=number(gt=0), default=None, help="loop or cut the trace to this many seconds")
+    parser.add_argument("--limit", type=number(int, ge=1), default=None, help="only the first N requests of the trace")
     parser.add_argument("--policy", default="least_load",
                         choices=["round_robin", "least_load", "power_of_two", "random", "kv_aware"])
-    parser.add_argument("--ttft", type=float, default=2.0, help="TTFT target, seconds")
-    parser.add_argument("--itl", type=float, default=0.05, help="ITL target, seconds")
-    parser.add_argument("--start-s", type=float, default=60.0, help="seconds a new engine takes to serve")
-    parser.add_argument("--role-change-s", type=float, default=5.0, help="seconds a role change takes")
-    parser.add_argument("--interval", type=float, default=30.0, help="planner interval, seconds")
+    parser.add_argument("--ttft", type=number(gt=0), default=2.0, help="TTFT target, seconds")
+    parser.add_argument("--itl", type=number(gt=0), default=0.05, help="ITL target, seconds")
+    parser.add_argument("--start-s", type=number(ge=0), default=60.0, help="seconds a new engine takes to serve")
+    parser.add_argument("--role-change-s", type=number(ge=0), default=5.0, help="seconds a role change takes")
+    parser.add_argument("--interval", type=number(gt=0), default=30.0, help="planner interval, seconds")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--prefill", type=int, default=0, help="prefill workers")
-    parser.add_argument("--decode", type=int, default=0, help="decode workers")
-    parser.add_argument("--aggregated", type=int, default=0, help="aggregated (prefill+decode) workers")
-    parser.add_argument("--min-prefill-tokens", type=int, default=None,
+    parser.add_argument("--prefill", type=number(int, ge=0, le=MAX_WORKERS), default=0, help="prefill workers")
+    parser.add_argument("--decode", type=number(int, ge=0, le=MAX_WORKERS), default=0, help="decode workers")
+    parser.add_argument("--aggregated", type=number(int, ge=0, le=MAX_WORKERS), default=0, help="aggregated (prefill+decode) workers")
+    parser.add_argument("--min-prefill-tokens", type=number(int, ge=0), default=None,
                         help="P/D: uncached prompts shorter than this prefill on their decode worker "
                              "(disagg.min_prefill_tokens; default: derived from the profile)")
     parser.add_argument("--planner", action="store_true", help="let the SLO planner resize the P/D fleet")
-    parser.add_argument("--budget", type=int, default=None, help="planner worker budget (default: 4x the start)")
+    parser.add_argument("--budget", type=number(int, ge=2, le=MAX_WORKERS), default=None, help="planner worker budget (default: 4x the start)")
 
 
 def fail(msg: str) -> int:

@@ -165,3 +165,48 @@ def test_check_config_names_a_workers_file_that_is_not_text(tmp_path, capsys):
     configure(p)
     assert run(p.parse_args([str(cfg)])) == 2
     assert "discovery.file.path" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- dyad plan / dyad sim flags
+
+
+@pytest.fixture
+def trace(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 64, "output_length": 8}) + "\n"
+                            for i in range(4)))
+    return str(path)
+
+
+@pytest.mark.parametrize("cmd, flags, says", [
+    ("plan", ["--interval", "-5"], "argument --interval: must be > 0"),  # was IndexError
+    ("plan", ["--interval", "inf"], "argument --interval: expected a finite number"),  # was ValueError: NaN
+    ("plan", ["--interval", "nan"], "argument --interval: expected a finite number"),  # message named no flag
+    ("plan", ["--ttft", "0"], "argument --ttft: must be > 0"),
+    ("plan", ["--speed", "-1"], "argument --speed: must be > 0"),
+    ("plan", ["--budget", "100000000"], "argument --budget: must be <= 10000"),  # ran for hours
+    ("plan", ["--headroom", "-0.5"], "argument --headroom: must be >= 0"),
+    ("plan", ["--rise-quantile", "1"], "argument --rise-quantile: must be < 1"),
+    ("plan", ["--keda-decode-target", "0"], "argument --keda-decode-target: must be > 0"),
+    ("plan", ["--limit", "0"], "argument --limit: must be >= 1"),
+    ("sim", ["--prefill", "100000000", "--decode", "1"], "argument --prefill: must be <= 10000"),
+    ("sim", ["--aggregated", "2", "--interval", "0"], "argument --interval: must be > 0"),
+])
+def test_numeric_flags_out_of_range_are_refused_naming_the_flag(cmd, flags, says, trace, capsys):
+    from orchestrator.cli import main
+
+    argv = [cmd, "--trace", trace, *flags]
+    if cmd == "plan" and "--budget" not in flags:
+        argv += ["--budget", "4"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_duration_that_loops_a_trace_into_billions_of_requests_is_refused(trace, capsys):
+    """``--duration 1e15`` looped a 4-request trace until memory ran out."""
+    from orchestrator.cli import main
+
+    assert main(["plan", "--trace", trace, "--budget", "4", "--duration", "1e15", "--no-static-search"]) == 2
+    assert "--duration 1e+15: loops the trace" in capsys.readouterr().err
