@@ -57,6 +57,18 @@ async def list_workers(request: Request) -> Response:
     return _json({"workers": [worker_view(w) for w in rt.fleet.workers()]})
 
 
+async def discovery_status(request: Request) -> Response:
+    """What the discovery source last did: for a workers file its path, loads and ``last_error`` (why
+    the list in force is not the file's contents: unreadable, invalid, refused), for Kubernetes each
+    watch's lists, resumes and last error; the workers it owns and those withdrawn. A bad input is
+    otherwise only in a log line and ``dyad_discovery_errors_total``."""
+    rt = admin_runtime(request)
+    discovery = getattr(rt, "discovery", None)
+    if discovery is None:
+        return _json({"source": "static", "workers": [w.id for w in rt.fleet.workers()]})
+    return _json(discovery.status())
+
+
 @audited("worker.add")
 async def add_worker(request: Request) -> Response:
     """Body: a worker as in the config file (``url`` required; ``id``, ``engine``, ``role``,

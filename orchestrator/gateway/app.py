@@ -160,6 +160,8 @@ def refresh_worker_gauges(rt: GatewayRuntime) -> None:
     for gauge in (m.worker_inflight, m.worker_healthy, m.worker_role, m.worker_state, m.worker_running,
                   m.worker_waiting, m.worker_kv_usage, m.worker_cache_hit_ratio, m.worker_actual_cached_tokens):
         gauge.clear()  # removed workers disappear from the scrape
+    # ... and so do their counters (a try or scrape that ended after the removal counted once more)
+    m.forget_absent_workers({w.id for w in rt.fleet.workers()})
     for w in rt.fleet.workers():
         m.worker_inflight.labels(w.id).set(w.inflight)
         m.worker_healthy.labels(w.id).set(1 if w.health_ok else 0)
@@ -243,6 +245,7 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     app.add_route("/admin/workers/{worker_id}", admin.remove_worker, methods=["DELETE"])
     app.add_route("/admin/workers/{worker_id}/drain", admin.drain_worker, methods=["POST"])
     app.add_route("/admin/workers/{worker_id}/undrain", admin.undrain_worker, methods=["POST"])
+    app.add_route("/admin/discovery", admin.discovery_status, methods=["GET"])
     app.include_router(disagg_admin.router)  # POST /admin/workers/{id}/role, GET /admin/pools
     app.include_router(ui_router())  # the live fleet page, /ui (orchestrator/ui)
     app.include_router(planner_router())  # GET /admin/planner (orchestrator/planner)

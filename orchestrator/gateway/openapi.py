@@ -200,6 +200,9 @@ def build_openapi(title: str = "Dyad gateway", version: str = "0") -> dict[str, 
         "/admin/workers/{worker_id}/undrain": {"post": {
             "operationId": "undrainWorker", "security": admin, "parameters": worker_id,
             "responses": {**_json_ok("Back in rotation (when healthy)"), **_errors(401, 404)}}},
+        "/admin/discovery": {"get": {"operationId": "discoveryStatus", "security": admin, "responses": {
+            **_json_ok("The discovery source's state and last error (why the list in force is kept)"),
+            **_errors(401, 404)}}},
         # orchestrator/disagg/admin_routes.py
         "/admin/workers/{worker_id}/role": {"post": {
             "operationId": "setWorkerRole", "security": admin, "parameters": worker_id,

@@ -103,6 +103,8 @@ class GatewayRuntime:
         self.breakers = CircuitBreakers.from_config(
             res, on_change=lambda wid, state: self.metrics.breaker_transitions.labels(wid, state.value).inc())
         self.fleet.subscribe(lambda event, w: self.breakers.forget(w.id) if event == "removed" else None)
+        # a removed worker's series leave /metrics (ids churn with pods: they would pile up otherwise)
+        self.fleet.subscribe(lambda event, w: self.metrics.forget_worker(w.id) if event == "removed" else None)
         # Tries in flight by worker: a worker marked down fails its requests over at once (attempt.py).
         self.attempts = AttemptRegistry()
         self.fleet.subscribe(self._on_fleet_event)

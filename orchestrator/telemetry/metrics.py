@@ -8,6 +8,8 @@ process. The README lists these metrics; the dashboards test checks every query 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -174,6 +176,36 @@ class DyadMetrics:
         self.rate_limit_fallbacks = Counter("dyad_rate_limit_local_fallbacks_total",
                                             "Rate-limit decisions taken on local buckets because Redis was "
                                             "unreachable", registry=r)
+
+    def forget_worker(self, worker_id: str) -> int:
+        """Drop every series labelled with this worker (a worker that left the registry), returning how
+        many. Worker ids come from discovery (pod names, workers-file entries): without this, each
+        pod a rollout replaced left its error, breaker and KV-event series behind for the life of the
+        process, so the scrape grew with every rollout. A worker that comes back starts from zero (a
+        counter reset, which rate() handles)."""
+        return self._forget(lambda wid: wid == worker_id)
+
+    def forget_absent_workers(self, present: set[str]) -> int:
+        """``forget_worker`` for every worker not in ``present`` (run at scrape time: a try or a scrape
+        that ends after its worker was removed counts once more and would bring the series back)."""
+        return self._forget(lambda wid: wid not in present)
+
+    def _forget(self, gone: Callable[[str], bool]) -> int:
+        dropped = 0
+        for metric in vars(self).values():
+            names = getattr(metric, "_labelnames", ())
+            if "worker" not in names:
+                continue
+            i = names.index("worker")
+            with metric._lock:
+                keys = [k for k in metric._metrics if gone(k[i])]
+            for k in keys:
+                try:
+                    metric.remove(*k)
+                except KeyError:  # removed concurrently
+                    continue
+                dropped += 1
+        return dropped
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
