@@ -13,15 +13,24 @@ Two parts:
   goes back (below the previous live one) means the engine restarted: its old entries are cleared
   first. A subscriber that joins late (first seq > 0) replays from 0 to learn what the engine
   already holds.
+
+What an engine sends is not trusted: a message with the wrong frames, a ``seq`` that is not an 8-byte
+non-negative counter, an undecodable payload or an event with fields of the wrong shape is skipped and
+counted (``malformed``; ``dyad_kv_events_total{type="malformed"}``), logged at a bounded rate, and the
+stream goes on. A batch is decoded and applied ``EVENTS_PER_CHUNK`` events at a time, yielding to the
+event loop in between, so one huge batch cannot stall it. (No ZMQ ``MAXMSGSIZE``: libzmq 4.3 ends a
+connecting socket's session for good on an oversized message, without reconnecting.) The engine hash →
+our hash map keeps at most ``max_mapped`` blocks per worker (oldest dropped).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +44,30 @@ from orchestrator.kv.index import GROUP_BLOCKS, Tier
 log = logging.getLogger("dyad.kv.events")
 
 END_SEQ = -1
+EVENTS_PER_CHUNK = 1024  # events decoded and applied between two yields to the event loop
+MAX_MAPPED_BLOCKS = 1_000_000  # engine hash → our hash entries kept per worker (index.max_blocks by default)
+KNOWN_EVENT_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+
+
+class _BoundedLog:
+    """A warning at most once per ``interval_s`` (with how many were not logged since)."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._next = 0.0
+        self._quiet = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._quiet += 1
+            return
+        if self._quiet:
+            msg += " (%d more like it not logged)"
+            args = (*args, self._quiet)
+        self._quiet = 0
+        self._next = now + self.interval_s
+        log.warning(msg, *args)
 
 
 @dataclass
@@ -58,9 +91,15 @@ def _as_int(h: Any) -> int:
 class KvEventMapper:
     """Per-worker translation of engine events into our block hashes (pure; no I/O)."""
 
-    def __init__(self, worker_id: str, namespace: Callable[[], str | None]) -> None:
+    def __init__(self, worker_id: str, namespace: Callable[[], str | None],
+                 max_mapped: int = MAX_MAPPED_BLOCKS) -> None:
         self.worker_id = worker_id
         self._namespace = namespace  # the worker's canonical model name (resolved lazily)
+        # Bounded: an engine that never reports removals (or whose BlockRemoved were lost) must not grow
+        # it forever. The oldest stored are dropped first (a later BlockRemoved of one is then ignored,
+        # a child stored under it is counted ``unmapped``; the index's own cap ages their entries out).
+        self.max_mapped = max(1, max_mapped)
+        self.forgotten = 0  # entries dropped by that cap
         # engine hash → (our hash, tier mask, position in its chain, group anchor)
         self.engine_to_ours: dict[int, tuple[int, int, int, int]] = {}
         self.unmapped = 0  # stored blocks whose parent we never saw (cannot be chained)
@@ -100,13 +139,17 @@ class KvEventMapper:
             return None
         engine_hashes = [_as_int(h) for h in ev.get("block_hashes") or ()]
         tokens = ev.get("token_ids") or []
-        block_size = int(ev.get("block_size") or 0)
+        block_size = ev.get("block_size") or 0
+        if not isinstance(block_size, int) or isinstance(block_size, bool):
+            raise TypeError(f"block_size {type(block_size).__name__}")
         if engine_hashes and not tokens:
             return self._stored_known(engine_hashes, Tier.from_medium(ev.get("medium")))
         if not engine_hashes or block_size <= 0 or len(tokens) < block_size * len(engine_hashes):
             return None
         extra = ev.get("extra_keys") or []
         lora = ev.get("lora_name")
+        if lora is not None and not isinstance(lora, str):
+            raise TypeError(f"lora_name {type(lora).__name__}")  # (a namespace: a name, or nothing)
         salt: str | None = None
         for keys in extra:
             for k in keys or ():
@@ -136,10 +179,19 @@ class KvEventMapper:
             if pos % GROUP_BLOCKS == 0:
                 anchor = oh
             anchors.append(anchor)
-            prev = self.engine_to_ours.get(eh)
+            prev = self.engine_to_ours.pop(eh, None)  # (re-inserted: the newest again)
             self.engine_to_ours[eh] = (oh, (prev[1] if prev else 0) | int(tier), pos, anchor)
             pos += 1
+        self._cap()
         return IndexOp("store", ours, tier, block_size=block_size, namespace=namespace, anchors=anchors)
+
+    def _cap(self) -> None:
+        known = self.engine_to_ours
+        over = len(known) - self.max_mapped
+        if over > 0:
+            for eh in list(itertools.islice(known, over)):
+                del known[eh]
+            self.forgotten += over
 
     def _stored_known(self, engine_hashes: list[int], tier: Tier) -> IndexOp | None:
         """A block moved to another tier, announced by engine hash only (vLLM's OffloadingConnector
@@ -178,13 +230,60 @@ class KvEventMapper:
         return IndexOp("remove", ours, tier) if ours else None
 
 
+def iter_batch(payload: bytes, chunk: int = EVENTS_PER_CHUNK) -> Iterator[tuple[float, list[dict[str, Any]]]]:
+    """msgpack ``[ts, [event...], dp_rank?]`` (or a map ``{"ts", "events"}``) → ``(ts, events)`` for every
+    ``chunk`` events, decoded as they are asked for (a huge batch is never held decoded whole, and its
+    reader can yield between chunks). Events that are not maps are dropped. Raises (ValueError,
+    TypeError, msgpack's errors) on a payload of another shape, possibly after earlier chunks."""
+    u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(payload), 1))
+    u.feed(payload)
+    ts = 0.0
+    try:
+        n = u.read_array_header()
+    except ValueError:  # not an array: a map-shaped batch, tolerated
+        u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(payload), 1))
+        u.feed(payload)
+        for _ in range(u.read_map_header()):
+            key = u.unpack()
+            if key == "ts":
+                ts = _ts(u.unpack())
+            elif key == "events":
+                yield from _events(u, ts, chunk)
+            else:
+                u.skip()
+        return
+    if n < 2:
+        raise ValueError(f"a batch of {n} fields")
+    yield from _events(u, _ts(u.unpack()), chunk)
+
+
+def _ts(value: Any) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"timestamp {type(value).__name__}")
+    return float(value)
+
+
+def _events(u: msgpack.Unpacker, ts: float, chunk: int) -> Iterator[tuple[float, list[dict[str, Any]]]]:
+    buf: list[dict[str, Any]] = []
+    sent = False
+    for _ in range(u.read_array_header()):
+        ev = u.unpack()
+        if isinstance(ev, dict):
+            buf.append(ev)
+            if len(buf) >= chunk:
+                yield ts, buf
+                buf, sent = [], True
+    if buf or not sent:
+        yield ts, buf
+
+
 def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
-    """msgpack ``[ts, [event...], dp_rank?]`` → (ts, events); events that are not maps are dropped."""
-    batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    if isinstance(batch, dict):  # tolerate a map-shaped batch
-        return float(batch.get("ts", 0.0)), [e for e in batch.get("events", []) if isinstance(e, dict)]
-    ts, events = batch[0], batch[1]
-    return float(ts), [e for e in events if isinstance(e, dict)]
+    """The whole batch at once (``iter_batch`` in one piece)."""
+    ts, events = 0.0, []
+    for when, part in iter_batch(payload, chunk=1 << 62):
+        ts = when
+        events.extend(part)
+    return ts, events
 
 
 BatchHandler = Callable[[str, float, list[dict[str, Any]]], Awaitable[None]]
@@ -197,7 +296,8 @@ class KvEventSubscriber:
     def __init__(self, worker_id: str, endpoint: str, on_batch: BatchHandler, on_reset: ResetHandler,
                  *, replay_endpoint: str | None = None, topic: str = "kv-events",
                  context: zmq.asyncio.Context | None = None, replay_timeout_s: float = 2.0,
-                 on_gap: Callable[[str, int], None] | None = None, host: str = "127.0.0.1") -> None:
+                 on_gap: Callable[[str, int], None] | None = None, host: str = "127.0.0.1",
+                 on_malformed: Callable[[str, str], None] | None = None) -> None:
         self.worker_id = worker_id
         self.endpoint = _connectable(endpoint, host)
         self.replay_endpoint = _connectable(replay_endpoint, host) if replay_endpoint else None
@@ -205,6 +305,7 @@ class KvEventSubscriber:
         self.on_batch = on_batch
         self.on_reset = on_reset
         self.on_gap = on_gap
+        self.on_malformed = on_malformed  # (worker, what): a message or batch skipped as malformed
         self._ctx = context or zmq.asyncio.Context.instance()
         self.replay_timeout_s = replay_timeout_s
         self.next_seq: int | None = None  # the seq we expect next; None = nothing seen yet
@@ -213,7 +314,10 @@ class KvEventSubscriber:
         self.gaps = 0
         self.replayed = 0
         self.restarts = 0
-        self.failed = 0  # batches ``on_batch`` raised on (skipped; the subscriber goes on)
+        self.failed = 0  # batches (chunks of one) ``on_batch`` raised on (skipped; the subscriber goes on)
+        self.malformed = 0  # messages skipped: wrong frames, a bad seq, an undecodable payload
+        self.errors = 0  # other failures while handling one message (the subscriber goes on)
+        self._warn = _BoundedLog()
         self._task: asyncio.Task[None] | None = None
         # On start, learn what the engine already holds (its replay buffer) before following it live.
         self._want_full_replay = self.replay_endpoint is not None
@@ -233,6 +337,24 @@ class KvEventSubscriber:
         """Re-learn everything the engine still buffers (after its entries were cleared)."""
         self._want_full_replay = True
 
+    def _malformed(self, what: str, detail: str) -> None:
+        self.malformed += 1
+        if self.on_malformed is not None:
+            self.on_malformed(self.worker_id, what)
+        self._warn.warning("kv events for %s: skipped a malformed %s: %s (%d so far)", self.worker_id, what,
+                           detail[:200], self.malformed)
+
+    def _seq_of(self, frame: bytes, *, end_ok: bool = False) -> int | None:
+        """The 8-byte big-endian counter of a message, None (counted) when it is not one."""
+        if len(frame) != 8:
+            self._malformed("message", f"a seq of {len(frame)} bytes")
+            return None
+        seq = int.from_bytes(frame, "big", signed=True)
+        if seq < 0 and not (end_ok and seq == END_SEQ):
+            self._malformed("message", f"seq {seq}")
+            return None
+        return seq
+
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -240,23 +362,36 @@ class KvEventSubscriber:
         sub.connect(self.endpoint)
         try:
             while True:
-                if self._want_full_replay and self.replay_endpoint:
-                    self._want_full_replay = False
-                    self.next_seq = 0
-                    await self._replay(0, None)
-                if not await sub.poll(200):
-                    continue
-                frames = await sub.recv_multipart()
-                if len(frames) != 3:
-                    continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                await self._on_live(seq, frames[2])
+                try:
+                    await self._step(sub)
+                except (asyncio.CancelledError, zmq.ContextTerminated):
+                    raise
+                except Exception as e:  # noqa: BLE001 - one message must not end the stream; log and go on
+                    self.errors += 1
+                    self._warn.warning("kv events for %s: a message could not be handled (%s: %s); following on",
+                                       self.worker_id, type(e).__name__, e)
+                    await asyncio.sleep(0.1)  # (a failure that repeats does not spin)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - the loop must survive bad input; log and continue elsewhere
-            log.exception("kv events for %s: subscriber stopped", self.worker_id)
+        except zmq.ContextTerminated:
+            log.info("kv events for %s: ZMQ context closed; subscriber stopped", self.worker_id)
         finally:
             sub.close(linger=0)
+
+    async def _step(self, sub: zmq.asyncio.Socket) -> None:
+        if self._want_full_replay and self.replay_endpoint:
+            self._want_full_replay = False
+            self.next_seq = 0
+            await self._replay(0, None)
+        if not await sub.poll(200):
+            return
+        frames = await sub.recv_multipart()
+        if len(frames) != 3:
+            self._malformed("message", f"{len(frames)} frames, not [topic, seq, payload]")
+            return
+        seq = self._seq_of(frames[1])
+        if seq is not None:
+            await self._on_live(seq, frames[2])
 
     async def _on_live(self, seq: int, payload: bytes) -> None:
         expected = self.next_seq
@@ -268,9 +403,14 @@ class KvEventSubscriber:
             # restart: the entries were cleared and replayed once more.)
             self.restarts += 1
             log.info("kv events for %s: sequence reset (%d after %d): engine restarted", self.worker_id, seq, last)
-            await self.on_reset(self.worker_id, "restart")
             expected = None
             self.next_seq = None
+            try:
+                await self.on_reset(self.worker_id, "restart")
+            except Exception as e:  # noqa: BLE001 - (e.g. a shared index refusing writes): follow on regardless
+                self.errors += 1
+                self._warn.warning("kv events for %s: clearing after the restart failed (%s: %s)", self.worker_id,
+                                   type(e).__name__, e)
             if seq > 0:
                 await self._replay(0, seq)
         elif expected is None and seq > 0 and self.replay_endpoint:
@@ -286,19 +426,30 @@ class KvEventSubscriber:
         await self._apply(seq, payload)
 
     async def _apply(self, seq: int, payload: bytes) -> None:
-        try:
-            ts, events = decode_batch(payload)
-        except Exception as e:  # noqa: BLE001 - a corrupt batch is skipped, not fatal
-            log.warning("kv events for %s: undecodable batch %d: %s", self.worker_id, seq, e)
-            self.next_seq = seq + 1
-            return
+        """Decode and apply one batch, ``EVENTS_PER_CHUNK`` events at a time with a yield to the loop in
+        between. A payload that cannot be decoded is skipped (counted) from where it breaks."""
         self.next_seq = seq + 1
-        self.batches += 1
-        try:
-            await self.on_batch(self.worker_id, ts, events)
-        except Exception as e:  # noqa: BLE001 - one batch that cannot be applied must not end the stream
-            self.failed += 1
-            log.warning("kv events for %s: batch %d not applied: %s: %s", self.worker_id, seq, type(e).__name__, e)
+        chunks = iter_batch(payload)
+        counted = False
+        while True:
+            try:
+                chunk = next(chunks, None)
+            except Exception as e:  # noqa: BLE001 - a corrupt batch is skipped, not fatal
+                self._malformed("batch", f"batch {seq}: {type(e).__name__}: {e}")
+                return
+            if chunk is None:
+                return
+            if not counted:
+                self.batches += 1
+                counted = True
+            try:
+                await self.on_batch(self.worker_id, chunk[0], chunk[1])
+            except Exception as e:  # noqa: BLE001 - one batch that cannot be applied must not end the stream
+                self.failed += 1
+                self._warn.warning("kv events for %s: batch %d not applied: %s: %s", self.worker_id, seq,
+                                   type(e).__name__, e)
+            if len(chunk[1]) >= EVENTS_PER_CHUNK:
+                await asyncio.sleep(0)  # a long batch: let the loop run between its chunks
 
     async def _replay(self, start: int, stop: int | None) -> None:
         """Fetch and apply batches ``start <= seq < stop`` (or all buffered when stop is None)."""
@@ -313,12 +464,15 @@ class KvEventSubscriber:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not await dealer.poll(int(left * 1000)):
-                    log.warning("kv events for %s: replay from %d timed out", self.worker_id, start)
+                    self._warn.warning("kv events for %s: replay from %d timed out", self.worker_id, start)
                     return
                 frames = await dealer.recv_multipart()
                 if len(frames) < 4:
+                    self._malformed("replay message", f"{len(frames)} frames")
                     continue
-                seq = int.from_bytes(frames[2], "big", signed=True)
+                seq = self._seq_of(frames[2], end_ok=True)
+                if seq is None:
+                    continue
                 if seq == END_SEQ:
                     return
                 if seq < start or (stop is not None and seq >= stop):

@@ -29,7 +29,8 @@ slot count and the masks read, length-prefixed in one string (tiny to send and t
 Availability: every write is mirrored into a local ``MemoryPrefixIndex``. While Redis is unreachable
 lookups are answered from that mirror (what this replica itself has learnt) and the routing goes on;
 once Redis answers again the mirror is written back (``resync``), so a restarted, empty Redis is
-refilled without waiting for engines to re-send their events. While down, a background probe PINGs
+refilled without waiting for engines to re-send their events. While down (unreachable, or refusing writes:
+OOM under ``maxmemory``, a read-only replica), a background probe writes a small key
 every ``retry_interval_s``, so an idle replica comes back too; ``dyad_index_mirror_only`` is 1 from
 the first failure until Redis answers again (``SharedPrefixIndex.available``).
 """
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
@@ -58,7 +59,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dyad.kv.redis_index")
 
-REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# A Redis that refuses writes (full under ``maxmemory`` with ``noeviction``: OOM; a replica: READONLY)
+# is down for the index as much as an unreachable one: its entries would go stale (stores, removals and
+# a restarted engine's clear lost) while lookups still read them. The mirror answers meanwhile, and the
+# write-back once writes succeed again repairs what was missed (as after an outage).
+REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, OutOfMemoryError, ReadOnlyError)
 
 # Shared by the write scripts: the worker's slot (assigned on first store), bit offsets of a tier
 # mask inside the worker's byte (SETBIT counts from the byte's most significant bit), and dropping
@@ -273,6 +278,9 @@ class RedisPrefixIndex(SharedPrefixIndex):
         self._next_try = 0.0
         self._resync_task: asyncio.Task[None] | None = None
         self._probe_task: asyncio.Task[None] | None = None
+        # Workers cleared (engine restart, unhealthy, removed) while Redis could not be written: cleared
+        # there too before the mirror is written back, or Redis would go on crediting their old blocks.
+        self._cleared_while_down: dict[str, None] = {}
 
     @property
     def client(self) -> aioredis.Redis:
@@ -298,7 +306,8 @@ class RedisPrefixIndex(SharedPrefixIndex):
             if self.available:
                 return
             try:
-                await self._client.ping()
+                # a write, not a PING: a full (OOM) or read-only Redis answers PING but refuses writes
+                await self._client.set(f"{self.key_prefix}:idx:probe", b"1", px=10_000)
             except REDIS_DOWN_ERRORS as e:
                 log.debug("redis index probe: still down (%s)", e)
                 continue
@@ -338,6 +347,9 @@ class RedisPrefixIndex(SharedPrefixIndex):
                     approximate.append((worker_id, h, left))
                 else:
                     exact.append((worker_id, h, mask))
+            for worker_id in list(self._cleared_while_down):
+                await self._clear_s(self._client, [self.key_prefix, worker_id, uuid.uuid4().hex])
+                self._cleared_while_down.pop(worker_id, None)
             for (worker_id, tier), hashes in self._mirror_by_tier(exact).items():
                 for i in range(0, len(hashes), self.RESYNC_CHUNK):
                     await self._write_store(worker_id, hashes[i:i + self.RESYNC_CHUNK], tier)
@@ -400,7 +412,10 @@ class RedisPrefixIndex(SharedPrefixIndex):
 
     async def clear_worker(self, worker_id: str) -> None:
         self.mirror.clear_worker_now(worker_id)
-        await self._run(self._clear_s, [self.key_prefix, worker_id])
+        if await self._run(self._clear_s, [self.key_prefix, worker_id]) is None:  # (not written: down)
+            self._cleared_while_down[worker_id] = None
+            while len(self._cleared_while_down) > 100_000:
+                del self._cleared_while_down[next(iter(self._cleared_while_down))]
 
     # --- reads
     async def _load_slots(self) -> None:

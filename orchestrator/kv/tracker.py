@@ -29,7 +29,7 @@ from orchestrator.config import DyadConfig
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker, WorkerState
 from orchestrator.kv.approximate import ApproximateRecorder
-from orchestrator.kv.events import IndexOp, KvEventMapper, KvEventSubscriber
+from orchestrator.kv.events import KNOWN_EVENT_TYPES, IndexOp, KvEventMapper, KvEventSubscriber
 from orchestrator.kv.hashing import BlockHasher
 from orchestrator.kv.index import PrefixIndex, Tier
 from orchestrator.kv.ingest_shards import IngestShards
@@ -301,12 +301,27 @@ class PrefixTracker:
             return  # an unhealthy worker's entries stay cleared; re-learnt by replay when it is back
         if self.metrics is not None and ts > 0:
             self.metrics.kv_event_lag.labels(worker_id).set(max(0.0, time.time() - ts))
+        if self.metrics is not None:
+            counts: dict[str, int] = {}
+            for ev in events:
+                kind = ev.get("type")
+                # (a known type or "unknown": an engine cannot mint label values, one child each)
+                kind = kind if isinstance(kind, str) and kind in KNOWN_EVENT_TYPES else "unknown"
+                counts[kind] = counts.get(kind, 0) + 1
+            for kind, n in counts.items():
+                self.metrics.kv_events.labels(worker_id, kind).inc(n)
+        malformed = mapper.malformed
+        try:
+            await self._apply_mapped(worker_id, mapper, events)
+        finally:
+            if self.metrics is not None and mapper.malformed > malformed:
+                self.metrics.kv_events.labels(worker_id, "malformed").inc(mapper.malformed - malformed)
+
+    async def _apply_mapped(self, worker_id: str, mapper: KvEventMapper, events: list[dict[str, Any]]) -> None:
         # Consecutive operations of the same kind and tier are merged, so a batch of N events
         # costs one index write (one Redis round trip) per run instead of N; order is kept.
         pending: IndexOp | None = None
         for ev in events:
-            if self.metrics is not None:
-                self.metrics.kv_events.labels(worker_id, str(ev.get("type", "unknown"))).inc()
             op = mapper.apply(ev)
             if op is None:
                 continue
@@ -317,12 +332,31 @@ class PrefixTracker:
                 else:
                     pending.anchors = None
                 continue
-            if pending is not None:
-                await self.apply_op(worker_id, pending)
+            if pending is not None and not await self._apply_following(worker_id, mapper, pending):
+                return
             pending = IndexOp(op.kind, list(op.hashes), op.tier, op.block_size, op.namespace,
                               list(op.anchors) if op.anchors is not None else None)
         if pending is not None:
-            await self.apply_op(worker_id, pending)
+            await self._apply_following(worker_id, mapper, pending)
+
+    def _following(self, worker_id: str, mapper: KvEventMapper) -> bool:
+        """Are ``worker_id``'s events (through ``mapper``) still to be applied: not removed (or re-added,
+        with a new mapper) nor down (its entries cleared) since its batch started?"""
+        if self.mappers.get(worker_id) is not mapper:
+            return False
+        w = self.fleet.get(worker_id)
+        return w is None or w.state is not WorkerState.UNHEALTHY
+
+    async def _apply_following(self, worker_id: str, mapper: KvEventMapper, op: IndexOp) -> bool:
+        """``apply_op`` unless the worker was removed or went down meanwhile (False: stop the batch). A write
+        in flight when that happened may land after the fleet listener's clear: cleared again then."""
+        if not self._following(worker_id, mapper):
+            return False
+        await self.apply_op(worker_id, op)
+        if not self._following(worker_id, mapper):
+            await self.index.clear_worker(worker_id)
+            return False
+        return True
 
     async def apply_op(self, worker_id: str, op: IndexOp) -> None:
         if op.kind == "store":
@@ -362,13 +396,15 @@ class PrefixTracker:
             return
         if self.shards is not None and not self.shards.owns(w.id):
             return  # another replica writes this engine's events
-        self.mappers[w.id] = KvEventMapper(w.id, self._worker_namespace(w.id))
+        self.mappers[w.id] = KvEventMapper(w.id, self._worker_namespace(w.id), self.config.index.max_blocks)
         gaps = self.metrics.kv_event_gaps if self.metrics is not None else None
+        counted = self.metrics.kv_events if self.metrics is not None else None
         sub = KvEventSubscriber(
             w.id, w.kv_events.endpoint, self.apply_events, self._on_reset,
             replay_endpoint=w.kv_events.replay_endpoint, topic=w.kv_events.topic,
             host=urlsplit(w.url).hostname or "127.0.0.1",
-            on_gap=(lambda wid, n: gaps.labels(wid).inc()) if gaps is not None else None)
+            on_gap=(lambda wid, n: gaps.labels(wid).inc()) if gaps is not None else None,
+            on_malformed=(lambda wid, _what: counted.labels(wid, "malformed").inc()) if counted is not None else None)
         self.subscribers[w.id] = sub
         if self._started:
             sub.start()
