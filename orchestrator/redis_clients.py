@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -83,21 +82,24 @@ async def close_quietly(client: Any) -> None:
 
 CONNECT_TIMEOUT_S = 5.0  # opening a connection (TCP, TLS handshake, AUTH): its own budget, never a request's
 
-_ON_PATH: ContextVar[bool] = ContextVar("dyad_redis_on_path", default=False)
-
 
 class ColdConnection(Exception):
-    """A call on the request path found no open connection to Redis. Opening one (TCP, a TLS handshake, AUTH) has
-    its own budget (``CONNECT_TIMEOUT_S``) and runs in the background (``OffPathClient.warm``); the caller decides
-    without Redis this once, and does not count Redis as down. (Not a redis-py ``ConnectionError``: its retry
-    policy must not retry it.)"""
+    """A call found no open connection to Redis. Opening one (TCP, a TLS handshake, AUTH) has its own budget
+    (``CONNECT_TIMEOUT_S``) and is done in the background (``OffPathClient.warm``); the caller decides without
+    Redis this once, and does not count Redis as down. (Not a redis-py ``ConnectionError``: its retry policy must
+    not retry it.)"""
 
 
 class _OffPath:
-    """For redis-py's connection classes: a connection is never opened while ``_ON_PATH`` is set."""
+    """For redis-py's connection classes: a connection opens only when ``OffPathClient`` opens it (``may_open``);
+    a call that would open one (a fresh pooled connection, or one redis-py reconnects after an error) raises
+    ``ColdConnection`` instead. (A flag on the connection, not on the call's context: a request's coroutine may be
+    resumed in another task's context, native/lane.py.)"""
+
+    may_open = False
 
     async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
-        if not self.is_connected and _ON_PATH.get():  # type: ignore[attr-defined]
+        if not self.is_connected and not self.may_open:  # type: ignore[attr-defined]
             raise ColdConnection("no open connection to Redis")
         await super().connect_check_health(check_health, retry_socket_connect)  # type: ignore[misc]
 
@@ -117,10 +119,10 @@ class OffPathClient:
 
     A call's own bound (``call_timeout_s``, the socket's read/write timeout) covered the connection's opening
     too, TLS handshake included: on a loaded gateway, or to a far Redis, a handshake that always outlasts a
-    request's bound never completes, and the caller decides without Redis for good. Here a request-path call
-    (``call``) uses only open pooled connections; finding none, it raises ``ColdConnection`` at once and a
-    background task opens one with ``connect_timeout_s`` (one at a time; after a failed opening, not again for
-    ``retry_s``). The pool so grows to the calls' concurrency off the path. ``connect`` opens the first at start."""
+    request's bound never completes, and the caller decides without Redis for good. Here a call (``call``) uses
+    only open pooled connections; finding none, it raises ``ColdConnection`` at once and a background task opens
+    one with ``connect_timeout_s`` (one at a time; after a failed opening, not again for ``retry_s``). The pool so
+    grows to the calls' concurrency off the path. ``connect`` opens the first at start."""
 
     def __init__(self, url: str, *, call_timeout_s: float, connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  retry_s: float = 1.0, name: str = "Redis", **options: Any) -> None:
@@ -129,9 +131,10 @@ class OffPathClient:
 
         url_options = parse_url(url)  # (the URL's scheme picks the class: rediss:// is TLS)
         url_options["connection_class"] = _off_path_class(url_options.get("connection_class", Connection))
-        pool = ConnectionPool(**{"socket_timeout": call_timeout_s, "socket_connect_timeout": connect_timeout_s,
-                                 **options, **url_options})
-        self.redis = aioredis.Redis(connection_pool=pool)
+        self.pool = ConnectionPool(**{"socket_timeout": call_timeout_s, "socket_connect_timeout": connect_timeout_s,
+                                      **options, **url_options})
+        self.redis = aioredis.Redis(connection_pool=self.pool)
+        self.connect_timeout_s = connect_timeout_s
         self.retry_s = retry_s
         self.name = name
         self._warming: asyncio.Task[None] | None = None
@@ -141,15 +144,13 @@ class OffPathClient:
         self.opened = 0  # connections opened off the path (tests, logs)
 
     async def call(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
-        """``await fn(*args, **kwargs)`` on the request path: an open connection, or ``ColdConnection`` at once."""
-        token = _ON_PATH.set(True)
+        """``await fn(*args, **kwargs)`` on an open connection, or ``ColdConnection`` at once (and one is opened
+        in the background)."""
         try:
             return await fn(*args, **kwargs)
         except ColdConnection:
             self.warm()
             raise
-        finally:
-            _ON_PATH.reset(token)
 
     def warm(self) -> None:
         """Open one more connection in the background (unless one is being opened, or the last try failed less
@@ -162,12 +163,22 @@ class OffPathClient:
             return
         self._warming = loop.create_task(self._open(), name=f"dyad-redis-connect-{self.name}")
 
+    async def _open_one(self) -> None:
+        """Open a pooled connection (an idle closed one, or a new one) and give it back to the pool, open."""
+        conn = self.pool.get_available_connection()  # (in use now: no call takes it meanwhile)
+        conn.may_open = True
+        try:
+            await asyncio.wait_for(conn.connect(), self.connect_timeout_s)
+        finally:
+            conn.may_open = False
+            await self.pool.release(conn)
+        self.opened += 1
+
     async def _open(self) -> None:
-        _ON_PATH.set(False)  # (the task copied the request's context: this is off the path)
         while True:
             self._again = False
             try:
-                await self.redis.ping()
+                await self._open_one()
             except Exception as e:  # noqa: BLE001 - reported; the callers decide without Redis meanwhile
                 self._retry_at = asyncio.get_running_loop().time() + self.retry_s
                 if not self._failing:
@@ -175,7 +186,6 @@ class OffPathClient:
                                 "again every %g s", self.name, type(e).__name__, e, self.retry_s)
                 self._failing = True
                 return
-            self.opened += 1
             if self._failing:
                 log.warning("%s: Redis connection open again", self.name)
                 self._failing = False
@@ -185,16 +195,12 @@ class OffPathClient:
     async def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
         """Open a first connection before any request needs one (awaited at start). Best effort: False (logged)
         when Redis did not answer; the first calls then start the background opening."""
-        token = _ON_PATH.set(False)
         try:
-            await asyncio.wait_for(self.redis.ping(), timeout_s)
-            self.opened += 1
+            await asyncio.wait_for(self._open_one(), timeout_s)
             return True
         except Exception as e:  # noqa: BLE001 - best effort
             log.warning("%s: Redis did not answer at start (%s: %s)", self.name, type(e).__name__, e)
             return False
-        finally:
-            _ON_PATH.reset(token)
 
     async def opening(self) -> None:
         """Wait for the connection being opened in the background, if any (tests; a clean shutdown)."""

@@ -98,7 +98,7 @@ def _gateway_config(**planner):
         "models": [{"name": "m"}],
         # an engine that is not there: the planner must keep running on an empty, unhealthy fleet
         "workers": [{"id": "p0", "url": "http://127.0.0.1:9", "engine": "sim", "role": "prefill", "models": ["m"]},
-                    {"id": "d0", "url": "http://127.0.0.1:9", "engine": "sim", "role": "decode", "models": ["m"]}],
+                    {"id": "d0", "url": "http://127.0.0.2:9", "engine": "sim", "role": "decode", "models": ["m"]}],
         "gateway": {"admin_token": "adm"},
         "health": {"interval_s": 5, "timeout_s": 0.2},
         "planner": {"enabled": True, "interval_s": 0.1, **planner},
