@@ -533,8 +533,10 @@ async def relay_stream(send: Any, upstream: httpx.Response, extra_headers: list[
     protocol = ResponsesEvents()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), *extra_headers]})
-    sent: list[bytes] = []
-    recorder = SseRecorder(protocol)  # (whole events, any of SSE's line ends)
+    # (whole events, any of SSE's line ends; of what was sent it keeps only what an error ending reads — the first
+    # chunk, with the response object, and the latest with data, with the last sequence number: limit 0, so a
+    # stored stream of any length holds two chunks)
+    recorder = SseRecorder(protocol, limit=0)
     failure = None
     try:
         async for chunk in upstream.aiter_raw():
@@ -547,12 +549,7 @@ async def relay_stream(send: Any, upstream: httpx.Response, extra_headers: list[
             if out[:1] not in (b"e", b"d", b":", b"i", b"r"):
                 failure = "the engine sent bytes that are not server-sent events"
                 break
-            # what an error ending reads (the response object, the last sequence number): the first chunk and the
-            # latest with data, never the whole replay (a stored stream is as long as the engine makes it)
-            if len(sent) < 2:
-                sent.append(out)
-            elif b"data" in out:
-                sent[1] = out
+            recorder.record(out)
             await send({"type": "http.response.body", "body": out, "more_body": True})
             if protocol.ended(out):
                 break
@@ -567,6 +564,7 @@ async def relay_stream(send: Any, upstream: httpx.Response, extra_headers: list[
         failure = "the gateway stopped serving this request (it is shutting down)"
     ending = b""
     if failure is not None:
-        ending = protocol.error_ending(f"the engine stream broke ({failure})", "upstream_stream_failed", sent)
+        ending = protocol.error_ending(f"the engine stream broke ({failure})", "upstream_stream_failed",
+                                       recorder.sent)
     await send({"type": "http.response.body", "body": ending, "more_body": False})
     return failure is None
