@@ -63,7 +63,10 @@ def load_yaml(text: str) -> Any:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No setting is a measure without end: ``.inf`` / ``.nan`` (YAML) or ``inf`` (an environment override)
+    # would pass ``gt=0`` and then make a loop sleep forever, a deadline never fire or a comparison always
+    # false. Every float field refuses them, naming the field ("Input should be a finite number").
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelConfig(_Section):

@@ -74,3 +74,20 @@ def test_cli_invalid_config_exits_2_listing_fields(tmp_path, capsys, command):
     assert dyad(args) == 2
     err = capsys.readouterr().err
     assert "gateway.port" in err and "router.policy" in err
+
+
+@pytest.mark.parametrize("text, field", [
+    ("health:\n  interval_s: .inf\n", "health.interval_s"),
+    ("gateway:\n  request_timeout_s: .nan\n", "gateway.request_timeout_s"),
+    ("planner:\n  interval_s: .inf\n", "planner.interval_s"),
+])
+def test_no_setting_takes_an_infinite_or_nan_measure(tmp_path, text, field):
+    # ``.inf`` passes ``gt=0``: a health loop that sleeps forever (no worker ever marked down), a deadline that
+    # never fires. Every float setting refuses it, from the file and from the environment, naming the field.
+    path = tmp_path / "dyad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number"):
+        load_config(path)
+    section, key = field.split(".")
+    with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number \(set by DYAD_"):
+        load_config(None, environ={f"DYAD_{section.upper()}__{key.upper()}": ".inf"})
