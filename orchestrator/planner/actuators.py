@@ -273,6 +273,7 @@ class DrainingScaleIn:
     target: int
     marked_at: dict[str, float]  # victim pod → when we saw it marked
     idle_reads: dict[str, int] = field(default_factory=dict)  # consecutive idle readings per victim
+    replicas: int | None = None  # spec.replicas the victims were chosen against (another value: plan is stale)
 
 
 def drain_finished(scale_in: DrainingScaleIn, idle: dict[str, bool | None], now: float, settle_s: float,
@@ -347,6 +348,7 @@ class KubernetesActuator:
     owed: dict[Role, int] = field(default_factory=dict)  # standby marks still to put on pods being created
     to_standby: set[str] = field(default_factory=set)  # pods draining to be parked (their mark is not a scale-in's)
     events: list[str] = field(default_factory=list)  # what the background finisher did (also logged)
+    asked: dict[Role, int] = field(default_factory=dict)  # the replicas this actuator last set, per role
     _finisher: asyncio.Task | None = None
     _lock: asyncio.Lock | None = None
 
@@ -381,6 +383,20 @@ class KubernetesActuator:
 
     async def _set_replicas(self, role: Role, n: int) -> None:
         await self.api.merge_patch(self._scale_path(role), {"spec": {"replicas": n}})
+        self.asked[role] = n
+
+    def _outside_change(self, role: Role, replicas: int) -> str | None:
+        """A line (logged) when the replicas are not what this actuator last set: someone else scaled
+        the workload (``kubectl scale``, an HPA). The planner still owns the size (its next decision
+        moves it again), so two owners fight; this says so, once per change."""
+        asked = self.asked.get(role)
+        self.asked[role] = replicas
+        if asked is None or asked == replicas:
+            return None
+        line = (f"{self.workloads[role]}: replicas are {replicas}, not the {asked} the planner set (changed outside "
+                "the planner: kubectl scale, an HPA? the planner keeps sizing it)")
+        log.warning("kubernetes actuator: %s", line)
+        return line
 
     async def reconcile(self, role: Role, target: int, grow_only: bool = False) -> list[str]:
         """Move one workload towards ``target`` replicas (scale-out now, scale-in by draining first).
@@ -388,6 +404,8 @@ class KubernetesActuator:
         done: list[str] = []
         scale = await self.api.get(self._scale_path(role))
         replicas = int(scale["spec"].get("replicas", 0))
+        if (outside := self._outside_change(role, replicas)) is not None:
+            done.append(outside)
         if grow_only:
             pending = self.pending.get(role)
             target = max(target, pending.target if pending is not None else replicas)
@@ -423,16 +441,40 @@ class KubernetesActuator:
                 await self._mark(role, name, True)
                 done.append(f"marked {name} draining")
             marked_at[name] = prev.marked_at.get(name, now) if prev is not None else now
-        self.pending[role] = DrainingScaleIn(target, marked_at, dict(prev.idle_reads) if prev else {})
+        self.pending[role] = DrainingScaleIn(target, marked_at, dict(prev.idle_reads) if prev else {}, replicas)
         if not victims:  # nothing to drain (pods already gone): scale now
             return done + await self._finish(role)
         self._ensure_finisher()
         return done
 
     async def _finish(self, role: Role) -> list[str]:
-        s = self.pending.pop(role)
+        s = self.pending[role]
         await self._set_replicas(role, s.target)
+        # forgotten only once the replicas went down: a failed patch (a 500, a timeout) is tried again by
+        # the finisher; dropped before the call, its victims stayed marked, out of rotation, for good (the
+        # planner, which counts only serving pods, then holds and never asks again)
+        if self.pending.get(role) is s:
+            del self.pending[role]
         return [f"scaled {self.workloads[role]} to {s.target}"]
+
+    async def _give_up(self, role: Role, s: DrainingScaleIn, replicas: int, pods: list[Pod]) -> list[str]:
+        """The workload's replicas changed under a scale-in (someone scaled it): the victims were chosen
+        for the old count, and lowering the replicas to the old target now would delete pods never marked
+        nor drained. The scale-in is given up, its marks removed; the next decision plans on what is there."""
+        del self.pending[role]
+        line = (f"{self.workloads[role]}: replicas changed outside the planner ({s.replicas} -> {replicas}) while "
+                f"it drained {', '.join(sorted(s.marked_at))} for a scale-in to {s.target}; that scale-in is given "
+                "up, the next decision plans again")
+        log.warning("kubernetes actuator: %s", line)
+        self.asked[role] = replicas
+        done = [line]
+        for p in pods:
+            name = p["metadata"]["name"]
+            if (name in s.marked_at and self._marked(p) and name not in self.to_standby
+                    and not p["metadata"].get("deletionTimestamp")):
+                await self._mark(role, name, False)
+                done.append(f"cancelled the drain of {name}")
+        return done
 
     def _serialized(self) -> asyncio.Lock:
         """``apply`` and the drain finisher never interleave (a decision changing a scale-in while the
@@ -451,9 +493,14 @@ class KubernetesActuator:
         for role in list(self.pending):
             s = self.pending[role]
             idle: dict[str, bool | None] = {}
+            scale = await self.api.get(self._scale_path(role))
+            replicas = int(scale["spec"].get("replicas", 0))
+            if s.replicas is not None and replicas != s.replicas:
+                done += await self._give_up(role, s, replicas, await self._pods(scale))
+                continue
             now = self.clock.now()
             if self.is_idle is not None and any(now - t >= self.settle_s for t in s.marked_at.values()):
-                pods = {p["metadata"]["name"]: p for p in await self._pods(await self.api.get(self._scale_path(role)))}
+                pods = {p["metadata"]["name"]: p for p in await self._pods(scale)}
                 for name in s.marked_at:
                     idle[name] = True if name not in pods else await self.is_idle(pods[name])
             elif self.is_idle is None:
@@ -554,19 +601,36 @@ class KubernetesActuator:
 
     async def _apply(self, decision: PlanDecision) -> list[str]:
         done = await self._standby_actions(decision)
+        failed = []
         for role in (Role.PREFILL, Role.DECODE):
             if role not in self.workloads or role.value not in decision.desired:
                 continue
-            want, seen = decision.desired[role.value], decision.current.get(role.value)
-            pool = self.standby.get(role, 0)  # replicas = serving + the standby pool
-            direction = replica_change(want, seen)
-            if direction == "hold":
-                if pool and seen is not None:  # the pool may still be short: grow only (a drain goes on)
-                    done += await self.reconcile(role, seen + pool, grow_only=True)
-            else:
-                done += await self.reconcile(role, want + pool, grow_only=direction == "grow")
-            if pool:
-                done += await self._fill_standby(role)
+            # each role on its own: a workload the API refuses (deleted, 403, 500, a timeout) must not
+            # keep the other role from scaling; its failure is a line here, and the next decision retries
+            try:
+                done += await self._apply_role(role, decision)
+            except Exception as e:  # noqa: BLE001 - named in what was applied; raised when every role failed
+                line = f"{self.workloads[role]}: failed: {type(e).__name__}: {e}"[:400]
+                log.warning("kubernetes actuator: %s", line)
+                done.append(line)
+                failed.append(e)
+        attempted = [r for r in (Role.PREFILL, Role.DECODE) if r in self.workloads and r.value in decision.desired]
+        if failed and len(failed) == len(attempted):
+            raise failed[0]  # nothing was carried out: the interval failed (shown as last_error)
+        return done
+
+    async def _apply_role(self, role: Role, decision: PlanDecision) -> list[str]:
+        done: list[str] = []
+        want, seen = decision.desired[role.value], decision.current.get(role.value)
+        pool = self.standby.get(role, 0)  # replicas = serving + the standby pool
+        direction = replica_change(want, seen)
+        if direction == "hold":
+            if pool and seen is not None:  # the pool may still be short: grow only (a drain goes on)
+                done += await self.reconcile(role, seen + pool, grow_only=True)
+        else:
+            done += await self.reconcile(role, want + pool, grow_only=direction == "grow")
+        if pool:
+            done += await self._fill_standby(role)
         return done
 
     async def close(self) -> None:

@@ -24,7 +24,10 @@ created not Ready with ``podIP`` 127.0.0.1 and its ``http`` port from ``start_en
 gracefully: ``deletionTimestamp`` first, then ``stop_engine`` (SIGTERM and wait), then the pod is
 gone (``DELETED``). Test hooks: ``compact()`` (history gone: next resume gets 410),
 ``drop_watches()`` (cut every watch connection mid-stream), ``set_ready(pod, bool | None)``
-(force a readiness flip), ``add_pod``/``delete_pod`` (pods without a controller).
+(force a readiness flip), ``add_pod``/``delete_pod`` (pods without a controller), ``scale`` (someone else
+changes a workload's replicas: ``kubectl scale``, an HPA), ``delete_workload`` (a StatefulSet or Deployment
+deleted under the actuator), ``fail`` (the next N calls of one verb on one resource answer an error Status:
+409, 422, 403, 500, ...; or ``hang_s`` seconds of silence first).
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ class FakeKubeApiServer:
         self._drop_generation = 0
         self.active_watches = 0  # watch connections open now
         self._deleting: set[tuple[str, str]] = set()
+        self._faults: list[list[Any]] = []  # [verb, resource, status, times left, hang_s]
         self._stop = threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
@@ -198,6 +202,34 @@ class FakeKubeApiServer:
     def delete_pod(self, name: str, namespace: str = "dyad") -> None:
         with self.cond:
             self._remove_pod(namespace, name)
+
+    def scale(self, name: str, replicas: int, namespace: str = "dyad") -> None:
+        """Someone other than the actuator sets a workload's replicas (``kubectl scale``, an HPA)."""
+        with self.cond:
+            w = self.statefulsets.get((namespace, name)) or self.deployments[(namespace, name)]
+            w["spec"]["replicas"] = replicas
+            w["metadata"]["resourceVersion"] = str(self._bump())
+
+    def delete_workload(self, name: str, namespace: str = "dyad") -> None:
+        """The StatefulSet or Deployment is deleted (its pods stay, orphaned, as with ``--cascade=orphan``)."""
+        with self.cond:
+            self.statefulsets.pop((namespace, name), None)
+            self.deployments.pop((namespace, name), None)
+
+    def fail(self, verb: str, resource: str, status: int, times: int = 1, hang_s: float = 0.0) -> None:
+        """The next ``times`` calls of ``verb`` (get, list, patch, watch) on ``resource`` (pods,
+        statefulsets/scale, deployments/scale, ...) answer ``status`` with a Status object (after
+        ``hang_s`` seconds of silence; status 0: only the silence, then the normal answer)."""
+        with self.cond:
+            self._faults.append([verb, resource, status, times, hang_s])
+
+    def _fault(self, verb: str, resource: str) -> tuple[int, float] | None:
+        with self.cond:
+            for f in self._faults:
+                if f[0] == verb and f[1] == resource and f[3] > 0:
+                    f[3] -= 1
+                    return f[2], f[4]
+        return None
 
     def set_ready(self, name: str, ready: bool | None, namespace: str = "dyad") -> None:
         """Force a pod's Ready condition (None: back to the kubelet's probe)."""
@@ -376,6 +408,21 @@ class FakeKubeApiServer:
                 self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
                                   "reason": reason, "code": code})
 
+            def _injected(self, verb: str, resource: str) -> bool:
+                """Answer an injected fault (``FakeKubeApiServer.fail``) instead of the call; True if so."""
+                f = fake._fault(verb, resource)
+                if f is None:
+                    return False
+                status, hang_s = f
+                if hang_s:
+                    time.sleep(hang_s)
+                if not status:
+                    return False
+                reasons = {403: "Forbidden", 404: "NotFound", 409: "Conflict", 410: "Gone", 422: "Invalid",
+                           429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable"}
+                self._status(status, reasons.get(status, "Unknown"), f"injected fault: {verb} {resource} answers {status}")
+                return True
+
             def _route(self, method: str) -> None:
                 url = urlsplit(self.path)
                 q = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
@@ -396,14 +443,23 @@ class FakeKubeApiServer:
                     if len(parts) == 5 and method == "GET":
                         if q.get("watch") in ("true", "1"):
                             fake.requests.append((self.user, "watch", "pods"))
+                            if self._injected("watch", "pods"):
+                                return None
                             return self._watch(ns, q)
                         fake.requests.append((self.user, "list", "pods"))
+                        if self._injected("list", "pods"):
+                            return None
                         return self._list(ns, q)
                     if len(parts) == 6:
+                        if self._injected(method.lower(), "pods"):
+                            return None
                         return self._pod(method, ns, parts[5], body)
                 # /apis/apps/v1/namespaces/{ns}/statefulsets/{name}[/scale]
                 if parts[:4] == ["apis", "apps", "v1", "namespaces"] and len(parts) in (7, 8) \
                         and parts[5] in ("statefulsets", "deployments"):
+                    resource = parts[5] + ("/" + parts[7] if len(parts) == 8 else "")
+                    if self._injected(method.lower(), resource):
+                        return None
                     return self._workload(parts[5], method, parts[4], parts[6], parts[7] if len(parts) == 8 else None,
                                           body)
                 return self._status(404, "NotFound", f"the fake API server does not serve {url.path}")

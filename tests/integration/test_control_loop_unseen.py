@@ -1,0 +1,154 @@
+"""Faults of the live control loop that no earlier test tried (session 20, helper-46): the Kubernetes
+actuator against an API server that fails some calls, a workload deleted or scaled by someone else while
+a drain is under way; the local actuator's engines started through a wrapper; discovery's reasons for the
+pods it does not use; the planner's inputs from a Prometheus answering shapes a real one rarely or never
+gives. Each test failed before its fix.
+
+The API server is ``FakeKubeApiServer`` (a FAKE written for the tests: no kube-apiserver can run here),
+with its ``fail``/``scale``/``delete_workload`` hooks; the actuator and discovery run for real against it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from adapters.base import Role
+from orchestrator.fleet.kube_api import KubeApi, KubeApiError
+from orchestrator.planner.actuators import KubernetesActuator
+from orchestrator.planner.core import PlanDecision
+from tests.fakes.kube_apiserver import FakeKubeApiServer
+
+pytestmark = [pytest.mark.timeout(90)]
+
+SEL = {"app": "eng", "dyad.dev/pool": "decode"}
+PSEL = {"app": "eng", "dyad.dev/pool": "prefill"}
+
+
+@pytest.fixture
+def fake():
+    f = FakeKubeApiServer(bookmark_interval_s=0.2)
+    yield f
+    f.close()
+
+
+async def until(pred, timeout: float = 15.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def decision(prefill: int | None, decode: int | None, current: dict[str, int] | None = None) -> PlanDecision:
+    desired = {k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None}
+    return PlanDecision(at=0.0, observation=None, forecast=None, sizing=None, desired=desired,
+                        current=current or {}, actions=[], correction={}, predictors={}, reasons=[])
+
+
+def actuator(fake: FakeKubeApiServer, idle=None, **kw) -> KubernetesActuator:
+    async def is_idle(pod):
+        return True if idle is None else idle(pod)
+
+    return KubernetesActuator(KubeApi(fake.url, token="fake-token"), "dyad",
+                              {Role.PREFILL: "statefulsets/p", Role.DECODE: "statefulsets/d"}, is_idle=is_idle,
+                              settle_s=0.3, poll_s=0.05, **kw)
+
+
+def marked(fake: FakeKubeApiServer, name: str) -> bool:
+    pod = fake.pod(name)
+    return pod is not None and (pod["metadata"].get("annotations") or {}).get("dyad.dev/draining") == "true"
+
+
+# ------------------------------------------------------------------ Kubernetes actuator
+
+
+async def test_an_outside_scale_up_during_a_drain_deletes_no_pod_that_was_not_drained(fake):
+    """kubectl scale (or an HPA) raises the replicas while a scale-in waits for its victim to drain: the
+    finisher used to lower the replicas to its old target anyway, and Kubernetes deleted the new pods,
+    never marked nor drained, with whatever they were serving. Now the scale-in planned against the old
+    replicas is given up (its marks removed: the pod serves again) and the next decision re-plans."""
+    fake.add_statefulset("d", 3, SEL)
+    await until(lambda: len(fake.pod_names()) == 3, what="the controller's pods")
+    busy = {"d-2": True}
+    act = actuator(fake, idle=lambda pod: not busy.get(pod["metadata"]["name"], False))
+    try:
+        assert await act.apply(decision(None, 2)) == ["marked d-2 draining"]
+        fake.scale("d", 5)  # an operator, meanwhile
+        await until(lambda: len(fake.pod_names()) == 5, what="the operator's two new pods")
+        busy["d-2"] = False
+        await until(lambda: act.events, what="the finisher's verdict")
+        await asyncio.sleep(0.5)
+        assert fake.replicas("d") == 5, act.events
+        assert fake.pod_names() == ["d-0", "d-1", "d-2", "d-3", "d-4"]
+        assert not marked(fake, "d-2")  # back in rotation: the drain it was in is over
+        assert "changed outside the planner" in act.events[0], act.events
+        assert not act.pending
+    finally:
+        await act.close()
+
+
+async def test_a_failed_final_scale_patch_is_retried_not_left_with_pods_drained_for_good(fake):
+    """The API server answers 500 to the patch that lowers the replicas after the drain: the scale-in was
+    forgotten at once (popped before the call), so its victims stayed marked draining, out of rotation,
+    and the replicas stayed up; the planner, counting only serving pods, then holds and never asks again.
+    Now the finisher keeps the scale-in until the patch goes through."""
+    fake.add_statefulset("d", 2, SEL)
+    await until(lambda: len(fake.pod_names()) == 2, what="the controller's pods")
+    act = actuator(fake)
+    try:
+        fake.fail("patch", "statefulsets/scale", 500, times=2)
+        assert await act.apply(decision(None, 1)) == ["marked d-1 draining"]
+        await until(lambda: fake.replicas("d") == 1, what="the scale-in, once the API server answers again")
+        await until(lambda: fake.pod_names() == ["d-0"], what="d-1 deleted")
+        assert not act.pending
+    finally:
+        await act.close()
+
+
+async def test_one_workload_the_api_refuses_does_not_stop_the_other_roles_scaling(fake):
+    """The prefill StatefulSet is deleted under the actuator (or its scale answers 403, 500, ...): every
+    decision raised at the prefill role and the decode role, whatever it needed, was never scaled. Now
+    each role is carried out on its own; the failed one is a line in what was applied (and logged)."""
+    fake.add_statefulset("p", 1, PSEL)
+    fake.add_statefulset("d", 1, SEL)
+    await until(lambda: len(fake.pod_names()) == 2, what="the controller's pods")
+    act = actuator(fake)
+    try:
+        fake.delete_workload("p")
+        done = await act.apply(decision(2, 3))
+        assert "scaled statefulsets/d to 3" in done
+        assert any(line.startswith("statefulsets/p: failed") and "404" in line for line in done), done
+        assert fake.replicas("d") == 3
+        with pytest.raises(KubeApiError, match="500"):  # nothing could be carried out: the interval fails
+            fake.fail("get", "statefulsets/scale", 500, times=2)
+            await act.apply(decision(2, 4))
+        fake.add_statefulset("p", 1, PSEL)  # back; now the API answers each status once to decode's patch
+        for status in (403, 409, 422, 500):
+            fake.fail("patch", "statefulsets/scale", status)
+            done = await act.apply(decision(1, 4, current={"prefill": 1, "decode": 3}))
+            assert done == [f"statefulsets/d: failed: KubeApiError: kubernetes API {status}: injected fault: "
+                            f"patch statefulsets/scale answers {status}"], done
+        assert fake.replicas("d") == 3
+        assert await act.apply(decision(1, 4, current={"prefill": 1, "decode": 3})) == ["scaled statefulsets/d to 4"]
+    finally:
+        await act.close()
+
+
+async def test_replicas_changed_by_someone_else_are_named_once_in_what_was_applied(fake):
+    """kubectl scale (or an HPA) and the planner both own the replicas: the planner keeps sizing (it is
+    the owner), but the fight was invisible. Now the first decision after an outside change says so."""
+    fake.add_statefulset("d", 1, SEL)
+    await until(lambda: len(fake.pod_names()) == 1, what="the controller's pod")
+    act = actuator(fake)
+    try:
+        assert await act.apply(decision(None, 3, current={"decode": 1})) == ["scaled statefulsets/d to 3"]
+        fake.scale("d", 6)
+        done = await act.apply(decision(None, 7, current={"decode": 3}))
+        assert done[0].startswith("statefulsets/d: replicas are 6, not the 3 the planner set (changed outside"), done
+        assert done[1:] == ["scaled statefulsets/d to 7"]
+        assert await act.apply(decision(None, 7, current={"decode": 7})) == []  # told once
+    finally:
+        await act.close()
