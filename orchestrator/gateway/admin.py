@@ -19,6 +19,7 @@ from orchestrator.config import WorkerConfig
 from orchestrator.errors import ApiError, InvalidRequest, NotFound
 from orchestrator.fleet.registry import worker_from_config
 from orchestrator.fleet.worker import Worker
+from orchestrator.gateway import loop_guard
 from orchestrator.gateway import request as rq
 from orchestrator.gateway.auth import admin_runtime
 from orchestrator.gateway.runtime import GatewayRuntime
@@ -96,10 +97,25 @@ async def add_worker(request: Request) -> Response:
     if same is not None:  # one engine, two workers: twice its share of requests, capacity counted twice
         raise ApiError(f"Worker '{same.id}' already stands for the engine at {wc.url}.", status=409,
                        type="invalid_request_error", param="url", code="worker_url_exists")
+    if await _leads_back(rt, wc.url):
+        raise InvalidRequest(f"The worker URL {wc.url} leads back to this gateway (its /health refused the gateway's "
+                             "own probe as a loop): a gateway is not an engine.", param="url", code="worker_is_gateway")
     worker = rt.fleet.add(worker_from_config(wc))
     await rt.health.check_worker(worker)
     request.state.audit["state"] = worker.state.value
     return _json(worker_view(worker), status=201)
+
+
+async def _leads_back(rt: GatewayRuntime, url: str) -> bool:
+    """Whether ``url`` is this gateway (``loop_guard``: its ``/health`` answers the gateway's own probe 508
+    ``gateway_loop``). Any other answer, or none, is for the health probe to judge."""
+    try:
+        r = await rt.http.get(url.rstrip("/") + "/health", timeout=rt.config.health.timeout_s)
+        if r.status_code != loop_guard.GatewayLoop.status:
+            return False
+        return orjson.loads(r.content)["error"]["code"] == loop_guard.CODE
+    except Exception:  # noqa: BLE001 - unreachable, slow, not JSON: not this gateway
+        return False
 
 
 @audited("worker.remove")

@@ -24,7 +24,7 @@ from orchestrator.clock import Clock
 from orchestrator.config import DyadConfig
 from orchestrator.disagg import admin_routes as disagg_admin
 from orchestrator.errors import ApiError, error_body
-from orchestrator.gateway import admin, compose, openai_routes, responses_api
+from orchestrator.gateway import admin, compose, loop_guard, openai_routes, responses_api
 from orchestrator.gateway.fastpath import GatewayApp
 from orchestrator.gateway.openapi import build_openapi
 from orchestrator.gateway.runtime import GatewayRuntime
@@ -83,6 +83,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 async def health(request: Request) -> Response:
+    loop_guard.check(request.headers)  # a worker that is this gateway is never healthy (loop_guard)
     return Response(b'{"status":"ok"}', media_type="application/json")
 
 

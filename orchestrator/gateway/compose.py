@@ -17,7 +17,7 @@ from collections.abc import Callable
 from orchestrator import disagg
 from orchestrator.clock import Clock
 from orchestrator.config import DyadConfig
-from orchestrator.gateway import responses_api
+from orchestrator.gateway import loop_guard, responses_api
 from orchestrator.gateway.admission import Intake
 from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.gateway.shutdown import ShuttingDown
@@ -30,6 +30,8 @@ def build_runtime(config: DyadConfig, *, clock: Clock | None = None, metrics: Dy
                   runtime: GatewayRuntime | None = None) -> GatewayRuntime:
     """A complete runtime for ``config`` (``runtime``: a pre-built base, e.g. with a test transport)."""
     rt = runtime or GatewayRuntime(config, clock=clock, metrics=metrics)
+    # every probe, scrape and model-card read carries this gateway's mark too (requests: executor.worker_headers)
+    rt.http.headers[loop_guard.HEADER] = loop_guard.GATEWAY_ID
     telemetry.configure(rt)  # the access log and tracing from the config (orchestrator/telemetry/setup.py)
     parts = disagg.build(rt.config, rt.fleet, rt.router.policy, rt.http, rt.metrics, rt.clock, rt.adapter_for,
                          on_prefill_fault=lambda w: rt.breakers.record_failure(w.id, rt.clock.now()))

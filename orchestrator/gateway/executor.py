@@ -23,6 +23,7 @@ import orjson
 
 from adapters.base import EngineAdapter, EngineKind
 from orchestrator.fleet.worker import Worker
+from orchestrator.gateway import loop_guard
 from orchestrator.gateway.transport import MalformedAnswer, send_post
 from orchestrator.router.types import RouteDecision
 from orchestrator.telemetry import tracing
@@ -65,8 +66,9 @@ class Executor(Protocol):
 def worker_headers(worker: Worker, request_id: str) -> dict[str, str]:
     """What every request to an engine carries: the request id, the worker's key, identity encoding
     (the gateway reads and checks every answer; a compressed one is refused, proxy.py), and the W3C
-    traceparent of the current span (nothing while tracing is off)."""
-    headers = {"accept-encoding": "identity", "x-request-id": request_id}
+    traceparent of the current span (nothing while tracing is off), and this gateway's mark (a worker
+    whose URL leads back to the gateway refuses it: ``loop_guard``)."""
+    headers = {"accept-encoding": "identity", "x-request-id": request_id, loop_guard.HEADER: loop_guard.GATEWAY_ID}
     if worker.api_key:
         headers["authorization"] = f"Bearer {worker.api_key}"
     return tracing.inject(headers)

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from orchestrator.errors import ApiError, ModelNotFound, UpstreamError
-from orchestrator.gateway import classify, responses_api
+from orchestrator.gateway import classify, loop_guard, responses_api
 from orchestrator.gateway import request as rq
 from orchestrator.gateway.annotate import annotate
 from orchestrator.gateway.executor import UpstreamCall, worker_headers
@@ -48,6 +48,7 @@ async def _completion(request: Request, endpoint: str, label: str) -> Any:
     rt: GatewayRuntime = request.app.state.runtime
     rid = request_id_of(request)
     bind_request_id(rid)  # every log line of this request carries it (orchestrator.telemetry.logging)
+    loop_guard.check(request.headers)  # sent by this gateway to a worker that is itself: 508, never routed again
     rt.shutdown.check()  # draining after SIGTERM: 503 + Retry-After (orchestrator/gateway/shutdown.py)
     rt.shutdown.started()  # from here a drain waits for this request, queued or not (ended by intake.wrap)
     # One root span per request: admission here, the exchange later in the ASGI response (proxy.py).
@@ -160,6 +161,7 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
     rt: GatewayRuntime = request.app.state.runtime
     rid = request_id_of(request)
     bind_request_id(rid)
+    loop_guard.check(request.headers)
     endpoint = f"{responses_api.RESPONSES}/{{id}}{suffix}"
     record = AccessRecord(request_id=rid, endpoint=endpoint)
     root = tracing.begin("dyad.request", incoming=request.headers, endpoint=endpoint)
@@ -270,6 +272,7 @@ async def _passthrough(request: Request, endpoint: str, label: str) -> Any:
     rt: GatewayRuntime = request.app.state.runtime
     rid = request_id_of(request)
     bind_request_id(rid)
+    loop_guard.check(request.headers)
     rt.shutdown.check()
     rt.shutdown.started()
     intake = rt.intake
@@ -319,6 +322,7 @@ async def detokenize(request: Request) -> ProxyResponse:
 async def list_models(request: Request) -> Response:
     rt: GatewayRuntime = request.app.state.runtime
     request_id_of(request)
+    loop_guard.check(request.headers)  # (a health probe reads the models of a worker that is this gateway)
     client = rt.intake.authenticate(request)
     data = []
     for name in rt.fleet.models():
