@@ -21,7 +21,15 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from adapters.base import EngineKind, Role
 
@@ -381,13 +389,37 @@ class AuthConfig(_Section):
         return self
 
 
+def redis_url_problem(url: str, cluster: bool) -> str | None:
+    """Why the gateway could not use this Redis URL, or None. Parsed the way the gateway parses it when it
+    connects (one node: redis-py's ``parse_url``; a cluster: ``redis_clients.cluster_options``), so a URL
+    that passes here does not fail the gateway's start-up. The URL is not repeated (it may hold a password)."""
+    from redis.asyncio.connection import parse_url
+
+    from orchestrator.redis_clients import cluster_options
+
+    if not cluster and "," in urlsplit(url).netloc:
+        return ("must name one Redis node (redis://host:port[/db]); a seed list host:port,host:port is for "
+                "index.backend: redis_cluster")
+    try:
+        if cluster:
+            cluster_options(url)
+        else:
+            parse_url(url)
+    except ValueError as e:
+        shape = ("redis://host:port[,host:port...] or rediss://... (TLS)" if cluster
+                 else "redis://host:port[/db], rediss://host:port (TLS) or unix:///path/to/socket")
+        return f"not a usable Redis URL ({e}): write {shape}"
+    return None
+
+
 class LimitsConfig(_Section):
     """Overload protection: per-key rate limits, priority queueing and TTFT-based admission control."""
 
     backend: Literal["memory", "redis"] = Field(
         "memory", description="Where rate-limit buckets live: this process, or Redis (shared by replicas; "
                               "local buckets take over while Redis is unreachable)")
-    redis_url: str | None = Field(None, description="Redis for the buckets (None = index.redis_url)")
+    redis_url: str | None = Field(None, description="The Redis node for the buckets (None = index.redis_url; "
+                                                   "required with index.backend: redis_cluster)")
     key_prefix: str = Field("dyad", description="Prefix of the Redis bucket keys")
     default_rpm: int | None = Field(None, ge=1, description="Requests per minute for keys without rpm "
                                                             "(and for anonymous clients); None = unlimited")
@@ -409,6 +441,15 @@ class LimitsConfig(_Section):
     max_concurrent_per_client: int | None = Field(
         None, ge=1, description="Requests one client (API key; the client address when the gateway is open) may "
                                 "have in the gateway at once, queued or served; past it 429 naming the limit")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("backend") == "redis":
+            problem = redis_url_problem(v, cluster=False)
+            if problem:
+                raise ValueError(problem)
+        return v
 
 
 class HealthConfig(_Section):
@@ -450,6 +491,16 @@ class IndexConfig(_Section):
     ingest_shard: bool = Field(False, description="With redis / redis_cluster: replicas split the engines' KV "
                                "event streams (each engine written by one live replica, rendezvous hashing; "
                                "hand-over replays the engine's buffer) instead of every replica writing all")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str, info: ValidationInfo) -> str:
+        backend = info.data.get("backend")
+        if backend in ("redis", "redis_cluster"):
+            problem = redis_url_problem(v, cluster=backend == "redis_cluster")
+            if problem:
+                raise ValueError(problem)
+        return v
 
 
 class DisaggConfig(_Section):
@@ -747,6 +798,19 @@ class DyadConfig(_Section):
             if key in urls:
                 raise ValueError(f"workers.{i}.url: the engine at {w.url} is already workers.{urls[key]}")
             urls[key] = i
+        return self
+
+    @model_validator(mode="after")
+    def _limits_redis(self) -> DyadConfig:
+        # limits.redis_url unset: the buckets use index.redis_url, which must then name one Redis node
+        if self.limits.backend != "redis" or self.limits.redis_url is not None:
+            return self
+        if self.index.backend == "redis_cluster":
+            raise ValueError("limits.redis_url: limits.backend: redis keeps its buckets on one Redis node, and "
+                             "index.redis_url names a cluster (index.backend: redis_cluster): set limits.redis_url")
+        problem = redis_url_problem(self.index.redis_url, cluster=False)
+        if problem:
+            raise ValueError(f"limits.redis_url is unset, so the buckets use index.redis_url: {problem}")
         return self
 
     def model(self, name: str) -> ModelConfig | None:

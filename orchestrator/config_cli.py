@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, get_args
 
-from orchestrator.config import ConfigError, PolicyName, load_config
+from pydantic import ValidationError
+
+from orchestrator.config import ConfigError, PolicyName, WorkerConfig, load_config, redis_url_problem
 
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 ENGINES = ("vllm", "sglang", "sim")
@@ -110,9 +112,19 @@ def _bootstrap_port(url: str, extra: list[str]) -> int | None:
     return port
 
 
+def _check_flag_url(worker: dict[str, Any]) -> None:
+    flag = {"both": "--worker", "prefill": "--prefill", "decode": "--decode"}[worker["role"]]
+    try:
+        WorkerConfig.model_validate({"url": worker["url"]})
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{flag} {worker['url']}: the URL {msg}") from None
+
+
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config overrides the flags stand for (a nested dict for ``load_config(overrides=...)``).
-    Raises ``ConfigError`` for a malformed ``--prefill``."""
+    Raises ``ConfigError`` naming the flag for a malformed ``--prefill``, an engine URL the gateway cannot
+    use or a ``--redis`` URL it could not connect with."""
     out: dict[str, Any] = {}
     workers: list[dict[str, Any]] = []
     for url in getattr(args, "worker", None) or []:
@@ -126,6 +138,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         workers.append(w)
     for url in getattr(args, "decode", None) or []:
         workers.append({"url": url, "role": "decode"})
+    for w in workers:  # a bad URL is named by the flag that gave it (not as workers.N.url)
+        _check_flag_url(w)
     if workers:
         engine = getattr(args, "engine", None)
         model = getattr(args, "model", None)
@@ -140,6 +154,9 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "policy", None):
         out.setdefault("router", {})["policy"] = args.policy
     if getattr(args, "redis", None):
+        problem = redis_url_problem(args.redis, cluster=False)
+        if problem:
+            raise ConfigError(f"--redis: {problem}")
         out["index"] = {"backend": "redis", "redis_url": args.redis}
     if getattr(args, "host", None):
         out.setdefault("gateway", {})["host"] = args.host

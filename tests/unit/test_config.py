@@ -91,3 +91,31 @@ def test_no_setting_takes_an_infinite_or_nan_measure(tmp_path, text, field):
     section, key = field.split(".")
     with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number \(set by DYAD_"):
         load_config(None, environ={f"DYAD_{section.upper()}__{key.upper()}": ".inf"})
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"index": {"backend": "redis", "redis_url": "localhost:6379"}}, r"index\.redis_url: not a usable Redis URL"),
+    ({"index": {"backend": "redis", "redis_url": "redis://h1:7000,h2:7001"}}, r"index\.redis_url: must name one Redis node"),
+    ({"index": {"backend": "redis_cluster", "redis_url": "redis://h1:abc"}}, r"index\.redis_url: not a usable Redis URL"),
+    ({"limits": {"backend": "redis", "redis_url": "h:6379"}}, r"limits\.redis_url: not a usable Redis URL"),
+    ({"limits": {"backend": "redis"}, "index": {"redis_url": "h:6379"}},
+     r"limits\.redis_url is unset, so the buckets use index\.redis_url: not a usable"),
+    # the rate limiter talks to one node: a cluster's seed list failed the start-up, a single cluster node MOVED
+    ({"limits": {"backend": "redis"}, "index": {"backend": "redis_cluster", "redis_url": "redis://h1:7000,h2:7001"}},
+     r"limits\.redis_url: limits\.backend: redis keeps its buckets on one Redis node"),
+])
+def test_redis_urls_the_gateway_could_not_connect_with_are_refused(raw, message):
+    # these passed validation, then stopped `dyad serve` at start-up with a traceback (exit 3)
+    with pytest.raises(ConfigError, match=message):
+        load_config(raw, environ={})
+
+
+@pytest.mark.parametrize("raw", [
+    {"index": {"backend": "redis", "redis_url": "rediss://r:6380/0?ssl_ca_certs=/etc/ca.pem"}},
+    {"index": {"backend": "redis", "redis_url": "unix:///run/redis.sock"}},
+    {"index": {"backend": "redis_cluster", "redis_url": "redis://h1:7000,h2:7001"},
+     "limits": {"backend": "redis", "redis_url": "redis://r:6379"}},
+    {"index": {"backend": "memory", "redis_url": "unused"}, "limits": {"backend": "memory", "redis_url": "unused"}},
+])
+def test_usable_redis_urls_pass(raw):
+    load_config(raw, environ={})

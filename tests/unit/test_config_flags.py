@@ -66,9 +66,17 @@ def test_malformed_flags(argv, message):
         flag_overrides(parse(*argv))
 
 
-def test_bad_flag_values_are_named_by_validation():
-    with pytest.raises(ConfigError, match=r"workers\.0\.url: must start with http"):
-        config_from("--worker", "a:8000")
+@pytest.mark.parametrize("argv, message", [
+    (("--worker", "a:8000"), "--worker a:8000: the URL must start with http"),
+    (("--worker", "http://a:1", "--decode", "http://u:p@d:1"), "--decode http://u:p@d:1: the URL must not carry credentials"),
+    (("--prefill", "ftp://p:1", "9000"), "--prefill ftp://p:1: the URL must start with http"),
+    # a --redis URL the gateway could not connect with stopped its start-up with a traceback (exit 3)
+    (("--worker", "http://a:1", "--redis", "localhost:6379"), "--redis: not a usable Redis URL .* redis://host:port"),
+    (("--worker", "http://a:1", "--redis", "redis://h1:7000,h2:7001"), "--redis: must name one Redis node"),
+])
+def test_bad_flag_values_are_named_by_their_flag(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        flag_overrides(parse(*argv))
 
 
 def test_list_settings_from_the_environment_alone():
