@@ -84,8 +84,7 @@ def validate(body: dict[str, Any]) -> str:
         raise rq._wrong("input", "a string or an array of input items", inp)
     if isinstance(inp, list):
         for i, item in enumerate(inp):
-            if not isinstance(item, dict):
-                raise rq._wrong(f"input[{i}]", "an object", item)
+            _check_item(i, item)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise rq._wrong("instructions", "a string", instructions)
@@ -111,6 +110,38 @@ def validate(body: dict[str, Any]) -> str:
     if prev is not None:
         check_response_id(prev, "previous_response_id")
     return model
+
+
+def _check_item(i: int, item: Any) -> None:
+    """One ``input`` item's shape (not its vocabulary: item and part types are the engine's to know). A
+    message (``type`` absent or ``"message"``) has a string ``role`` and ``content`` that is a string or an
+    array of content-part objects; any item's ``type``, and a part's, is a string. (Before, a message whose
+    content was a number or an object went to the engine, and one that answered 500 to it was retried on
+    every worker.)"""
+    if not isinstance(item, dict):
+        raise rq._wrong(f"input[{i}]", "an object", item)
+    kind = item.get("type")
+    if kind is not None and not isinstance(kind, str):
+        raise rq._wrong(f"input[{i}].type", "a string", kind)
+    if kind not in (None, "message"):
+        return
+    role = item.get("role")
+    if role is None:
+        raise rq._missing(f"input[{i}].role")
+    if not isinstance(role, str):
+        raise rq._wrong(f"input[{i}].role", "a string", role)
+    content = item.get("content")
+    if content is None:
+        raise rq._missing(f"input[{i}].content")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise rq._wrong(f"input[{i}].content", "a string or an array of content parts", content)
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise rq._wrong(f"input[{i}].content[{j}]", "a content part object", part)
+        if not isinstance(part.get("type", ""), str):
+            raise rq._wrong(f"input[{i}].content[{j}].type", "a string", part["type"])
 
 
 def check_response_id(value: Any, param: str) -> str:

@@ -1,0 +1,110 @@
+"""``/v1/responses`` inputs no other test sends, through a real gateway in front of simulated engines (both
+data planes: the native plane hands this route to the Python gateway).
+
+``input`` items of the wrong shape are the gateway's 400 naming the field, before any engine is asked:
+before, a message whose ``content`` was a number went to the engine, the simulated engine (as an engine with
+that bug would) answered 500, and the gateway tried it on every worker before relaying a 500. Shapes that
+are valid but unusual (image parts, tool-call items, items the gateway does not know, output messages fed
+back) still reach the engine: their vocabulary is the engine's to judge.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.gateway.serve import GatewayThread
+from orchestrator.sim.server import SimEngineThread
+from tests.integration.test_gateway import error_of
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    engs = [SimEngineThread(model=MODEL, profile="cpu-tiny", seed=i, kv_events=False).start() for i in range(2)]
+    try:
+        yield engs
+    finally:
+        for e in engs:
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(engines, tmp_path_factory):
+    log = tmp_path_factory.mktemp("responses") / "access.log"
+    cfg = load_config({
+        "models": [{"name": MODEL}],
+        "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "models": [MODEL]} for i, e in enumerate(engines)],
+        "router": {"policy": "round_robin"},
+        "health": {"interval_s": 30},
+        "resilience": {"backoff_base_s": 0},
+        "access_log": {"enabled": True, "output": str(log), "format": "json"},
+    }, environ={})
+    with GatewayThread(cfg) as g:
+        g.access_path = log
+        yield g
+
+
+def _reached(engines, rid):
+    return any(h.get("x-request-id") == rid for e in engines for h in list(e.app.received_headers))
+
+
+def _post(gw, inp, rid=None, **extra):
+    return httpx.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": inp, "max_output_tokens": 3, **extra},
+                      headers={"x-request-id": rid} if rid else {}, timeout=30)
+
+
+@pytest.mark.parametrize("inp,param", [
+    ([{"role": "user", "content": 5}], "input[0].content"),
+    ([{"role": "user", "content": {"type": "input_text", "text": "x"}}], "input[0].content"),
+    ([{"role": "user", "content": "ok"}, {"role": "user", "content": ["bare string"]}], "input[1].content[0]"),
+    ([{"role": "user", "content": [{"type": 7, "text": "x"}]}], "input[0].content[0].type"),
+    ([{"role": "user"}], "input[0].content"),
+    ([{"content": "no role"}], "input[0].role"),
+    ([{"type": "message", "role": ["user"], "content": "x"}], "input[0].role"),
+    ([{"type": {"a": 1}, "content": "x"}], "input[0].type"),
+    (["a string item"], "input[0]"),
+])
+def test_an_input_item_of_the_wrong_shape_is_a_400_naming_it_before_any_engine(gw, engines, inp, param):
+    rid = f"bad-item-{uuid.uuid4().hex}"
+    r = _post(gw, inp, rid)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert not _reached(engines, rid)
+    assert not [line for line in gw.access_path.read_text().splitlines() if json.loads(line)["status"] >= 500]
+
+
+@pytest.mark.parametrize("inp", [
+    [{"role": "user", "content": [{"type": "input_text", "text": "look"},
+                                  {"type": "input_image", "image_url": "http://example.invalid/a.png"}]}],
+    [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+     {"type": "function_call_output", "call_id": "c1", "output": "42"}, {"role": "user", "content": "and?"}],
+    [{"type": "some_future_item", "payload": [1, 2]}, {"role": "user", "content": "hi"}],
+    [{"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+      "content": [{"type": "output_text", "text": "earlier", "annotations": []}]}, {"role": "user", "content": "more"}],
+])
+def test_valid_but_unusual_input_items_reach_the_engine(gw, engines, inp):
+    rid = f"odd-item-{uuid.uuid4().hex}"
+    r = _post(gw, inp, rid)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "response"
+    assert _reached(engines, rid)
+
+
+def test_a_long_previous_response_chain_stays_on_its_engine(gw):
+    r = _post(gw, "start")
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    for i in range(12):
+        r = _post(gw, f"turn {i}", previous_response_id=rid)
+        assert r.status_code == 200, (i, r.text)
+        assert r.json()["previous_response_id"] == rid
+        rid = r.json()["id"]
+    r = httpx.get(f"{gw.url}/v1/responses/{rid}", timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == rid
