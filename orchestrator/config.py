@@ -102,7 +102,8 @@ class WorkerConfig(_Section):
     engine: EngineKind = Field(EngineKind.VLLM, description="Wire dialect: vllm, sglang, or sim (simulator, vLLM dialect)")
     role: Role = Field(Role.BOTH, description="prefill, decode, or both (aggregated)")
     models: list[str] = Field(default_factory=list, description="Models served; empty = ask the engine")
-    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels (e.g. zone, for P/D transfer locality)")
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels, shown by GET /admin/workers "
+                                                                       "(not used for routing)")
     kv_events: KvEventsConfig | None = None
     bootstrap_port: int | None = Field(None, description="SGLang P/D bootstrap port (default 8998)")
     api_key: str | None = Field(None, description="Bearer key Dyad presents to the engine")
