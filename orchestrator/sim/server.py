@@ -85,7 +85,8 @@ class SimServerConfig:
     responses_fault: str | None = None  # /v1/responses only: eof | reset | garbage | hang | ... (sim/responses.py)
     responses_fault_after: int = 0  # ... after this many text deltas
     # /v1/completions and /v1/chat/completions streams only: eof | reset | garbage | hang (STREAM_FAULTS),
-    # after this many content chunks (the role chunk of chat not counted)
+    # after this many tokens of content (the role chunk of chat not counted), however the engine's steps were
+    # grouped into chunks (a late loop delivers several tokens in one chunk: that chunk is cut at the fault point)
     stream_fault: str | None = None
     stream_fault_after: int = 0
     healthy: bool = True  # False: GET /health answers 503 (the gateway's health loop marks the worker down)
@@ -184,11 +185,17 @@ def _until(outs: list[SimOutput], keep: int) -> tuple[list[SimOutput], int]:
         ts = [t for t in o.times if t <= cutoff][: keep - n]
         if not ts:
             continue
-        whole = len(ts) == len(o.times)
-        kept.append(o if whole else SimOutput(o.request_id, o.start_index, ts, False, None, o.num_cached_tokens,
-                                              o.output_seed, o.prompt_tokens, o.lease_block_ids))
+        kept.append(_head(o, len(ts)))
         n += len(ts)
     return kept, n
+
+
+def _head(o: SimOutput, keep: int) -> SimOutput:
+    """The output's first ``keep`` tokens (the output itself when that is all of them; else not finished)."""
+    if keep >= len(o.times):
+        return o
+    return SimOutput(o.request_id, o.start_index, o.times[:keep], False, None, o.num_cached_tokens, o.output_seed,
+                     o.prompt_tokens, o.lease_block_ids)
 
 
 class _Driver:
@@ -979,15 +986,22 @@ class SimServer:
         n_outs = [0] * g.n
         offsets = [0] * g.n  # completions: text already sent per choice (logprobs text_offset)
         fault = self.config.stream_fault
-        content_chunks = 0
+        # The fault comes after stream_fault_after tokens, counted as tokens, not chunks: a late loop (a loaded
+        # machine) or a fast profile delivers many tokens in one output, and counting chunks let the whole answer
+        # through in fewer chunks than the fault point (the injected fault never happened).
+        fault_left = self.config.stream_fault_after
         try:
             async for i, o in outputs:
-                if fault is not None and content_chunks >= self.config.stream_fault_after:
-                    if not started:
-                        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-                    await _stream_fault(fault, g, send)
-                    return
-                content_chunks += 1
+                cut = False
+                if fault is not None:
+                    if fault_left <= 0:
+                        if not started:
+                            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                        await _stream_fault(fault, g, send)
+                        return
+                    cut = len(o.times) > fault_left
+                    o = _head(o, fault_left)
+                    fault_left -= len(o.times)
                 if not started:
                     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                     started = True
@@ -1019,6 +1033,10 @@ class SimServer:
                 if o.finished and o.lease_block_ids is not None:
                     chunk["kv_transfer_params"] = self._kv_params_out(g.request_id, o)
                 await _send_sse(send, chunk)
+                if cut:  # the rest of this output lies past the fault point
+                    assert fault is not None
+                    await _stream_fault(fault, g, send)
+                    return
             if g.include_usage:
                 await _send_sse(send, {"id": oid, "object": chunk_obj, "created": created, "model": model,
                                        "choices": [], "usage": _usage(len(g.prompt_ids), sum(n_outs))})
