@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shlex
+import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -135,12 +137,8 @@ class LocalProcessActuator:
         p = self.processes.pop(worker_id, None)
         if p is None:
             return False
-        p.proc.terminate()
-        try:
-            await asyncio.to_thread(p.proc.wait, self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-            await asyncio.to_thread(p.proc.wait)
+        if p.proc is not None:
+            await asyncio.to_thread(stop_process_group, p.proc, self.stop_timeout_s)
         await self._hook(self.on_stopped, p)
         return True
 
@@ -161,6 +159,39 @@ class LocalProcessActuator:
 
     async def close(self) -> None:
         await self.stop_all(list(self.processes))
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> bool:
+    """``sig`` to the process group ``proc`` leads (it was started in a session of its own); False when
+    no process of the group is left."""
+    try:
+        os.killpg(proc.pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # not ours to signal (cannot happen for a group we started): the leader only
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        return proc.poll() is None
+
+
+def stop_process_group(proc: subprocess.Popen, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Stop an engine the actuator started, and everything it started: SIGTERM to its whole process group,
+    up to ``timeout_s`` for all of it to exit, then SIGKILL to what is left. Blocking (run in a thread).
+
+    The group, not the pid: a command template that runs the engine under a wrapper (``sh -c 'a; b'``, a
+    launch script, a launcher that forks its workers) has the engine as a child; the wrapper's pid alone
+    was signalled, it died and the engine ran on, orphaned, holding its port and accelerator memory."""
+    deadline = time.monotonic() + timeout_s
+    if not _signal_group(proc, signal.SIGTERM):
+        proc.poll()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(max(0.0, deadline - time.monotonic()))
+    # the leader may be gone while a child of it still runs (it ignores SIGTERM, or takes its time)
+    while time.monotonic() < deadline and _signal_group(proc, 0):
+        time.sleep(poll_s)
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait()
 
 
 def keep_reason(now: float, *, started_at: float, ready_at: float | None, alive: bool, min_serve_s: float,

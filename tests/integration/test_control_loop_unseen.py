@@ -152,3 +152,66 @@ async def test_replicas_changed_by_someone_else_are_named_once_in_what_was_appli
         assert await act.apply(decision(None, 7, current={"decode": 7})) == []  # told once
     finally:
         await act.close()
+
+
+# ------------------------------------------------------------------ local actuator
+
+
+async def _answers(url: str) -> bool:
+    import httpx
+
+    async with httpx.AsyncClient() as c:
+        try:
+            await c.get(url + "/", timeout=1.0)
+            return True
+        except httpx.TransportError:
+            return False
+
+
+async def _wait_answers(url: str, want: bool, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await _answers(url) == want:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("child_ignores_sigterm", [False, True])
+async def test_an_engine_started_through_a_wrapper_is_stopped_with_its_wrapper(child_ignores_sigterm, tmp_path):
+    """A command template that runs the engine under a wrapper (``sh -c '...; ...'``, a launch script, a
+    launcher that forks its workers): stopping signalled the wrapper's pid only, the wrapper died and the
+    engine ran on, orphaned, holding its port and (on a GPU host) its memory, out of every view. Now the
+    whole process group the engine was started in is signalled, and what outlives the stop timeout is
+    killed."""
+    import os
+    import signal
+    import sys
+
+    from orchestrator.planner.actuators import LocalProcessActuator
+    from orchestrator.planner.core import Action
+
+    engine = tmp_path / "engine.py"  # an HTTP server standing in for an engine
+    engine.write_text("import http.server, signal, sys\n"
+                      + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if child_ignores_sigterm else "")
+                      + "http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), "
+                        "http.server.SimpleHTTPRequestHandler).serve_forever()\n")
+    cmd = f"sh -c '{sys.executable} {engine} {{port}}; echo the engine exited'"
+    act = LocalProcessActuator({Role.DECODE: cmd}, stop_timeout_s=2.0)
+    pgids = []
+    try:
+        p = await act.start(Role.DECODE)
+        pgids.append(p.proc.pid)
+        assert await _wait_answers(p.url, True), "the engine never answered"
+        assert await act.apply(PlanDecision(at=0.0, observation=None, forecast=None, sizing=None, desired={},
+                                            current={}, actions=[Action("stop", Role.DECODE, p.worker_id)],
+                                            correction={}, predictors={}, reasons=[])) == [f"stopped {p.worker_id}"]
+        assert p.proc.poll() is not None
+        assert await _wait_answers(p.url, False), "the engine outlived its stop"
+    finally:
+        await act.close()
+        for pgid in pgids:  # whatever the test left running
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -293,6 +293,7 @@ def test_the_gateways_prefill_step_replaces_the_prefill_engines_ttft():
 async def test_an_engine_whose_process_exited_is_reaped():
     class Exited:  # a process handle whose process is gone (no real process in the unit tier)
         returncode = 1
+        pid = 2 ** 22 + 1  # above any pid_max: no such process (group) to signal
 
         def poll(self) -> int:
             return 1
