@@ -214,16 +214,23 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"dyad serve: {e}", file=sys.stderr)
         return 2
-    print(f"dyad: gateway on {'https' if ssl else 'http'}://{gw.host}:{gw.port} ({len(config.workers)} workers, "
-          f"policy {config.router.policy})", file=sys.stderr, flush=True)
     app = create_app(config, freeze=True)  # its start-up heap left out of garbage collection (app.freeze_heap)
     sockets = None
     host, port = gw.host, gw.port
+    shown = str(gw.port)
     if gw.data_plane == "native":  # the plane on host:port; the Python gateway behind it on a loopback port
         app, plane = native_front(app, config, gw.host, gw.port)
         sock = bind_socket("127.0.0.1", 0)
         plane.fallback_port = sock.getsockname()[1]
         sockets, host, port = [sock], "127.0.0.1", plane.fallback_port
+        if gw.port == 0:
+            shown = "0 (a free port, chosen by the native plane)"
+    elif gw.port == 0:  # any free port: bound here, so the line below names the port clients must use
+        sock = bind_socket(gw.host, 0)
+        sockets, port = [sock], sock.getsockname()[1]
+        shown = str(port)
+    print(f"dyad: gateway on {'https' if ssl else 'http'}://{gw.host}:{shown} ({_fleet_summary(config)}, "
+          f"policy {config.router.policy})", file=sys.stderr, flush=True)
     # SIGTERM: stop intake, finish in-flight requests (resilience.shutdown_grace_s), exit 0 (shutdown.py)
     server = DrainingServer(uvicorn_config(app, host, port, args.log_level, ssl=ssl,
                                            resilience=config.resilience, gateway=gw),
@@ -231,6 +238,17 @@ def run(args: argparse.Namespace) -> int:
                             config.resilience.shutdown_grace_s)
     server.run(sockets=sockets)
     return 0
+
+
+def _fleet_summary(config: DyadConfig) -> str:
+    """The start-up line's fleet: the static workers, and where discovery finds the others."""
+    out = f"{len(config.workers)} worker{'s' if len(config.workers) != 1 else ''}"
+    source = config.discovery.source
+    if source == "file":
+        out += f" + those in {config.discovery.file.path}"
+    elif source == "kubernetes":
+        out += " + Kubernetes pods"
+    return out
 
 
 def native_front(app: Any, config: DyadConfig, host: str, port: int) -> tuple[Any, Any]:

@@ -131,3 +131,47 @@ def test_a_request_leaves_no_garbage_only_the_collector_can_free():
     for endpoint, stream, connection, few, many in rows:
         assert int(many) - int(few) < 40, \
             f"{endpoint} stream={stream} {connection} connection: {few} -> {many} cyclic objects for 80 more requests"
+
+
+def test_dyad_serve_on_port_0_names_the_port_it_took(tmp_path):
+    """``gateway.port: 0`` (any free port): the start-up line said ``http://127.0.0.1:0``, so nobody could find the
+    gateway. It names the bound port now, and the gateway answers there; discovery's workers are named too."""
+    import re
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    workers = tmp_path / "workers.json"
+    workers.write_text("[]")
+    cfg = tmp_path / "dyad.yaml"
+    cfg.write_text(f"discovery:\n  source: file\n  file:\n    path: {workers}\n")
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(cfg), "--port", "0"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=root, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60  # a liveness bound, not a timing assertion
+        port = None
+        while port is None and time.monotonic() < deadline and proc.poll() is None:
+            m = re.search(r"gateway on http://127\.0\.0\.1:(\d+) \(0 workers \+ those in (\S+),", log.read_text())
+            if m:
+                port = int(m.group(1))
+                assert m.group(2) == str(workers)
+            else:
+                time.sleep(0.1)
+        assert port, log.read_text()[-2000:]
+        answer = None
+        while answer is None and time.monotonic() < deadline:
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert answer is not None and answer.json() == {"status": "ok"}, log.read_text()[-2000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
