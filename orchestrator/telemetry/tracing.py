@@ -27,6 +27,7 @@ raises ``TracingUnavailable`` naming the extra. Tracing is process-wide: the las
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -183,15 +184,44 @@ def force_flush(timeout_s: float = 5.0) -> bool:
     return True if state is None else bool(state.provider.force_flush(int(timeout_s * 1000)))
 
 
+# W3C trace context limits, as the OpenTelemetry propagator applies them (it ignores what breaks them, but logs a
+# WARNING for each such header, with an invalid tracestate member quoted: client text, up to 8 KiB a request)
+MAX_TRACEPARENT = 512
+MAX_TRACESTATE = 8192
+MAX_TRACESTATE_MEMBERS = 32
+_TRACESTATE_MEMBER = re.compile(
+    r"(?:[a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
+
+
+def _tracestate_ok(value: str) -> bool:
+    if len(value) > MAX_TRACESTATE:
+        return False
+    members = [m for m in (part.strip(" \t") for part in value.split(",")) if m]
+    return len(members) <= MAX_TRACESTATE_MEMBERS and all(_TRACESTATE_MEMBER.fullmatch(m) for m in members)
+
+
 def _carrier(incoming: Mapping[str, str] | Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
-    if isinstance(incoming, Mapping):
-        return {str(k).lower(): str(v) for k, v in incoming.items()
-                if str(k).lower() in ("traceparent", "tracestate")}
+    """The client's ``traceparent``/``tracestate``, without what the propagator would refuse with a log line (a
+    client's malformed header starts a new trace, or loses its tracestate, silently: never a log line per request
+    carrying the client's text)."""
     out: dict[str, str] = {}
-    for k, v in incoming:
-        name = k.decode("latin-1").lower()
-        if name in ("traceparent", "tracestate"):
-            out[name] = v.decode("latin-1")
+    if isinstance(incoming, Mapping):
+        for k, v in incoming.items():
+            name = str(k).lower()
+            if name in ("traceparent", "tracestate"):
+                out[name] = str(v)
+    else:
+        for k, v in incoming:
+            name = k.decode("latin-1").lower()
+            if name in ("traceparent", "tracestate"):
+                out[name] = v.decode("latin-1")
+    parent = out.get("traceparent")
+    if parent is not None and len(parent) > MAX_TRACEPARENT:
+        return {}  # (no parent: a new trace, whose state the client's tracestate is not)
+    state = out.get("tracestate")
+    if state is not None and not _tracestate_ok(state):
+        del out["tracestate"]
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 
 import pytest
 
@@ -82,6 +83,33 @@ def test_malformed_traceparent_starts_a_new_trace(exporter):
         pass
     [req] = exporter.get_finished_spans()
     assert req.parent is None and format(req.context.trace_id, "032x") != CLIENT_TRACE
+
+
+PARENT = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"
+
+
+@pytest.mark.parametrize("headers,parent,state", [
+    # (found by helper-47's probe: each of these made the OpenTelemetry propagator log a WARNING per request,
+    # an invalid tracestate member quoted in it: up to 8 KiB of the client's text a line)
+    ({"traceparent": PARENT, "tracestate": "k=" + "v" * 300 + " forged text"}, CLIENT_TRACE, None),
+    ({"traceparent": PARENT, "tracestate": "ok=1,Not A Member"}, CLIENT_TRACE, None),
+    ({"traceparent": PARENT, "tracestate": ",".join(f"k{i}=v" for i in range(33))}, CLIENT_TRACE, None),
+    ({"traceparent": PARENT, "tracestate": "a=b," * 2100}, CLIENT_TRACE, None),
+    ({"traceparent": f"01-{CLIENT_TRACE}-{CLIENT_PARENT}-01-" + "x" * 600, "tracestate": "vendor=1"}, None, None),
+    # valid ones are kept as they were
+    ({"traceparent": PARENT, "tracestate": "vendor=1, tenant@sys=a b"}, CLIENT_TRACE, "vendor=1,tenant@sys=a b"),
+    ({"traceparent": f"cc-{CLIENT_TRACE}-{CLIENT_PARENT}-01-future"}, CLIENT_TRACE, None),
+])
+def test_a_malformed_trace_header_is_dropped_without_a_log_line(exporter, caplog, headers, parent, state):
+    with caplog.at_level(logging.DEBUG), tracing.span("dyad.request", incoming=headers):
+        out = tracing.inject({})
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    [req] = exporter.get_finished_spans()
+    if parent is None:
+        assert req.parent is None and format(req.context.trace_id, "032x") != CLIENT_TRACE
+    else:
+        assert format(req.context.trace_id, "032x") == parent
+    assert out.get("tracestate") == state
 
 
 def test_an_unsampled_client_trace_is_not_recorded_but_still_propagated(exporter):
