@@ -214,21 +214,26 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"dyad serve: {e}", file=sys.stderr)
         return 2
+    # The client port is bound (Python plane) or tried (the native plane binds it itself) before anything starts:
+    # a port in use is one line and exit 2, and with port 0 the line below names the port clients must use.
+    try:
+        listener = bind_socket(gw.host, gw.port)
+    except OSError as e:
+        print(f"dyad serve: cannot listen on {gw.host}:{gw.port} (gateway.host, gateway.port): "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 2
     app = create_app(config, freeze=True)  # its start-up heap left out of garbage collection (app.freeze_heap)
-    sockets = None
-    host, port = gw.host, gw.port
-    shown = str(gw.port)
+    host, port = gw.host, listener.getsockname()[1]
+    sockets = [listener]
+    shown = str(port)
     if gw.data_plane == "native":  # the plane on host:port; the Python gateway behind it on a loopback port
+        listener.close()
         app, plane = native_front(app, config, gw.host, gw.port)
         sock = bind_socket("127.0.0.1", 0)
         plane.fallback_port = sock.getsockname()[1]
         sockets, host, port = [sock], "127.0.0.1", plane.fallback_port
         if gw.port == 0:
             shown = "0 (a free port, chosen by the native plane)"
-    elif gw.port == 0:  # any free port: bound here, so the line below names the port clients must use
-        sock = bind_socket(gw.host, 0)
-        sockets, port = [sock], sock.getsockname()[1]
-        shown = str(port)
     print(f"dyad: gateway on {'https' if ssl else 'http'}://{gw.host}:{shown} ({_fleet_summary(config)}, "
           f"policy {config.router.policy})", file=sys.stderr, flush=True)
     # SIGTERM: stop intake, finish in-flight requests (resilience.shutdown_grace_s), exit 0 (shutdown.py)

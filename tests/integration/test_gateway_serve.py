@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import httpx
@@ -175,3 +176,24 @@ def test_dyad_serve_on_port_0_names_the_port_it_took(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_dyad_serve_on_a_port_in_use_says_so_and_exits_2():
+    """A taken port printed 'gateway on http://...:PORT' and then uvicorn's bind error, exit 3 (the native plane:
+    a traceback). The port is bound (or tried, for the native plane) before anything starts: one line, exit 2."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        for plane in ("python", "native"):
+            out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--worker", "http://127.0.0.1:1",
+                                  "--port", str(port)], cwd=root, capture_output=True, text=True, timeout=120,
+                                 env={**os.environ, "DYAD_GATEWAY__DATA_PLANE": plane}, stdin=subprocess.DEVNULL)
+            assert out.returncode == 2, (plane, out.stderr[-2000:])
+            assert out.stderr.strip() == (f"dyad serve: cannot listen on 127.0.0.1:{port} (gateway.host, gateway.port): "
+                                          "Address already in use"), plane
