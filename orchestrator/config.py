@@ -174,7 +174,8 @@ class KubernetesDiscoveryConfig(_Section):
         default_factory=dict, description="Role → pod label selector, e.g. prefill: "
                                           "'app.kubernetes.io/name=vllm,dyad.dev/pool=prefill'")
     role_label: str | None = Field("dyad.dev/role", description="Pod label whose value (prefill/decode/both) "
-                                                                "overrides the selector's role")
+                                                                "overrides the selector's role; a pod whose label "
+                                                                "has another value is not used")
     port: int | str = Field("http", description="Engine HTTP port: a container port name or a number")
     scheme: Literal["http", "https"] = Field("http", description="Engine URL scheme")
     engine: EngineKind = Field(EngineKind.VLLM, description="Wire dialect of the discovered engines")

@@ -110,6 +110,10 @@ class DyadMetrics:
                                         "Failed reads of a discovery source (API list/watch errors, unreadable or "
                                         "invalid workers file); the last good worker list stays", ["source"],
                                         registry=r)
+        self.discovery_unused_pods = Gauge("dyad_discovery_unused_pods",
+                                           "Pods the Kubernetes selectors match that are not workers, by reason "
+                                           "(not_ready, no_ip, no_port, unknown_role, unmappable); which and why: "
+                                           "GET /admin/discovery", ["reason"], registry=r)
         # --- prefix index
         self.index_blocks = Gauge("dyad_index_blocks", "(worker, block) entries in the prefix index",
                                   ["backend"], registry=r)

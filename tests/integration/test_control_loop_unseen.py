@@ -215,3 +215,58 @@ async def test_an_engine_started_through_a_wrapper_is_stopped_with_its_wrapper(c
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# ------------------------------------------------------------------ discovery
+
+
+async def test_discovery_says_why_each_matched_pod_is_not_a_worker_and_counts_them(fake, caplog):
+    """A pod whose role label is not a role (``decoder``) was used silently in the selector's role; a pod
+    not Ready, without an IP or without the named port, and a pod whose engine is already another worker,
+    were simply absent: nothing said why. Now such a pod is not used (an unknown role is not guessed),
+    /admin/discovery names each and why, ``dyad_discovery_unused_pods{reason}`` counts them, and the
+    unknown role is logged."""
+    from orchestrator.config import load_config
+    from orchestrator.fleet.discovery import build_discovery
+    from orchestrator.fleet.registry import FleetRegistry
+    from orchestrator.telemetry.metrics import DyadMetrics
+
+    labels = {"app": "eng", "dyad.dev/pool": "decode"}
+    fake.add_pod("good", labels, 9001)
+    fake.add_pod("starting", labels, 9002, ready=False)
+    fake.add_pod("typo", {**labels, "dyad.dev/role": "decoder"}, 9003)
+    fake.add_pod("no-ip", labels, 9004, ip="")
+    fake.add_pod("twin", labels, 9001)  # the same engine address as "good"
+    bare = fake.add_pod("no-port", labels, 9005)
+    fake.patch_pod("no-port", {"spec": {"containers": [{"name": "engine", "ports": [{"name": "metrics",
+                                                                                       "containerPort": 9}]}]}})
+    assert bare["metadata"]["name"] == "no-port"
+    cfg = load_config({"discovery": {"source": "kubernetes", "kubernetes": {
+        "api": {"api_url": fake.url, "token": "fake-token", "namespace": "dyad"},
+        "selectors": {"decode": "app=eng,dyad.dev/pool=decode"}, "watch_timeout_s": 30}}}, environ={})
+    fleet, metrics = FleetRegistry(), DyadMetrics()
+    d = build_discovery(cfg.discovery, fleet, metrics=metrics)
+    await d.start()
+    try:
+        await until(lambda: d.source.unused and fleet.workers(), what="the first report")
+        assert [w.id for w in fleet.workers()] == ["good"]
+        status = d.status()
+        pods = status["unused"]["pods"]
+        assert pods["starting"] == "not_ready: not Ready"
+        assert pods["no-ip"] == "no_ip: no status.podIP yet"
+        assert pods["no-port"].startswith("no_port: no container port named 'http'")
+        assert pods["typo"].startswith("unknown_role: label dyad.dev/role='decoder' is not a role"), pods
+        assert status["unused"]["count"] == 4
+        assert status["conflicts"] == {"twin": "the engine at http://127.0.0.1:9001 is already worker 'good'"}
+        value = metrics.registry.get_sample_value
+        assert {r: value("dyad_discovery_unused_pods", {"reason": r}) for r in ("not_ready", "no_ip", "no_port",
+                                                                                "unknown_role")} == dict.fromkeys(
+            ("not_ready", "no_ip", "no_port", "unknown_role"), 1.0)
+        assert any("typo is not used" in r.getMessage() for r in caplog.records)
+        # the pod gets Ready: it joins and leaves the list of pods not used
+        fake.set_ready("starting", True)
+        await until(lambda: fleet.get("starting") is not None, what="the pod that turned Ready")
+        await until(lambda: "starting" not in d.status()["unused"]["pods"], what="the list of pods not used")
+        assert value("dyad_discovery_unused_pods", {"reason": "not_ready"}) == 0.0
+    finally:
+        await d.stop()

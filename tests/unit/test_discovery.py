@@ -9,7 +9,13 @@ import pytest
 from adapters.base import Role
 from orchestrator.config import KubernetesDiscoveryConfig, WorkerConfig
 from orchestrator.fleet.discovery.file import WorkersFileError, parse_workers_file
-from orchestrator.fleet.discovery.kubernetes import apply_event, desired_from_pods, pod_to_spec
+from orchestrator.fleet.discovery.kubernetes import (
+    Unused,
+    apply_event,
+    desired_from_pods,
+    pod_mapping,
+    pod_to_spec,
+)
 from orchestrator.fleet.discovery.reconcile import Owned, Reconciler, WorkerSpec, plan_changes
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker, WorkerState
@@ -17,7 +23,8 @@ from orchestrator.planner.actuators import DrainingScaleIn, drain_finished, repl
 
 
 def spec(wid: str, url: str | None = None, role: str = "both", draining: bool = False, **kw) -> WorkerSpec:
-    return WorkerSpec(WorkerConfig(id=wid, url=url or f"http://10.0.0.{len(wid)}:8000", role=role, **kw), draining)
+    # one engine address per id (it was one per id *length*: "a" and "b" were the same engine)
+    return WorkerSpec(WorkerConfig(id=wid, url=url or f"http://engine-{wid}.test:8000", role=role, **kw), draining)
 
 
 def kinds(changes) -> list[tuple[str, str]]:
@@ -25,6 +32,15 @@ def kinds(changes) -> list[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------ plan_changes
+
+
+def test_two_new_workers_with_one_engine_address_in_one_report_add_one():
+    """Two pods given one IP and port, both in the first list: each was checked only against the
+    registry (where neither was yet), and both were added: one engine as two workers."""
+    desired = {"a": spec("a", "http://10.0.0.9:8000"), "b": spec("b", "http://10.0.0.9:8000/")}
+    changes = plan_changes(desired, {}, {}, set(), 0.0, 30.0)
+    assert kinds(changes) == [("add", "a"), ("conflict", "b")]
+    assert changes[1].reason == "the engine at http://10.0.0.9:8000 is already worker 'a'"
 
 
 def test_new_workers_are_added_but_never_a_draining_one():
@@ -128,12 +144,19 @@ def test_pod_to_worker_mapping():
     assert (c.id, c.url, c.role, c.engine.value, c.models) == ("e-0", "http://10.1.2.3:8000", Role.DECODE, "sim", ["m"])
     assert c.kv_events.endpoint == "tcp://10.1.2.3:5557" and c.kv_events.replay_endpoint == "tcp://10.1.2.3:5558"
     assert c.labels == {"pod": "e-0", "node": "n1"}
-    # role from the selector when the label is missing or not a role
-    assert pod_to_spec(pod(labels={"dyad.dev/role": "chef"}), Role.PREFILL, K8S).config.role is Role.PREFILL
-    # not routable: not Ready, no IP, no such port
+    # role from the selector when the label is missing; a value that is not a role is not guessed (the pod
+    # is not used, and pod_mapping says why: it used to take the selector's role silently)
+    assert pod_to_spec(pod(labels={}), Role.PREFILL, K8S).config.role is Role.PREFILL
+    assert pod_to_spec(pod(labels={"dyad.dev/role": "chef"}), Role.PREFILL, K8S) is None
+    assert pod_mapping(pod(labels={"dyad.dev/role": "chef"}), Role.PREFILL, K8S) == Unused(
+        "unknown_role", "label dyad.dev/role='chef' is not a role (prefill, decode, both) (discovery.kubernetes.role_label)")
+    # not routable: not Ready, no IP, no such port; each with its reason
     assert pod_to_spec(pod(ready=False), Role.PREFILL, K8S) is None
     assert pod_to_spec(pod(ip=None), Role.PREFILL, K8S) is None
     assert pod_to_spec(pod(ports=[{"name": "metrics", "containerPort": 9}]), Role.PREFILL, K8S) is None
+    assert [pod_mapping(p, Role.PREFILL, K8S).reason for p in (  # type: ignore[union-attr]
+        pod(ready=False), pod(ip=None), pod(ports=[{"name": "metrics", "containerPort": 9}]))] == [
+        "not_ready", "no_ip", "no_port"]
     # marked or being deleted: a worker that takes nothing new
     assert pod_to_spec(pod(annotations={"dyad.dev/draining": "true"}), Role.PREFILL, K8S).draining
     assert pod_to_spec(pod(deleting=True), Role.PREFILL, K8S).draining

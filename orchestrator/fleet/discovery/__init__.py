@@ -68,6 +68,10 @@ class Discovery:
             self._failed("applying a report", e)  # the next sweep or report tries again
         finally:
             self._first.set()
+        unused = getattr(self.source, "unused_counts", None)  # pods the source sees but does not use
+        if unused is not None and self.metrics is not None:
+            for reason, n in unused().items():
+                self.metrics.discovery_unused_pods.labels(reason).set(n)
 
     def _failed(self, what: str, e: Exception) -> None:
         log.warning("discovery (%s): %s failed: %s: %s", self.source.name, what, type(e).__name__, e)
@@ -103,7 +107,10 @@ class Discovery:
     def status(self) -> dict[str, Any]:
         return {**self.source.status(), "reports": self.reports,
                 "workers": sorted(self.reconciler.owned),
-                "withdrawn": sorted(w for w, o in self.reconciler.owned.items() if o.withdrawn_at is not None)}
+                "withdrawn": sorted(w for w, o in self.reconciler.owned.items() if o.withdrawn_at is not None),
+                # workers the source reports but that are not added (their engine is already registered
+                # under another id, or their id is a static worker's), and why
+                "conflicts": {wid: why for wid, why in sorted(self.reconciler.conflicts())}}
 
 
 def build_discovery(config: DiscoveryConfig, fleet: FleetRegistry, clock: Clock | None = None,

@@ -26,6 +26,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from adapters.base import Role
@@ -38,6 +39,7 @@ log = logging.getLogger("dyad.discovery")
 Pod = dict[str, Any]
 COALESCE_S = 0.05  # events within this long after a change are reported together
 MIN_WATCH_S = 0.5  # a watch the server ends sooner than this is followed by a pause before the next
+UNUSED_SHOWN = 100  # pods not used that GET /admin/discovery names (all are counted)
 
 
 def pod_ready(pod: Pod) -> bool:
@@ -56,24 +58,62 @@ def container_port(pod: Pod, port: int | str) -> int | None:
     return None
 
 
+class UnknownRole(ValueError):
+    """The pod's role label has a value that is not a role."""
+
+
 def pod_role(pod: Pod, selector_role: Role, role_label: str | None) -> Role:
+    """The role label's value, else (no label) the selector's role. A value that is not a role raises
+    ``UnknownRole``: it used to fall back to the selector's role silently, and a pod labelled for a role
+    Dyad does not know (a typo, ``decoder``) may well not be an engine of that role (P/D engines are
+    configured per role: a decode engine sent prefills fails every KV transfer)."""
     value = ((pod.get("metadata") or {}).get("labels") or {}).get(role_label or "")
-    try:
-        return Role(value) if value else selector_role
-    except ValueError:
+    if not value:
         return selector_role
+    try:
+        return Role(value)
+    except ValueError:
+        raise UnknownRole(f"label {role_label}={value!r} is not a role ({', '.join(r.value for r in Role)})") from None
+
+
+# why a pod the selectors match is not a worker (the ``reason`` label of ``dyad_discovery_unused_pods``)
+UNUSED_REASONS = ("not_ready", "no_ip", "no_port", "unknown_role", "unmappable")
+
+
+@dataclass(frozen=True)
+class Unused:
+    """A pod that is not a worker, and why: ``reason`` one of ``UNUSED_REASONS``, ``detail`` a sentence."""
+
+    reason: str
+    detail: str
 
 
 def pod_to_spec(pod: Pod, selector_role: Role, cfg: KubernetesDiscoveryConfig) -> WorkerSpec | None:
-    """The worker a pod stands for, or None when it must not be a worker (not Ready, no IP, no port)."""
+    """The worker a pod stands for, or None when it must not be a worker (not Ready, no IP, no port,
+    an unknown role label; ``pod_mapping`` says which)."""
+    spec = pod_mapping(pod, selector_role, cfg)
+    return spec if isinstance(spec, WorkerSpec) else None
+
+
+def pod_mapping(pod: Pod, selector_role: Role, cfg: KubernetesDiscoveryConfig) -> WorkerSpec | Unused:
+    """The worker a pod stands for, or why it is not one."""
     meta = pod.get("metadata") or {}
     ip = (pod.get("status") or {}).get("podIP")
     name = meta.get("name")
-    if not name or not ip or not pod_ready(pod):
-        return None
+    if not name:
+        return Unused("unmappable", "no metadata.name")
+    if not pod_ready(pod):
+        deleting = " (being deleted)" if meta.get("deletionTimestamp") else ""
+        return Unused("not_ready", f"not Ready{deleting}")
+    if not ip:
+        return Unused("no_ip", "no status.podIP yet")
     port = container_port(pod, cfg.port)
     if port is None:
-        return None
+        return Unused("no_port", f"no container port named {cfg.port!r} (discovery.kubernetes.port)")
+    try:
+        role = pod_role(pod, selector_role, cfg.role_label)
+    except UnknownRole as e:
+        return Unused("unknown_role", f"{e} (discovery.kubernetes.role_label)")
     host = f"[{ip}]" if ":" in ip else ip
     kv_events = None
     ev = container_port(pod, cfg.kv_events_port) if cfg.kv_events_port else None
@@ -85,7 +125,6 @@ def pod_to_spec(pod: Pod, selector_role: Role, cfg: KubernetesDiscoveryConfig) -
     node = (pod.get("spec") or {}).get("nodeName")
     if node:
         labels["node"] = node
-    role = pod_role(pod, selector_role, cfg.role_label)
     bootstrap = container_port(pod, cfg.bootstrap_port) if cfg.bootstrap_port is not None and role == Role.PREFILL \
         else None
     config = WorkerConfig(id=name, url=f"{cfg.scheme}://{host}:{port}", engine=cfg.engine, role=role,
@@ -97,10 +136,11 @@ def pod_to_spec(pod: Pod, selector_role: Role, cfg: KubernetesDiscoveryConfig) -
 
 
 def desired_from_pods(caches: list[tuple[Role, dict[str, Pod]]], cfg: KubernetesDiscoveryConfig,
-                      memo: dict[tuple[Role, str], tuple[str | None, WorkerSpec | None]] | None = None,
-                      ) -> dict[str, WorkerSpec]:
+                      memo: dict[tuple[Role, str], tuple[str | None, WorkerSpec | Unused]] | None = None,
+                      unused: dict[str, Unused] | None = None) -> dict[str, WorkerSpec]:
     """Every selector's pods → workers (a pod two selectors match counts once, for the first).
-    ``memo`` keeps each pod's mapping by resourceVersion, so a report after one event maps one pod."""
+    ``memo`` keeps each pod's mapping by resourceVersion, so a report after one event maps one pod;
+    ``unused`` (filled when given) gets every matched pod that is not a worker, and why."""
     out: dict[str, WorkerSpec] = {}
     seen: set[tuple[Role, str]] = set()
     for role, pods in caches:
@@ -114,16 +154,22 @@ def desired_from_pods(caches: list[tuple[Role, dict[str, Pod]]], cfg: Kubernetes
                 spec = hit[1]
             else:
                 try:
-                    spec = pod_to_spec(pod, role, cfg)
+                    spec = pod_mapping(pod, role, cfg)
                 except (TypeError, ValueError, KeyError, AttributeError) as e:
                     # a pod of an unexpected shape is not a worker; it must not stop the report of the others
                     log.warning("discovery: pod %s cannot be a worker: %s: %s", name, type(e).__name__, e)
-                    spec = None
+                    spec = Unused("unmappable", f"{type(e).__name__}: {e}"[:200])
+                if isinstance(spec, Unused) and spec.reason == "unknown_role":
+                    log.warning("discovery: pod %s is not used: %s", name, spec.detail)
             if memo is not None:
                 memo[(role, name)] = (rv, spec)
                 seen.add((role, name))
-            if spec is not None:
+            if isinstance(spec, WorkerSpec):
                 out[name] = spec
+                if unused is not None:
+                    unused.pop(name, None)  # another selector's pod of that name is a worker
+            elif unused is not None and name not in unused:
+                unused[name] = spec
     if memo is not None:
         for key in [k for k in memo if k not in seen]:
             del memo[key]
@@ -250,7 +296,8 @@ class KubernetesSource:
         self._report: Callable[[dict[str, WorkerSpec]], None] | None = None
         self._reported = False
         self._flush_pending = False
-        self._memo: dict[tuple[Role, str], tuple[str | None, WorkerSpec | None]] = {}
+        self._memo: dict[tuple[Role, str], tuple[str | None, WorkerSpec | Unused]] = {}
+        self.unused: dict[str, Unused] = {}  # matched pods that are not workers, and why (last report)
         self.watches = [(role, PodListWatch(self.api, self.namespace, sel, self._changed, cfg.watch_timeout_s,
                                             on_error=on_error))
                         for role, sel in cfg.selectors.items()]
@@ -270,7 +317,17 @@ class KubernetesSource:
         self._flush_pending = False
         if self._report is not None:
             self._reported = True
-            self._report(desired_from_pods([(role, w.pods) for role, w in self.watches], self.cfg, self._memo))
+            unused: dict[str, Unused] = {}
+            desired = desired_from_pods([(role, w.pods) for role, w in self.watches], self.cfg, self._memo, unused)
+            self.unused = unused
+            self._report(desired)
+
+    def unused_counts(self) -> dict[str, int]:
+        """Matched pods that are not workers, per reason (every reason, 0 included)."""
+        counts = dict.fromkeys(UNUSED_REASONS, 0)
+        for u in self.unused.values():
+            counts[u.reason] = counts.get(u.reason, 0) + 1
+        return counts
 
     async def run(self, report: Callable[[dict[str, WorkerSpec]], None]) -> None:
         self._report = report
@@ -280,5 +337,9 @@ class KubernetesSource:
             await self.api.aclose()
 
     def status(self) -> dict[str, Any]:
+        shown = sorted(self.unused)[:UNUSED_SHOWN]
         return {"source": self.name, "namespace": self.namespace,
-                "watches": {role.value: w.status() for role, w in self.watches}}
+                "watches": {role.value: w.status() for role, w in self.watches},
+                # why each matched pod that is not a worker is not used (the first UNUSED_SHOWN by name)
+                "unused": {"count": len(self.unused), "by_reason": self.unused_counts(),
+                           "pods": {n: f"{self.unused[n].reason}: {self.unused[n].detail}" for n in shown}}}

@@ -92,11 +92,16 @@ def plan_changes(desired: Mapping[str, WorkerSpec], owned: Mapping[str, Owned], 
     is a ``conflict`` too, not added (one engine as two workers gets twice its share of requests and
     counts twice as capacity); it joins once the other registration has gone."""
     out: list[Change] = []
-    urls = urls or {}
+    # the addresses registered, plus those this plan adds: two new workers with one engine address in one
+    # report (two pods given one IP and port, at the first list) were both added
+    urls = dict(urls or {})
 
     def taken(wid: str, spec: WorkerSpec) -> str | None:
         other = urls.get(url_key(spec.config.url))
         return other if other is not None and other != wid else None
+
+    def claim(wid: str, spec: WorkerSpec) -> None:
+        urls[url_key(spec.config.url)] = wid
 
     for wid, spec in desired.items():
         o = owned.get(wid)
@@ -107,6 +112,7 @@ def plan_changes(desired: Mapping[str, WorkerSpec], owned: Mapping[str, Owned], 
                 out.append(Change("conflict", wid, spec, f"the engine at {spec.config.url} is already worker '{other}'"))
             elif not spec.draining:
                 out.append(Change("add", wid, spec))
+                claim(wid, spec)
             continue
         if (o.config is spec.config and o.withdrawn_at is None and o.marked == spec.draining
                 and o.parked == (spec.standby and not spec.draining)):
@@ -116,6 +122,7 @@ def plan_changes(desired: Mapping[str, WorkerSpec], owned: Mapping[str, Owned], 
                 out.append(Change("conflict", wid, spec, f"the engine at {spec.config.url} is already worker '{other}'"))
             else:
                 out.append(Change("replace", wid, spec, f"{o.config.url} -> {spec.config.url}"))
+                claim(wid, spec)
             continue
         if o.config.role is not spec.config.role:
             out.append(Change("set_role", wid, spec, f"{o.config.role.value} -> {spec.config.role.value}"))
@@ -159,6 +166,10 @@ class Reconciler:
         self.owned: dict[str, Owned] = {}
         self.desired: dict[str, WorkerSpec] = {}
         self._conflicts: set[tuple[str, str]] = set()  # conflicts already reported (worker id, reason)
+
+    def conflicts(self) -> set[tuple[str, str]]:
+        """(worker id, why) of each reported worker that is not added because of a conflict, now."""
+        return set(self._conflicts)
 
     def update(self, desired: Mapping[str, WorkerSpec], now: float) -> list[Change]:
         self.desired = dict(desired)
