@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import zmq
+
 from orchestrator.sim.profiles import PROFILES, load_profile
 from orchestrator.sim.server import SimServerConfig, run_forever
 
@@ -47,5 +49,12 @@ def run(args: argparse.Namespace) -> int:
         prefill_delay_s=args.prefill_delay, fail_next=args.fail_next, die_after_tokens=args.die_after_tokens, **kw)
     print(f"dyad sim-engine: model={args.model} profile={profile.name} dialect={args.dialect}",
           file=sys.stderr, flush=True)
-    run_forever(cfg, args.port)
+    try:
+        run_forever(cfg, args.port)
+    except OSError as e:  # a port in use: one line, not a traceback
+        print(f"dyad sim-engine: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except zmq.ZMQError as e:  # the KV-event or replay port (its message names the address)
+        print(f"dyad sim-engine: cannot bind the KV-event sockets: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -1,4 +1,5 @@
-"""`dyad serve` as a real process: it starts from a config file, answers, and stops on SIGTERM."""
+"""`dyad serve` as a real process: it starts from a config file, answers, and stops on SIGTERM; `dyad serve` and
+`dyad sim-engine` on a port that is taken say so in one line."""
 
 from __future__ import annotations
 
@@ -197,3 +198,35 @@ def test_dyad_serve_on_a_port_in_use_says_so_and_exits_2():
             assert out.returncode == 2, (plane, out.stderr[-2000:])
             assert out.stderr.strip() == (f"dyad serve: cannot listen on 127.0.0.1:{port} (gateway.host, gateway.port): "
                                           "Address already in use"), plane
+
+
+def test_dyad_sim_engine_on_a_port_in_use_says_so_and_exits_2():
+    """``dyad sim-engine`` on a taken HTTP or KV-event port printed a traceback; now one line naming the address."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import zmq
+    root = Path(__file__).resolve().parents[2]
+    ctx = zmq.Context.instance()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        pub = ctx.socket(zmq.PUB)
+        kv_port = pub.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            for argv, line in [
+                (["--port", str(port)], f"dyad sim-engine: cannot listen on 127.0.0.1:{port}: Address already in use"),
+                (["--port", "0", "--kv-events-port", str(kv_port)],
+                 f"dyad sim-engine: cannot bind the KV-event sockets: Address already in use "
+                 f"(addr='tcp://127.0.0.1:{kv_port}')"),
+            ]:
+                out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sim-engine", "--model", "m", *argv],
+                                     cwd=root, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+                assert out.returncode == 2, out.stderr[-2000:]
+                assert out.stderr.strip().splitlines()[-1] == line
+                assert "Traceback" not in out.stderr
+        finally:
+            pub.close(linger=0)
