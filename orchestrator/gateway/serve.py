@@ -214,6 +214,12 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"dyad serve: {e}", file=sys.stderr)
         return 2
+    if gw.data_plane == "native":
+        from orchestrator.gateway import native
+        if native.load() is None:  # (its start-up would fail the same way, after a traceback)
+            print(f"dyad serve: gateway.data_plane: native needs the compiled plane, which is not built: "
+                  f"run `{native.BUILD}`", file=sys.stderr)
+            return 2
     # The client port is bound (Python plane) or tried (the native plane binds it itself) before anything starts:
     # a port in use is one line and exit 2, and with port 0 the line below names the port clients must use.
     try:

@@ -230,3 +230,21 @@ def test_dyad_sim_engine_on_a_port_in_use_says_so_and_exits_2():
                 assert "Traceback" not in out.stderr
         finally:
             pub.close(linger=0)
+
+
+def test_dyad_serve_native_without_the_built_plane_says_how_to_build_it():
+    """``gateway.data_plane: native`` before ``scripts/build_dataplane.sh`` (a fresh clone): the start-up failed with
+    the right message, then uvicorn's traceback, exit 3. Now one line naming the script, exit 2, nothing started."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    # the module as a fresh clone has it: not built (an import of it fails)
+    probe = ("import sys; sys.modules['orchestrator.gateway.native.dyad_dataplane'] = None; "
+             "from orchestrator.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", probe, "serve", "--worker", "http://127.0.0.1:1", "--port", "0"],
+                         cwd=root, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                         env={**os.environ, "DYAD_GATEWAY__DATA_PLANE": "native"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == ("dyad serve: gateway.data_plane: native needs the compiled plane, which is not "
+                                  "built: run `bash scripts/build_dataplane.sh`")
