@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 from pydantic import ValidationError
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -26,6 +27,23 @@ from orchestrator.gateway.runtime import GatewayRuntime
 from orchestrator.telemetry.audit import audited
 
 ADMIN_BODY_LIMIT = 64 * 1024
+
+
+class WorkerIdPath(Convertor):  # type: ignore[type-arg]
+    """A worker id in an admin route's path: anything, slashes included (a workers-file entry without an id has
+    its URL as id) and any character an id may hold (Starlette's ``path`` stops at a newline: such a request
+    would miss the route, and its audit line)."""
+
+    regex = r"[\s\S]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("worker_id", WorkerIdPath())
 
 
 def worker_view(w: Worker) -> dict[str, Any]:
@@ -84,6 +102,8 @@ async def add_worker(request: Request) -> Response:
         raise InvalidRequest("Invalid worker: " + "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '(body)'}: {err['msg']}" for err in e.errors()),
             param=param, code="invalid_worker") from None
+    if wc.id:
+        _check_id(wc.id)
     if not wc.id:  # none or "" (the registry would fall back to the url, which may be taken)
         n = len(rt.fleet)
         while rt.fleet.get(f"w{n}") is not None:
@@ -104,6 +124,17 @@ async def add_worker(request: Request) -> Response:
     await rt.health.check_worker(worker)
     request.state.audit["state"] = worker.state.value
     return _json(worker_view(worker), status=201)
+
+
+MAX_WORKER_ID = 128
+
+
+def _check_id(wid: str) -> None:
+    """An id given to ``POST /admin/workers``: addressable by the admin routes (no ``/``: the path
+    ``/admin/workers/<id>/drain`` could not name it) and safe in a text log line (printable); bounded."""
+    if len(wid) > MAX_WORKER_ID or not wid.isprintable() or "/" in wid:
+        raise InvalidRequest(f"'id' must be 1 to {MAX_WORKER_ID} printable characters without '/' (got "
+                             f"{wid[:40]!r}{'...' if len(wid) > 40 else ''}).", param="id", code="invalid_worker")
 
 
 async def _leads_back(rt: GatewayRuntime, url: str) -> bool:

@@ -243,9 +243,10 @@ def create_app(config: DyadConfig, *, clock: Clock | None = None, metrics: DyadM
     app.add_route("/metrics", metrics_endpoint, methods=["GET"])
     app.add_route("/admin/workers", admin.list_workers, methods=["GET"])
     app.add_route("/admin/workers", admin.add_worker, methods=["POST"])
-    app.add_route("/admin/workers/{worker_id}", admin.remove_worker, methods=["DELETE"])
-    app.add_route("/admin/workers/{worker_id}/drain", admin.drain_worker, methods=["POST"])
-    app.add_route("/admin/workers/{worker_id}/undrain", admin.undrain_worker, methods=["POST"])
+    # (any id, slashes included: admin.WorkerIdPath)
+    app.add_route("/admin/workers/{worker_id:worker_id}", admin.remove_worker, methods=["DELETE"])
+    app.add_route("/admin/workers/{worker_id:worker_id}/drain", admin.drain_worker, methods=["POST"])
+    app.add_route("/admin/workers/{worker_id:worker_id}/undrain", admin.undrain_worker, methods=["POST"])
     app.add_route("/admin/discovery", admin.discovery_status, methods=["GET"])
     app.include_router(disagg_admin.router)  # POST /admin/workers/{id}/role, GET /admin/pools
     app.include_router(ui_router())  # the live fleet page, /ui (orchestrator/ui)
