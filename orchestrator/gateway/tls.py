@@ -42,6 +42,19 @@ def server_ssl_options(tls: GatewayTlsConfig) -> dict[str, Any]:
     if tls.client_ca_file:
         opts["ssl_ca_certs"] = _readable(tls.client_ca_file, "gateway.tls.client_ca_file")
         opts["ssl_cert_reqs"] = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_OPTIONAL
+    # Loaded once here as uvicorn will load them: a file that is readable but no PEM certificate/key (or a key
+    # that does not match) is a configuration error naming the setting, not a traceback from the server's start.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(opts["ssl_certfile"], opts["ssl_keyfile"])
+    except ssl.SSLError as e:
+        raise ConfigError("gateway.tls.cert_file / gateway.tls.key_file: the certificate and key do not load "
+                          f"(PEM certificate chain and its private key expected): {e}") from None
+    if tls.client_ca_file:
+        try:
+            ctx.load_verify_locations(opts["ssl_ca_certs"])
+        except ssl.SSLError as e:
+            raise ConfigError(f"gateway.tls.client_ca_file: no PEM CA certificates in it: {e}") from None
     return opts
 
 
