@@ -61,7 +61,10 @@ def server_ssl_options(tls: GatewayTlsConfig) -> dict[str, Any]:
 def engine_ssl_context(tls: EngineTlsConfig) -> ssl.SSLContext:
     """The client-side SSL context for ``https://`` workers."""
     ca = _readable(tls.ca_file, "gateway.engine_tls.ca_file") if tls.ca_file else None
-    ctx = ssl.create_default_context(cafile=ca)
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+    except ssl.SSLError as e:
+        raise ConfigError(f"gateway.engine_tls.ca_file: no PEM CA certificates in it: {e}") from None
     if not tls.verify:
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE

@@ -110,13 +110,17 @@ def test_serve_names_an_unreadable_certificate(tmp_path):
     (("not-pem", "server.key", None), "gateway.tls.cert_file / gateway.tls.key_file: the certificate and key do not load"),
     (("server.pem", "client.key", None), "gateway.tls.cert_file / gateway.tls.key_file: the certificate and key do not load"),
     (("server.pem", "server.key", "not-pem"), "gateway.tls.client_ca_file: no PEM CA certificates in it"),
+    ((None, None, "not-pem"), "gateway.engine_tls.ca_file: no PEM CA certificates in it"),
 ])
 def test_serve_names_a_certificate_that_does_not_load(pki, tmp_path, files, message):
     (tmp_path / "not-pem").write_text("not a certificate\n")
     cert, key, ca = (str(tmp_path / f) if f == "not-pem" else str(pki / f) if f else None for f in files)
-    tls = {"cert_file": cert, "key_file": key, **({"client_ca_file": ca} if ca else {})}
     cfg = tmp_path / "dyad.yaml"
-    cfg.write_text(f"gateway:\n  tls: {tls}\n")
+    if cert is None:  # the CA the gateway trusts for https:// engines
+        cfg.write_text(f"gateway:\n  engine_tls: {{ca_file: {ca}}}\n")
+    else:
+        tls = {"cert_file": cert, "key_file": key, **({"client_ca_file": ca} if ca else {})}
+        cfg.write_text(f"gateway:\n  tls: {tls}\n")
     out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "-c", str(cfg), "--port", "0"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr[-2000:]
