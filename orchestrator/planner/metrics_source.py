@@ -276,10 +276,21 @@ class PrometheusSource:
         return rows
 
     async def _query(self, client: httpx.AsyncClient, expr: str) -> float | None:
+        """The one value ``expr`` has (None: no series). Each query aggregates to one series, so several
+        are an answer to something else (a proxy merging Prometheus servers, a double): refused, not the
+        first taken. NaN is returned as such (the caller tells 0/0 from a missing series); ±Inf too (no
+        fleet produces one: the input gate holds on it, naming the field)."""
         result = await self._vector(client, expr)
         if not result:
             return None
-        return _num(result[0]["value"][1])
+        if len(result) > 1:
+            raise PrometheusAnswerError(self.url, f"{len(result)} series to {expr!r}, which aggregates to one")
+        raw = result[0]["value"][1]
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise PrometheusAnswerError(self.url, f"a value that is not a number ({str(raw)[:40]!r}) to {expr!r}") \
+                from None
 
     async def _engine_latency(self, client: httpx.AsyncClient, window: str) -> dict[str, float | None]:
         """The engines' TTFT/ITL over the window, per scrape target mapped to the worker's role."""
@@ -317,6 +328,10 @@ class PrometheusSource:
                     raise answer
             values = dict(zip(queries, answers, strict=True))
             rate = values.pop("request_rate")
+            if rate is not None and math.isnan(rate):  # arrivals are counted: a NaN rate is no measurement
+                raise PrometheusAnswerError(self.url, f"NaN to the arrival rate ({queries['request_rate']!r})")
+            # a NaN elsewhere is 0/0 (a mean or quantile over a window in which nothing finished): not measured
+            values = {k: None if v is not None and math.isnan(v) else v for k, v in values.items()}
             if rate is None:
                 raise NoPrometheusData(f"Prometheus at {self.url} has no dyad_request_arrivals_total samples over "
                                        f"the last {window} (just restarted, or not scraping the gateway); holding")

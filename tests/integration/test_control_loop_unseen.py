@@ -270,3 +270,78 @@ async def test_discovery_says_why_each_matched_pod_is_not_a_worker_and_counts_th
         assert value("dyad_discovery_unused_pods", {"reason": "not_ready"}) == 0.0
     finally:
         await d.stop()
+
+
+# ------------------------------------------------------------------ Prometheus answers of odd shapes
+# httpx.MockTransport stands in for Prometheus here (a HAND-WRITTEN DOUBLE: a real Prometheus never
+# answers these shapes to these queries; a proxy, a federating layer or a buggy one might).
+
+
+def _planner(**settings):
+    from orchestrator.planner.core import Planner, PlannerSettings
+    from orchestrator.planner.install import DEFAULT_PROFILE
+    from orchestrator.planner.perf_model import PerfModel
+    from orchestrator.planner.solver import Limits, Targets
+
+    return Planner(PerfModel.load(DEFAULT_PROFILE), PlannerSettings(targets=Targets(1.0, 0.05), limits=Limits(budget=8),
+                                                                    **settings))
+
+
+GOOD = {"request_rate": "5", "mean_isl": "500", "mean_osl": "50", "ttft_mean": "0.2", "ttft_p90": "0.3",
+        "itl_mean": "0.02", "itl_p90": "0.03"}
+
+
+def _prometheus(answers: dict[str, object]):
+    """A Prometheus double: each Observation field's query answers ``answers[field]`` (a value string: one
+    series; a list of them: that many series; a dict: the whole body), GOOD otherwise, or an empty vector."""
+    import httpx
+
+    from orchestrator.planner.metrics_source import prometheus_queries
+
+    by_query = {q: f for f, q in prometheus_queries("30s").items()}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        field = by_query.get(request.url.params["query"])
+        answer = answers.get(field, GOOD.get(field)) if field else None
+        if isinstance(answer, dict):
+            return httpx.Response(200, json=answer)
+        values = [] if answer is None else answer if isinstance(answer, list) else [answer]
+        rows = [{"metric": {"replica": str(i)}, "value": [1.7e9, v]} for i, v in enumerate(values)]
+        return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": rows}})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handle))
+
+
+@pytest.mark.parametrize("answers, reason, says", [
+    # several series where one is expected: the first was taken, whichever it was
+    ({"request_rate": ["5", "500"]}, "source_unavailable", "2 series"),
+    ({"ttft_p90": ["0.3", "9"]}, "source_unavailable", "2 series"),
+    # NaN arrivals: read as 'no samples' (a Prometheus that lost its data), which it is not
+    ({"request_rate": "NaN"}, "source_unavailable", "NaN"),
+    # an infinite value was read as 'not measured' and the interval planned on without it
+    ({"ttft_mean": "+Inf"}, "invalid_input", "ttft_mean = inf"),
+    ({"mean_isl": "-Inf"}, "invalid_input", "mean_isl = -inf"),
+])
+async def test_a_prometheus_answer_of_an_unexpected_shape_holds_and_says_what_it_was(answers, reason, says):
+    from orchestrator.clock import VirtualClock
+    from orchestrator.planner.actuators import RecommendOnly
+    from orchestrator.planner.core import WorkerView
+    from orchestrator.planner.metrics_source import PrometheusSource
+    from orchestrator.planner.service import PlannerService
+
+    fleet = [WorkerView("p1", Role.PREFILL, "healthy", 0, 0), WorkerView("d1", Role.DECODE, "healthy", 0, 0)]
+    good, odd = _prometheus({}), _prometheus(answers)
+    clock = VirtualClock(1000.0)
+    try:
+        source = PrometheusSource("http://prom:9090", window_s=30.0, client=good)
+        service = PlannerService(_planner(interval_s=30.0), source, RecommendOnly(), fleet=lambda: fleet, clock=clock)
+        await service.run_once()
+        assert service.held is None  # the good answers plan
+        source._client = odd
+        clock.advance(30.0)
+        decision = await service.run_once()
+        assert decision.actions == [] and service.held is not None, service.held
+        assert service.held["reason"] == reason and says in service.held["detail"], service.held
+    finally:
+        await good.aclose()
+        await odd.aclose()
