@@ -64,8 +64,12 @@ class Histogram:
         return self.sum / self.count if self.count > 0 else None
 
     def minus(self, older: Histogram) -> Histogram:
-        """The observations between two scrapes of the same series (counter reset → self)."""
-        if older.count > self.count or len(older.buckets) != len(self.buckets):
+        """The observations between two scrapes of the same series (counter reset → self). A reset is
+        any part that went down (as Prometheus's ``rate`` reads one), not only the count: an engine
+        restarted between the scrapes that served more since than before has a higher count, and the
+        difference was garbage (negative buckets, a wrong mean)."""
+        if (older.count > self.count or older.sum > self.sum or len(older.buckets) != len(self.buckets)
+                or any(oc > c for (_, c), (_, oc) in zip(self.buckets, older.buckets, strict=True))):
             return self
         return Histogram(
             buckets=[(b, c - oc) for (b, c), (_, oc) in zip(self.buckets, older.buckets, strict=True)],

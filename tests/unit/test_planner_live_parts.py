@@ -341,3 +341,23 @@ async def test_a_shared_standby_is_woken_into_the_other_role_live():
     assert w.state is WorkerState.HEALTHY and w in fleet.candidates("m")
     assert fleet.get("local-decode-2").role is Role.DECODE  # the serving decode worker is untouched
     await roles.close()
+
+
+async def test_an_engine_restarted_between_two_scrapes_gives_its_new_histogram_not_a_difference():
+    """An engine restarted mid-interval (its counters start again) that served more requests since than
+    before: the reset was noticed only when the count went down, so the window's histogram was the new
+    one minus the old one — negative buckets and a wrong mean (here 0.725 s for requests that took
+    0.5 s). A bucket or sum that went down is a reset too (as Prometheus's rate() reads any decrease)."""
+    state = {"n": 0}
+    before = hist([10, 0, 0, 0], 0.5)  # ten requests of 0.05 s
+    after = hist([0, 0, 30, 0], 15.0)  # restarted, then thirty of 0.5 s
+    loads = {"w": LoadSnapshot(ttft=before, itl=hist([0, 0, 0, 0], 0.0))}
+    src = DirectSource(read=lambda: GATEWAY_TEXT.format(n=state["n"], tok=100 * state["n"], gen=state["n"]),
+                       engines=lambda: [("w", Role.BOTH, loads["w"])])
+    await src.observe(0.0)
+    state["n"] = 30
+    loads["w"] = LoadSnapshot(ttft=after, itl=hist([0, 0, 0, 0], 0.0))
+    obs = await src.observe(30.0)
+    assert obs.latency_source == "engines" and abs(obs.ttft_mean - 0.5) < 1e-9, obs.ttft_mean
+    assert after.minus(before) == after
+    assert hist([0, 0, 30, 0], 15.0).minus(hist([0, 0, 10, 0], 5.0)) == hist([0, 0, 20, 0], 10.0)  # no reset
