@@ -214,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"dyad serve: {e}", file=sys.stderr)
         return 2
+    problem = _files_problem(config)
+    if problem:
+        print(f"dyad serve: {problem}", file=sys.stderr)
+        return 2
     if gw.data_plane == "native":
         from orchestrator.gateway import native
         if native.load() is None:  # (its start-up would fail the same way, after a traceback)
@@ -249,6 +253,29 @@ def run(args: argparse.Namespace) -> int:
                             config.resilience.shutdown_grace_s)
     server.run(sockets=sockets)
     return 0
+
+
+def _files_problem(config: DyadConfig) -> str | None:
+    """A file the configuration names that the gateway's start-up would fail on (with a traceback from inside
+    uvicorn's lifespan), as one line naming the setting; None when they are all usable. Checked here rather
+    than by ``check-config``, which may run where these files are not (a laptop checking a pod's config)."""
+    p = config.planner
+    if p.enabled:
+        from orchestrator.planner.perf_model import PerfModel, ProfileError
+        for key in ("profile", "decode_profile"):
+            path = getattr(p, key)
+            if path:
+                try:
+                    PerfModel.load(path)
+                except ProfileError as e:
+                    return f"planner.{key}: {e}"
+    out = config.access_log.output
+    if config.access_log.enabled and out not in ("stdout", "stderr", "logger"):
+        try:
+            open(out, "a").close()  # (the access log opens it the same way, appending)
+        except OSError as e:
+            return f"access_log.output: cannot open {out} for appending: {e.strerror or e}"
+    return None
 
 
 def _fleet_summary(config: DyadConfig) -> str:

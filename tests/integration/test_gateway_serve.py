@@ -248,3 +248,26 @@ def test_dyad_serve_native_without_the_built_plane_says_how_to_build_it():
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip() == ("dyad serve: gateway.data_plane: native needs the compiled plane, which is not "
                                   "built: run `bash scripts/build_dataplane.sh`")
+
+
+def test_dyad_serve_names_a_file_its_start_up_would_fail_on(tmp_path):
+    """A planner profile that is missing or not a profile, or an access log in a directory that does not exist, passed
+    validation and failed the start-up inside uvicorn's lifespan: a traceback, exit 3. Now one line, exit 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "bad.json").write_text('{"x": 1}')
+    for text, line in [
+        (f"planner: {{enabled: true, profile: {tmp_path}/nope.json}}\n",
+         f"planner.profile: cannot read profile {tmp_path}/nope.json: No such file or directory"),
+        (f"planner: {{enabled: true, decode_profile: {tmp_path}/bad.json}}\n", "planner.decode_profile: profile."),
+        (f"access_log: {{enabled: true, output: {tmp_path}/no/dir/access.log}}\n",
+         f"access_log.output: cannot open {tmp_path}/no/dir/access.log for appending: No such file or directory"),
+    ]:
+        cfg = tmp_path / "dyad.yaml"
+        cfg.write_text(text)
+        out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "-c", str(cfg), "--port", "0"],
+                             cwd=root, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.startswith(f"dyad serve: {line}") and "Traceback" not in out.stderr, out.stderr[-2000:]
