@@ -172,13 +172,11 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
             client = rt.intake.authenticate(request)
             record.client_key_id = client.name
             response_id = responses_api.check_response_id(request.path_params.get("response_id"), "response_id")
-            query = request.query_params
-            stream = method == "GET" and query.get("stream", "").lower() in ("true", "1")
+            stream, params = responses_api.stored_query(request.query_params, method)
             record.stream = stream
             worker = await responses_api.owner_worker(rt, response_id, client.name)
             record.workers.append((worker.id, worker.role.value))
             record.attempts = 1
-            params = {k: query[k] for k in ("stream", "starting_after") if k in query and method == "GET"}
             url = f"{worker.url}{responses_api.RESPONSES}/{quote(response_id, safe='')}{suffix}"
             with tracing.span("dyad.attempt", worker=worker.id, role=worker.role.value) as attempt_span:
                 try:

@@ -153,6 +153,39 @@ def check_response_id(value: Any, param: str) -> str:
     return value
 
 
+MAX_STARTING_AFTER = 2**53  # (a sequence number: JSON's exact integers)
+_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def stored_query(query: Any, method: str) -> tuple[bool, dict[str, str]]:
+    """``GET /v1/responses/{id}``'s query: (replay as a stream?, the parameters for the engine). ``stream`` is
+    true/false/1/0 (any case) and ``starting_after`` an integer >= 0, else a 400 naming it; the engine gets
+    them in canonical form, never the client's text (an engine that read ``stream=yes`` as true while the
+    gateway read it as false sent a stream the gateway then judged a bad JSON answer: a 502). Other
+    parameters are not forwarded; a cancel (POST) forwards none."""
+    if method != "GET":
+        return False, {}
+    params: dict[str, str] = {}
+    stream = False
+    raw = query.get("stream")
+    if raw is not None:
+        value = _BOOLEANS.get(raw.strip().lower())
+        if value is None:
+            raise InvalidRequest(f"Query parameter 'stream' must be true or false, got {raw[:40]!r}.", param="stream",
+                                 code="invalid_value")
+        stream = value
+        params["stream"] = "true" if value else "false"
+    raw = query.get("starting_after")
+    if raw is not None:
+        text = raw.strip()
+        if not text.isdigit() or not text.isascii() or int(text) > MAX_STARTING_AFTER:
+            raise InvalidRequest(f"Query parameter 'starting_after' must be an event sequence number (an integer from "
+                                 f"0 to {MAX_STARTING_AFTER}), got {raw[:40]!r}.", param="starting_after",
+                                 code="invalid_value")
+        params["starting_after"] = str(int(text))
+    return stream, params
+
+
 # --- routing text ----------------------------------------------------------------------------------
 
 def _text_parts(content: Any) -> Any:

@@ -108,3 +108,27 @@ def test_a_long_previous_response_chain_stays_on_its_engine(gw):
         rid = r.json()["id"]
     r = httpx.get(f"{gw.url}/v1/responses/{rid}", timeout=30)
     assert r.status_code == 200 and r.json()["id"] == rid
+
+
+@pytest.mark.parametrize("query,param", [
+    ("stream=yes", "stream"), ("stream=", "stream"), ("stream=true&starting_after=abc", "starting_after"),
+    ("stream=true&starting_after=-5", "starting_after"), ("stream=true&starting_after=1e3", "starting_after"),
+    ("stream=true&starting_after=99999999999999999999", "starting_after"),
+    ("stream=true&starting_after=%D9%A3", "starting_after"),  # (an Arabic-Indic digit: isdigit, not a number here)
+])
+def test_a_replay_query_the_gateway_cannot_read_is_a_400_naming_it(gw, query, param):
+    r = _post(gw, "hi", stream=True)
+    assert r.status_code == 200
+    rid = next(json.loads(line[5:])["response"]["id"] for line in r.text.splitlines()
+               if line.startswith("data:") and '"response"' in line)
+    r = httpx.get(f"{gw.url}/v1/responses/{rid}?{query}", timeout=30)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == param and err["code"] == "invalid_value", err
+    # the same id replays with readable parameters, in any case
+    r = httpx.get(f"{gw.url}/v1/responses/{rid}?stream=TRUE&starting_after=2", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    seqs = [json.loads(line[5:])["sequence_number"] for line in r.text.splitlines() if line.startswith("data:")]
+    assert seqs and min(seqs) == 3 and "response.completed" in r.text
+    r = httpx.get(f"{gw.url}/v1/responses/{rid}?stream=0", timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == rid
