@@ -18,25 +18,36 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 
 from orchestrator.bench.runner import BenchOptions, run_bench
 from orchestrator.bench.traces import TraceRequest, words_to_text
-from orchestrator.config import load_config
+from orchestrator.config import PolicyName, load_config
 
 DEFAULT_MODEL = "dyad-demo"
+
+
+def _at_least_1(text: str) -> int:
+    """argparse type: an integer >= 1 (a bad value is argparse's one-line usage error, not a traceback)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="gateway port (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="gateway listen address")
-    p.add_argument("--workers", type=int, default=2, help="number of simulated engines")
-    p.add_argument("--requests", type=int, help="send this many shared-prefix chat requests, print a summary, exit")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight for --requests")
-    p.add_argument("--policy", default=None,
-                   help="routing policy (default: kv_aware when available, else round_robin)")
+    p.add_argument("--workers", type=_at_least_1, default=2, help="number of simulated engines")
+    p.add_argument("--requests", type=_at_least_1,
+                   help="send this many shared-prefix chat requests, print a summary, exit")
+    p.add_argument("--concurrency", type=_at_least_1, default=8, help="requests in flight for --requests")
+    p.add_argument("--policy", default=None, choices=get_args(PolicyName), help="routing policy (default: kv_aware)")
     p.add_argument("--profile", default="cpu-tiny", help="simulated engine profile (cpu-tiny, gpu-like, zero)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name the fleet serves")
     p.add_argument("--seed", type=int, default=0)

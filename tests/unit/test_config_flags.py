@@ -142,3 +142,15 @@ def test_check_config_over_several_files(tmp_path, capsys):
     assert f"{bad}: invalid configuration" in captured.err and "gateway.port" in captured.err
     assert "missing.yaml: cannot read configuration file" in captured.err
     assert "1 of 3 configuration(s) valid" in captured.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "nope"], "argument --policy: invalid choice: 'nope'"),  # was a ConfigError traceback
+    (["--workers", "0"], "argument --workers: must be at least 1, not 0"),  # was a ValueError traceback
+    (["--requests", "-1"], "argument --requests: must be at least 1, not -1"),
+    (["--concurrency", "x"], "argument --concurrency: not an integer: 'x'"),
+])
+def test_dyad_demo_refuses_bad_flags_with_a_usage_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        dyad(["demo", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
