@@ -8,18 +8,18 @@ rotates, and CA); ``api_url``/``token`` point it elsewhere (``kubectl proxy``, t
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from orchestrator.config import SA_DIR, KubernetesApiConfig
+from orchestrator.deadline import within
 
 TOKEN_REREAD_S = 60.0  # projected service-account tokens rotate; re-read the file this often
 
@@ -97,20 +97,29 @@ class KubeApi:
             message = text
         raise (Gone if r.status_code == 410 else KubeApiError)(r.status_code, message[:300])
 
-    async def get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        # every answer within ``deadline_s`` in all (httpx's timeout bounds each read, not the answer; a
-        # list of a big namespace may take several reads): the actuator and the discovery list wait on these
-        async with asyncio.timeout(self.deadline_s):
-            r = await self.http.get(path, params=params, headers=self._headers())
+    async def _answer(self, method: str, path: str, call: Awaitable[httpx.Response]) -> dict[str, Any]:
+        """The JSON of one call's answer, within ``deadline_s`` in all (httpx's timeout bounds each read,
+        not the answer; a list of a big namespace may take several reads): the actuator and the discovery
+        list wait on these. A timeout names the call (asyncio's and httpx's have no message: the planner
+        showed 'ReadTimeout: ' and nothing else)."""
+        what = f"kubernetes API {method} {path}"
+
+        async def send() -> dict[str, Any]:
+            try:
+                r = await call
+            except httpx.TimeoutException as e:
+                raise TimeoutError(f"{what} did not answer within {self.timeout_s:g} s ({type(e).__name__})") from e
             self._raise(r)
             return r.json()
 
+        return await within(self.deadline_s, send(), what)
+
+    async def get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self._answer("GET", path, self.http.get(path, params=params, headers=self._headers()))
+
     async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with asyncio.timeout(self.deadline_s):
-            r = await self.http.patch(path, content=json.dumps(body).encode(),
-                                      headers=self._headers("application/merge-patch+json"))
-            self._raise(r)
-            return r.json()
+        return await self._answer("PATCH", path, self.http.patch(
+            path, content=json.dumps(body).encode(), headers=self._headers("application/merge-patch+json")))
 
     async def watch(self, path: str, params: dict[str, Any], timeout_s: float) -> AsyncIterator[dict[str, Any]]:
         """The events of one watch request (``{"type": ..., "object": ...}``), until the server ends it.

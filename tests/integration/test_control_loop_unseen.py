@@ -345,3 +345,22 @@ async def test_a_prometheus_answer_of_an_unexpected_shape_holds_and_says_what_it
     finally:
         await good.aclose()
         await odd.aclose()
+
+
+async def test_an_api_call_that_times_out_is_named_in_what_was_applied(fake):
+    """A scale read the API server never answers: the role failed with 'ReadTimeout: ' and nothing else
+    (httpx's and asyncio's timeouts have no message), on /admin/planner and in the log. Now the call is
+    named."""
+    fake.add_statefulset("p", 1, PSEL)
+    fake.add_statefulset("d", 1, SEL)
+    await until(lambda: len(fake.pod_names()) == 2, what="the controller's pods")
+    act = KubernetesActuator(KubeApi(fake.url, token="fake-token", timeout_s=0.2), "dyad",
+                             {Role.PREFILL: "statefulsets/p", Role.DECODE: "statefulsets/d"}, settle_s=0.3, poll_s=0.05)
+    try:
+        fake.fail("get", "statefulsets/scale", 0, hang_s=2.0)  # silence, longer than the call's deadline
+        done = await act.apply(decision(2, 2))
+        assert done[0].startswith("statefulsets/p: failed: TimeoutError: kubernetes API GET /apis/apps/v1/namespaces/"
+                                  "dyad/statefulsets/p/scale did not answer within"), done
+        assert done[1:] == ["scaled statefulsets/d to 2"]
+    finally:
+        await act.close()
