@@ -104,6 +104,12 @@ async def add_worker(request: Request) -> Response:
             param=param, code="invalid_worker") from None
     if wc.id:
         _check_id(wc.id)
+    # (before the checks against the fleet: from them to fleet.add nothing awaits, so two concurrent adds of one
+    # id or URL cannot both pass)
+    if await _leads_back(rt, wc.url):
+        request.state.audit.update(target=wc.id or None, url=wc.url)
+        raise InvalidRequest(f"The worker URL {wc.url} leads back to this gateway (its /health refused the gateway's "
+                             "own probe as a loop): a gateway is not an engine.", param="url", code="worker_is_gateway")
     if not wc.id:  # none or "" (the registry would fall back to the url, which may be taken)
         n = len(rt.fleet)
         while rt.fleet.get(f"w{n}") is not None:
@@ -117,9 +123,6 @@ async def add_worker(request: Request) -> Response:
     if same is not None:  # one engine, two workers: twice its share of requests, capacity counted twice
         raise ApiError(f"Worker '{same.id}' already stands for the engine at {wc.url}.", status=409,
                        type="invalid_request_error", param="url", code="worker_url_exists")
-    if await _leads_back(rt, wc.url):
-        raise InvalidRequest(f"The worker URL {wc.url} leads back to this gateway (its /health refused the gateway's "
-                             "own probe as a loop): a gateway is not an engine.", param="url", code="worker_is_gateway")
     worker = rt.fleet.add(worker_from_config(wc))
     await rt.health.check_worker(worker)
     request.state.audit["state"] = worker.state.value

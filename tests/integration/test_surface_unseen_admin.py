@@ -11,6 +11,7 @@ slashes (a URL id, percent-encoded or not).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
 import httpx
@@ -91,3 +92,23 @@ def test_a_workers_file_entry_without_an_id_can_be_drained_and_undrained(gw, adm
     assert admin.post("/admin/workers/nobody/drain").status_code == 404
     r = admin.delete("/admin/workers/" + quote(url, safe=""))
     assert r.status_code == 200 and r.json()["removed"] == url, r.text
+
+
+def test_concurrent_adds_of_one_worker_register_it_once(gw, engines):
+    url = engines[0].url.replace("127.0.0.1", "localhost")
+
+    def add(i):
+        with httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30) as c:
+            return c.post("/admin/workers", json={"id": "twin" if i % 2 else f"twin-{i}", "url": url, "engine": "sim"})
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(add, range(8)))
+    try:
+        assert sorted(r.status_code for r in answers) == [201] + [409] * 7, [r.text for r in answers]
+        assert [w.id for w in gw.runtime.fleet.workers() if w.url == url] == \
+            [next(r.json()["id"] for r in answers if r.status_code == 201)]
+    finally:
+        for w in list(gw.runtime.fleet.workers()):
+            if w.url == url:
+                httpx.delete(f"{gw.url}/admin/workers/{quote(w.id, safe='')}",
+                             headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
