@@ -45,8 +45,10 @@ class DisaggParts:
 
 
 def build(config: Any, fleet: Any, policy: Any, http: Any, metrics: Any, clock: Any, adapter_for: Any,
-          profile: Any | None = None, on_prefill_fault: Any | None = None) -> DisaggParts:
-    """The P/D parts for a gateway (see the module docstring); no-op parts when ``disagg.enabled`` is false."""
+          profile: Any | None = None, breakers: Any | None = None) -> DisaggParts:
+    """The P/D parts for a gateway (see the module docstring); no-op parts when ``disagg.enabled`` is false.
+    ``breakers`` (the gateway's ``CircuitBreakers``): prefill workers' legs count in their breakers, and an SGLang
+    pair retried after a failed prefill skips prefill workers whose breaker is open."""
     from orchestrator.disagg.executor import MODE_LOCAL, PdExecutor
     from orchestrator.disagg.roles import RoleManager
 
@@ -64,7 +66,8 @@ def build(config: Any, fleet: Any, policy: Any, http: Any, metrics: Any, clock: 
             metrics.pd_requests.labels(MODE_LOCAL).inc()
 
     def choose_prefill(model: str, exclude: set[str]) -> Any:
-        pool = [w for w in prefill_pool(model) if w.id not in exclude]
+        blocked = breakers.blocked(clock.now()) if breakers is not None else frozenset()
+        pool = [w for w in prefill_pool(model) if w.id not in exclude and w.id not in blocked]
         if not pool:
             return None
         probe = RouteRequest(request_id="", model=model, prompt_tokens=0)
@@ -74,5 +77,5 @@ def build(config: Any, fleet: Any, policy: Any, http: Any, metrics: Any, clock: 
 
     parts.policy = PdRoutingPolicy(policy, settings, prefill_pool, count_local)
     parts.executor = PdExecutor(http, fleet, cfg, metrics, clock, adapter_for, choose_prefill,
-                                stall=config.resilience, on_prefill_fault=on_prefill_fault)
+                                stall=config.resilience, breakers=breakers)
     return parts

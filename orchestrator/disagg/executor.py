@@ -40,6 +40,7 @@ from orchestrator.disagg import sglang_flow, vllm_flow
 from orchestrator.errors import NoHealthyWorker, UpstreamError
 from orchestrator.fleet.registry import FleetRegistry
 from orchestrator.fleet.worker import Worker
+from orchestrator.gateway import classify
 from orchestrator.gateway.classify import ACCESS_STATUSES, NOT_SERVED_STATUSES
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
 from orchestrator.gateway.resilience import stall_budget, worked_since
@@ -70,17 +71,27 @@ SGLANG_MAX_PREFILL_TRIES = 3
 
 class _PrefillFailed(Exception):
     """A prefill leg that gave no hand-off. ``reachable`` False: the worker cannot be reached at all (out of
-    rotation at once). ``dropped``: it closed the connection after taking the request, which a request can
-    cause as well as a dying engine; ``stalled``: it did no work at all for the leg's stall budget (an engine
-    hung while its /health answers, or a request that hangs any engine). Both are held until another worker
-    shows what the same request does there."""
+    rotation at once). ``failure`` (``classify``'s kinds): what the worker did that a request can cause as well
+    as a broken engine, held until another worker shows what the same request does there — it closed the
+    connection after taking the request (``DROPPED``), did no work at all for the leg's stall budget
+    (``STALLED``: an engine hung while its /health answers, or a request that hangs any engine), answered
+    something that is no answer (``GARBAGE``) or an error status (a 5xx, or a refusal of the gateway's access).
+    None: nobody's fault to judge (the leg ran out of ``prefill_timeout_s`` on a busy worker)."""
 
-    def __init__(self, reason: str, reachable: bool = True, dropped: bool = False, stalled: bool = False) -> None:
+    def __init__(self, reason: str, reachable: bool = True, failure: int | str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.reachable = reachable
-        self.dropped = dropped
-        self.stalled = stalled  # the worker did no work at all while the leg waited (the stall watchdog's call)
+        self.failure = failure
+
+    @property
+    def dropped(self) -> bool:
+        return self.failure in (classify.DROPPED, classify.STALLED)
+
+    @property
+    def held(self) -> bool:
+        """Counted against the worker once another worker serves the same request (a 429 or 404: never)."""
+        return self.failure is not None and self.failure not in classify.UNCOUNTED_STATUSES
 
 
 class _PrefillRefused(Exception):
@@ -116,12 +127,13 @@ class PdExecutor:
     def __init__(self, http: httpx.AsyncClient, fleet: FleetRegistry, config: DisaggConfig, metrics: DyadMetrics,
                  clock: Clock, adapter_for: Callable[[EngineKind], EngineAdapter],
                  choose_prefill: Callable[[str, set[str]], Worker | None] | None = None, *,
-                 stall: ResilienceConfig | None = None,
-                 on_prefill_fault: Callable[[Worker], None] | None = None) -> None:
+                 stall: ResilienceConfig | None = None, breakers: Any | None = None) -> None:
         """``stall``: the stall watchdog's settings for prefill legs (None: a leg waits its whole
-        ``prefill_timeout_s``); ``on_prefill_fault``: told of a prefill worker found at fault (its breaker)."""
+        ``prefill_timeout_s``); ``breakers`` (``CircuitBreakers``): a prefill worker's breaker counts the legs it
+        failed (``_prefill_fault``) and the legs it answered (a success: its count of consecutive failures starts
+        again, and a half-open breaker closes after enough of them)."""
         self.stall = stall
-        self.on_prefill_fault = on_prefill_fault
+        self.breakers = breakers
         self.http = http
         self.fleet = fleet
         self.config = config
@@ -162,6 +174,11 @@ class PdExecutor:
     async def _vllm(self, call: UpstreamCall, decode: Worker, prefill: Worker,
                     decision: RouteDecision | None = None) -> httpx.Response:
         connector = self.config.connector
+        why_local = vllm_flow.local_only(call.endpoint, call.body, call.prompt_tokens, decode.max_model_len.get(call.model))
+        if why_local is not None:  # the decode engine refuses it: no prefill leg (it would lease KV for nobody)
+            log.info("request %s is not split (%s): %s answers it whole", call.request_id, why_local, decode.id)
+            self.metrics.pd_requests.labels(MODE_LOCAL).inc()
+            return await self._send_local(call, decode)
         body = vllm_flow.prefill_body(call.endpoint, call.body, connector)
         started = time.perf_counter()
         try:
@@ -169,41 +186,57 @@ class PdExecutor:
                 answer = await self._prefill_step(call, prefill, body)
         except _PrefillFailed as e:
             log.warning("prefill on %s failed (%s); %s prefills locally", prefill.id, e.reason, decode.id)
-            if decision is not None:
-                decision.failed_prefill.append(prefill.id)
-            self.metrics.upstream_errors.labels(prefill.id, "prefill").inc()
-            if not e.reachable:
-                self.fleet.mark_failed(prefill, self.clock.now(), e.reason)
-            self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
-            response = await self._send_local(call, decode)  # (raises: the drop was the request's as well)
-            if (e.dropped or e.stalled) and response.status_code == 200:
-                # the decode worker answers the same request: the drop or stall was the prefill worker's doing
-                self._prefill_fault(prefill, e.reason)
-            return response
+            return await self._vllm_fallback(call, decode, prefill, decision, e)
         if isinstance(answer, httpx.Response):  # the request itself is bad: pass the engine's 4xx on
+            self._prefill_ok(prefill)  # (it answered, for the request: alive)
             return answer
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
         params = vllm_flow.handoff_params(answer) if connector == "nixl" else None
-        if connector == "nixl" and params is None:
-            given = answer.get(vllm_flow.KV_TRANSFER_PARAMS) if isinstance(answer, dict) else None
-            problem = vllm_flow.handoff_problem(given) if isinstance(given, dict) and given.get("do_remote_prefill") \
-                else None
+        if connector == "nixl":
+            given = answer.get(vllm_flow.KV_TRANSFER_PARAMS)
+            if params is not None:
+                problem = vllm_flow.unreachable_side_channel(params, prefill.url, decode.url)
+            elif given is not None and not isinstance(given, dict):
+                problem = f"kv_transfer_params is a {type(given).__name__}, not an object"
+            else:
+                problem = vllm_flow.handoff_problem(given) if isinstance(given, dict) \
+                    and given.get("do_remote_prefill") else None
             if problem is not None:  # garbage where the hand-off goes: never passed to the decode engine
                 log.warning("prefill on %s answered kv_transfer_params that are no hand-off (%s); %s prefills "
                             "locally", prefill.id, problem, decode.id)
-                self.metrics.upstream_errors.labels(prefill.id, "prefill").inc()
-            else:
-                log.warning("prefill on %s answered without kv_transfer_params (is it a NIXL producer?); "
-                            "%s prefills locally", prefill.id, decode.id)
-            if decision is not None:
-                decision.failed_prefill.append(prefill.id)
-            self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
-            return await self._send_local(call, decode)
+                return await self._vllm_fallback(call, decode, prefill, decision, _PrefillFailed(
+                    f"answered kv_transfer_params that are no hand-off ({problem})", failure=classify.GARBAGE))
+            if params is None:
+                # (no hand-off at all: not a NIXL producer, or this request's one token ended it — an end of
+                # sequence or a stop string, after which vLLM keeps no blocks: nobody's fault)
+                log.warning("prefill on %s answered without kv_transfer_params (is it a NIXL producer? or the "
+                            "request's first token ended it); %s prefills locally", prefill.id, decode.id)
+                return await self._vllm_fallback(call, decode, prefill, decision, None)
+        self._prefill_ok(prefill)
         self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
         adapter = self.adapter_for(decode.engine)
         out = adapter.shape_request(call.endpoint, vllm_flow.decode_body(call.body, params), call.request_id)
         with tracing.span("dyad.pd.decode", worker=decode.id):
             return await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
+
+    async def _vllm_fallback(self, call: UpstreamCall, decode: Worker, prefill: Worker, decision: RouteDecision | None,
+                             failed: _PrefillFailed | None) -> httpx.Response:
+        """The decode worker prefills locally after a prefill leg gave no hand-off (``failed``: why, when the
+        worker may be at fault). A worker that cannot be reached leaves rotation at once; another failure is
+        judged by what the decode worker makes of the same request (``classify``): answered, it was the prefill
+        worker's (its breaker counts it; a drop or stall takes it out of rotation, a 502/503 counts against its
+        health); refused or failed there as well, it may be the request's, and counts against nobody."""
+        if decision is not None:
+            decision.failed_prefill.append(prefill.id)
+        self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
+        if failed is not None:
+            self.metrics.upstream_errors.labels(prefill.id, "prefill").inc()
+            if not failed.reachable:
+                self._prefill_fault(prefill, failed.reason, classify.DROPPED)
+        response = await self._send_local(call, decode)  # (raises: the failure was the request's as well)
+        if failed is not None and failed.reachable and failed.held and response.status_code == 200:
+            self._prefill_fault(prefill, failed.reason, failed.failure)
+        return response
 
     async def _post_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> httpx.Response:
         """POST a prefill body (both engines' flows), counted in the worker's inflight and bounded by
@@ -229,7 +262,7 @@ class PdExecutor:
                     raise _PrefillFailed(f"no answer within disagg.prefill_timeout_s={self.config.prefill_timeout_s:g}s")
                 now = self.clock.now()
                 if not worked_since(prefill, since, gen):
-                    raise _PrefillFailed(f"it did no work for {now - since:.1f} s (stalled)", stalled=True)
+                    raise _PrefillFailed(f"it did no work for {now - since:.1f} s (stalled)", failure=classify.STALLED)
                 assert self.stall is not None
                 since, gen, window = now, prefill.load.generation_tokens, self.stall.stall_timeout_s
         finally:
@@ -253,21 +286,32 @@ class PdExecutor:
             prefill.last_progress_at = self.clock.now()  # it answered: alive (the stall watchdog's evidence)
             return httpx.Response(r.status_code, content=content, headers=raw_headers(r))
         except AnswerTooLarge as e:
-            raise _PrefillFailed(f"answered more than {e.limit} bytes") from None
+            raise _PrefillFailed(f"answered more than {e.limit} bytes", failure=classify.GARBAGE) from None
         except (httpx.ConnectError, httpx.ConnectTimeout, MalformedAnswer) as e:
             raise _PrefillFailed(f"cannot reach {prefill.url}: {type(e).__name__}", reachable=False) from e
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
             raise _PrefillFailed(f"{prefill.url} closed the connection without answering: {type(e).__name__}",
-                                 dropped=True) from e
+                                 failure=classify.DROPPED) from e
         except httpx.HTTPError as e:
             raise _PrefillFailed(f"{type(e).__name__}: {e}") from e
 
-    def _prefill_fault(self, prefill: Worker, reason: str) -> None:
-        """Another worker answered what ``prefill`` dropped or stalled on: out of rotation, and its breaker
-        counts it (the health loop alone would bring back at once an engine whose /health still answers)."""
-        self.fleet.mark_failed(prefill, self.clock.now(), reason)
-        if self.on_prefill_fault is not None:
-            self.on_prefill_fault(prefill)
+    def _prefill_fault(self, prefill: Worker, reason: str, failure: int | str | None = classify.DROPPED) -> None:
+        """``prefill`` failed a leg that another worker served (or it cannot be reached): its breaker counts it.
+        A drop or stall also takes it out of rotation (the health loop alone would bring back at once an engine
+        whose /health still answers); a 502/503 counts against its health, as the aggregated path does."""
+        now = self.clock.now()
+        if self.breakers is not None:
+            self.breakers.record_failure(prefill.id, now)
+        if failure in (classify.DROPPED, classify.STALLED):
+            self.fleet.mark_failed(prefill, now, reason)
+        elif failure in classify.UNAVAILABLE_STATUSES:
+            self.fleet.record_health(prefill, False, now, reason)
+
+    def _prefill_ok(self, prefill: Worker) -> None:
+        """``prefill`` answered a leg: its breaker's consecutive failures start again from zero (a half-open one
+        counts a success towards closing)."""
+        if self.breakers is not None:
+            self.breakers.record_success(prefill.id, self.clock.now())
 
     async def _prefill_step(self, call: UpstreamCall, prefill: Worker,
                             body: dict[str, Any]) -> dict[str, Any] | httpx.Response:
@@ -278,12 +322,7 @@ class PdExecutor:
         if r.status_code in _VLLM_PREFILL_REFUSALS:
             return httpx.Response(r.status_code, content=r.content,
                                   headers={"content-type": r.headers.get("content-type", "application/json")})
-        if r.status_code >= 300:
-            raise _PrefillFailed(f"answered HTTP {r.status_code}")
-        try:
-            return orjson.loads(r.content)
-        except orjson.JSONDecodeError as e:
-            raise _PrefillFailed("answered a body that is not JSON") from e
+        return _answer_of(r, _VLLM_PREFILL_REFUSALS)
 
     async def _send_local(self, call: UpstreamCall, decode: Worker) -> httpx.Response:
         adapter = self.adapter_for(decode.engine)
@@ -300,7 +339,7 @@ class PdExecutor:
         the request's doing (a 502 naming it, no worker taken out); served there, the dropping worker leaves
         rotation; with no other prefill worker to ask, it leaves rotation as before."""
         failed: set[str] = set()
-        dropped: list[Worker] = []  # prefill workers that dropped this request, judged by the next one
+        held: list[tuple[Worker, _PrefillFailed]] = []  # prefill failures judged by the next prefill worker
         last_reason = ""
         current: Worker | None = prefill
         for _ in range(SGLANG_MAX_PREFILL_TRIES):
@@ -309,38 +348,47 @@ class PdExecutor:
             try:
                 response = await self._sglang_pair(call, decode, current, decision)
             except _PrefillRefused as e:
-                self._settle_dropped(dropped, request_caused=True)
+                self._settle_held(held, request_caused=True)
+                self._prefill_ok(current)  # (it answered, for the request: alive)
                 return e.response
             except _PrefillFailed as e:
                 log.warning("SGLang prefill on %s failed (%s)", current.id, e.reason)
                 self.metrics.upstream_errors.labels(current.id, "prefill").inc()
                 if not e.reachable:
-                    self.fleet.mark_failed(current, self.clock.now(), e.reason)
-                if (e.dropped or e.stalled) and dropped:  # the same on a second prefill worker: the request's doing
-                    self._settle_dropped(dropped, request_caused=True)
-                    raise UpstreamError(502, f"The prefill engines ({', '.join(sorted(failed | {current.id}))}) "
-                                             "closed the connection or stalled without answering this request.",
-                                        code="engine_closed_connection") from None
-                if e.dropped or e.stalled:
-                    dropped.append(current)
+                    self._prefill_fault(current, e.reason, classify.DROPPED)
+                elif e.held and any(f.failure == e.failure or (f.dropped and e.dropped) for _, f in held):
+                    # the same on a second prefill worker: the request's doing
+                    self._settle_held(held, request_caused=True)
+                    names = ", ".join(sorted(failed | {current.id}))
+                    if e.dropped:
+                        raise UpstreamError(502, f"The prefill engines ({names}) closed the connection or stalled "
+                                                 "without answering this request.",
+                                            code="engine_closed_connection") from None
+                    status = e.failure if isinstance(e.failure, int) and e.failure >= 500 else 502
+                    raise UpstreamError(status, f"The prefill engines ({names}) failed this request: {e.reason}",
+                                        code="prefill_failed") from None
+                elif e.held:
+                    held.append((current, e))
                 if decision is not None:
                     decision.failed_prefill.append(current.id)
                 failed.add(current.id)
                 last_reason = f"prefill worker {current.id}: {e.reason}"
                 current = self.choose_prefill(call.model, failed) if self.choose_prefill else None
                 continue
-            self._settle_dropped(dropped, request_caused=False)  # another prefill worker served it
+            self._settle_held(held, request_caused=False)  # another prefill worker served it
+            self._prefill_ok(current)
             self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
             return response
-        self._settle_dropped(dropped, request_caused=False)  # no second opinion: the workers' doing
+        self._settle_held(held, request_caused=False)  # no second opinion: the workers' doing
         raise NoHealthyWorker(call.model, reason=f"no SGLang prefill worker could serve the request ({last_reason})")
 
-    def _settle_dropped(self, dropped: list[Worker], *, request_caused: bool) -> None:
-        """Prefill workers that dropped a request leave rotation, unless the request caused the drops."""
+    def _settle_held(self, held: list[tuple[Worker, _PrefillFailed]], *, request_caused: bool) -> None:
+        """Prefill failures held for a second opinion count against their workers (``_prefill_fault``), unless
+        the request caused them."""
         if not request_caused:
-            for worker in dropped:
-                self._prefill_fault(worker, "closed the connection or stalled without answering")
-        dropped.clear()
+            for worker, e in held:
+                self._prefill_fault(worker, e.reason, e.failure)
+        held.clear()
 
     async def _sglang_pair(self, call: UpstreamCall, decode: Worker, prefill: Worker,
                            decision: RouteDecision | None = None) -> httpx.Response:
@@ -380,12 +428,15 @@ class PdExecutor:
         return httpx.Response(response.status_code, headers=response.headers, stream=_Chained(head, rest, close))
 
     async def _sglang_prefill(self, call: UpstreamCall, prefill: Worker, body: dict[str, Any]) -> None:
+        """The prefill half of a pair. Its answer must be one (a JSON object that is no error): anything else
+        means the half failed, and the decode half would wait for its bootstrap timeout (minutes, in SGLang)."""
         r = await self._post_prefill(call, prefill, body)
         if r.status_code in _CLIENT_ERRORS:  # the request itself is refused: the client's answer
             raise _PrefillRefused(httpx.Response(r.status_code, content=r.content, headers={
                 "content-type": r.headers.get("content-type", "application/json")}))
-        if r.status_code >= 300:
-            raise _PrefillFailed(f"answered HTTP {r.status_code}: {r.text[:200]}")
+        answer = _answer_of(r, _CLIENT_ERRORS)
+        if isinstance(answer, httpx.Response):
+            raise _PrefillRefused(answer)
 
     async def _open_first_chunk(self, call: UpstreamCall, decode: Worker,
                                 body: dict[str, Any]) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
@@ -405,3 +456,28 @@ class PdExecutor:
             await response.aclose()
             raise
         return response, head, rest
+
+
+def _answer_of(r: httpx.Response, refusals: frozenset[int]) -> dict[str, Any] | httpx.Response:
+    """A prefill leg's answer (a 200 whose body is a JSON object), or the request's refusal (an error the engine
+    gave for it: status in ``refusals``, or a 200 carrying such an error) as the response to pass on; anything
+    else raises ``_PrefillFailed`` with the failure to judge (its status, or ``GARBAGE``)."""
+    status = r.status_code
+    if status >= 400:
+        raise _PrefillFailed(f"answered HTTP {status}: {r.text[:200]}", failure=status)
+    if status != 200:  # (a redirect or another 2xx is no answer to the step)
+        raise _PrefillFailed(f"answered HTTP {status}, which is no answer", failure=classify.GARBAGE)
+    try:
+        answer = orjson.loads(r.content)
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise _PrefillFailed(f"answered a body that is not a JSON object ({r.content[:80]!r})", failure=classify.GARBAGE)
+    bad = classify.error_in_answer(answer)
+    if bad is not None:
+        code, err = bad
+        if code in refusals:
+            return httpx.Response(code, content=orjson.dumps({"error": err}),
+                                  headers={"content-type": "application/json"})
+        raise _PrefillFailed(f"answered HTTP 200 carrying an error ({str(err.get('message'))[:200]})", failure=code)
+    return answer

@@ -34,7 +34,7 @@ def build_runtime(config: DyadConfig, *, clock: Clock | None = None, metrics: Dy
     rt.http.headers[loop_guard.HEADER] = loop_guard.GATEWAY_ID
     telemetry.configure(rt)  # the access log and tracing from the config (orchestrator/telemetry/setup.py)
     parts = disagg.build(rt.config, rt.fleet, rt.router.policy, rt.http, rt.metrics, rt.clock, rt.adapter_for,
-                         on_prefill_fault=lambda w: rt.breakers.record_failure(w.id, rt.clock.now()))
+                         breakers=rt.breakers)
     rt.roles = parts.roles
     if parts.policy is not None:
         rt.router.policy = parts.policy

@@ -543,7 +543,8 @@ def test_a_prefill_worker_that_hangs_while_its_health_answers_is_found_stalled()
 def test_a_prefill_answer_with_garbage_for_a_handoff_never_reaches_the_decode_engine():
     """vLLM P/D: a prefill answer's ``kv_transfer_params`` went to the decode engine as they were, whatever they
     held (a host that is no host, block ids that are no ids): the decode engine's connector acts on them.
-    Such a hand-off is now dropped: the decode worker prefills locally, the client gets its answer."""
+    Such a hand-off is now dropped: the decode worker prefills locally, the client gets its answer. (Each one
+    counts in the prefill worker's breaker, as the decode worker served the request; a good one resets it.)"""
     prefill, decode = engines("ok", "ok")
     with gateway([prefill, decode], ["prefill", "decode"], disagg=PD) as gw:
         healthy(gw)
@@ -553,10 +554,11 @@ def test_a_prefill_answer_with_garbage_for_a_handoff_never_reaches_the_decode_en
             r = complete(gw, prompt=LONG)
             assert r.status_code == 200, r.text
             assert "kv_transfer_params" not in decode.bodies[-1], (bad, decode.bodies[-1])
-        prefill.kv_params = None
-        assert complete(gw, prompt=LONG).status_code == 200
-        assert decode.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "fake"  # a good hand-off still goes
+            prefill.kv_params = None
+            assert complete(gw, prompt=LONG).status_code == 200
+            assert decode.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "fake"  # a good hand-off still goes
         assert sample(gw, "dyad_pd_requests_total", {"mode": "fallback"}) == 3
+        assert breakers(gw) == {}
 
 
 def test_a_retry_does_not_ask_the_prefill_worker_that_failed_the_request_again():

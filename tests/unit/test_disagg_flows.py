@@ -105,3 +105,48 @@ def test_min_prefill_tokens_default_comes_from_the_engine_profile():
     assert gpu == resolve_min_prefill_tokens(None, GPU_LIKE)
     assert 50 < gpu < 1000
     assert resolve_min_prefill_tokens(None, CPU_TINY) != gpu
+
+
+def test_the_prefill_step_leaves_out_only_what_the_engine_would_accept():
+    """A field the one-token, unstreamed prefill step cannot carry is left out only when its value is one vLLM
+    accepts; any other value goes to the prefill engine, which refuses the request as the decode engine would
+    (a refusal after the prefill would leave its KV leased for nobody). Fields only the generated tokens use
+    (logprobs, top_logprobs) always go: the engine judges them, and for one token they cost nothing."""
+    base = {"model": "m", "prompt": "x", "max_tokens": 10}
+    p = vllm_flow.prefill_body(COMPLETIONS, {**base, "logprobs": 50, "echo": False, "n": 1, "best_of": 1,
+                                             "min_tokens": 4})
+    assert p["logprobs"] == 50
+    assert not {"echo", "n", "best_of", "min_tokens"} & set(p)
+    chat = vllm_flow.prefill_body(CHAT, {"model": "m", "messages": [], "logprobs": True, "top_logprobs": 30})
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 30
+    # stream_options: left out of a streamed request's step; an unstreamed request's goes (refused there too)
+    assert "stream_options" not in vllm_flow.prefill_body(COMPLETIONS, {**base, "stream": True,
+                                                                       "stream_options": {"include_usage": True}})
+    assert vllm_flow.prefill_body(COMPLETIONS, {**base, "stream_options": {}})["stream_options"] == {}
+    for field, value in [("echo", "yes"), ("n", 0), ("best_of", 0), ("best_of", "2"), ("min_tokens", -1),
+                         ("min_tokens", 1.5)]:
+        assert vllm_flow.prefill_body(COMPLETIONS, {**base, field: value})[field] == value, (field, value)
+    assert "kv_transfer_params" not in {k for k in vllm_flow.prefill_body(COMPLETIONS, base, connector="example")}
+
+
+def test_requests_the_decode_engine_refuses_for_a_field_the_step_cannot_carry_are_not_split():
+    assert vllm_flow.local_only(COMPLETIONS, {"max_tokens": 10, "min_tokens": 11}, 5, None)
+    assert vllm_flow.local_only(COMPLETIONS, {"max_tokens": 10, "min_tokens": 10}, 5, None) is None
+    assert vllm_flow.local_only(CHAT, {"max_completion_tokens": 3, "max_tokens": 50, "min_tokens": 4}, 5, None)
+    assert vllm_flow.local_only(COMPLETIONS, {"max_tokens": 100}, 4000, 4096)
+    assert vllm_flow.local_only(COMPLETIONS, {"max_tokens": 96}, 4000, 4096) is None
+    assert vllm_flow.local_only(COMPLETIONS, {}, 5000, 4096) is None  # (no limit: the prefill engine judges)
+    assert vllm_flow.local_only(COMPLETIONS, {"max_tokens": 10**6}, 5, None) is None  # (context unknown)
+
+
+def test_a_loopback_side_channel_is_a_handoff_only_on_the_prefill_workers_own_machine():
+    good = {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "e", "remote_port": 5600}
+    far = "http://10.0.0.2:8000"
+    for host in ("localhost", "127.0.0.1", "127.1.2.3", "::1", "[::1]", "0.0.0.0", "LOCALHOST.", "x.localhost"):
+        assert vllm_flow.unreachable_side_channel({**good, "remote_host": host}, "http://10.0.0.1:8000", far), host
+        assert vllm_flow.unreachable_side_channel({**good, "remote_host": host}, far, far) is None, host
+        assert vllm_flow.unreachable_side_channel({**good, "remote_host": host}, "http://127.0.0.1:1",
+                                                  "http://localhost:2") is None, host
+    for host in ("10.0.0.1", "10.9.9.9", "prefill-0.rdma.internal", "fe80::1"):
+        assert vllm_flow.unreachable_side_channel({**good, "remote_host": host}, "http://10.0.0.1:8000", far) \
+            is None, host
