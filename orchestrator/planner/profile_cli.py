@@ -25,14 +25,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="engine base URL (OpenAI-compatible /v1/completions)")
     src.add_argument("--sim", help="engine profile of the simulator (gpu-like, cpu-tiny or a JSON file)")
-    parser.add_argument("--model", default=None, help="model name (default: the engine's first model)")
+    parser.add_argument("--model", default=None, help="--url: model name (default: the engine's first model)")
     parser.add_argument("--out", required=True, help="write the profile JSON here")
-    parser.add_argument("--isl", default="128,512,1024,2048", help="prefill input lengths")
-    parser.add_argument("--concurrency", default="1,4,8,16", help="decode concurrencies")
-    parser.add_argument("--context", default="256,1024", help="decode context lengths")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode stream")
-    parser.add_argument("--repeats", type=int, default=2, help="prefill samples per length (median kept)")
-    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--isl", default="128,512,1024,2048", help="--url: prefill input lengths (--sim sweeps its own grid)")
+    parser.add_argument("--concurrency", default="1,4,8,16", help="--url: decode concurrencies")
+    parser.add_argument("--context", default="256,1024", help="--url: decode context lengths")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="--url: tokens generated per decode stream")
+    parser.add_argument("--repeats", type=int, default=2, help="--url: prefill samples per length (median kept)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="--url: seconds per request")
 
 
 def _ints(s: str, flag: str) -> list[int]:
@@ -106,9 +106,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             profile = asyncio.run(sweep_http(args))
         PerfModel.from_dict(profile)  # refuse to write something the planner cannot load
+    except httpx.TransportError as e:  # (its message alone, "All connection attempts failed", names nothing)
+        print(f"dyad profile: cannot reach {args.url}: {e or type(e).__name__}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError, httpx.HTTPError, OSError) as e:
         print(f"dyad profile: {e}", file=sys.stderr)
         return 2
-    Path(args.out).write_text(json.dumps(profile, indent=2))
+    try:
+        Path(args.out).write_text(json.dumps(profile, indent=2))
+    except OSError as e:
+        print(f"dyad profile: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}: {len(profile['prefill'])} prefill points, {len(profile['decode'])} decode points")
     return 0

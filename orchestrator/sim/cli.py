@@ -11,15 +11,26 @@ from orchestrator.sim.profiles import PROFILES, load_profile
 from orchestrator.sim.server import SimServerConfig, run_forever
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: any free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, not {port}")
+    return port
+
+
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, required=True, help="HTTP port (0 = any free port)")
+    p.add_argument("--port", type=_port, required=True, help="HTTP port (0 = any free port)")
     p.add_argument("--model", required=True, help="served model name")
     p.add_argument("--profile", default="cpu-tiny", help=f"engine profile: one of {', '.join(PROFILES)} or a JSON file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--kv-events-port", type=int, default=None, help="ZMQ PUB port for KV events (default: free port)")
-    p.add_argument("--kv-replay-port", type=int, default=None, help="ZMQ ROUTER port for event replay")
+    p.add_argument("--kv-events-port", type=_port, default=None, help="ZMQ PUB port for KV events (default: free port)")
+    p.add_argument("--kv-replay-port", type=_port, default=None, help="ZMQ ROUTER port for event replay")
     p.add_argument("--no-kv-events", action="store_true", help="do not publish KV events")
     p.add_argument("--engine-id", default=None)
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null",

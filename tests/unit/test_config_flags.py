@@ -154,3 +154,20 @@ def test_dyad_demo_refuses_bad_flags_with_a_usage_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         dyad(["demo", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sim-engine", "--model", "m", "--port", "-5"], "argument --port: must be 0-65535, not -5"),  # OverflowError
+    (["sim-engine", "--model", "m", "--port", "0", "--kv-events-port", "70000"], "must be 0-65535, not 70000"),
+])
+def test_cli_port_flags_are_refused_with_a_usage_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        dyad(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_dyad_profile_names_an_output_it_cannot_write(tmp_path, capsys):
+    # a missing directory ended in a FileNotFoundError traceback after the sweep
+    out = tmp_path / "no" / "dir" / "profile.json"
+    assert dyad(["profile", "--sim", "cpu-tiny", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"dyad profile: cannot write {out}: No such file or directory"
