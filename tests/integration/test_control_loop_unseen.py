@@ -364,3 +364,36 @@ async def test_an_api_call_that_times_out_is_named_in_what_was_applied(fake):
         assert done[1:] == ["scaled statefulsets/d to 2"]
     finally:
         await act.close()
+
+
+def test_a_workers_path_that_is_not_a_regular_file_is_refused_not_waited_on(tmp_path):
+    """The workers path a FIFO (a named pipe, ``--workers-file <(generate)`` after its one read) or a
+    device: opening it waited for a writer for good, in the poll's thread, so the file source never
+    polled again (a regular file put back later was never seen) and the gateway's exit waited on that
+    thread. Now a path that is not a regular file is an error like an unreadable one, at once."""
+    import os
+    import threading
+
+    from orchestrator.config import FileDiscoveryConfig
+    from orchestrator.fleet.discovery.file import FileSource
+
+    path = tmp_path / "workers.yaml"
+    path.write_text("- url: http://127.0.0.1:9001\n")
+    src = FileSource(FileDiscoveryConfig(path=str(path), interval_s=1))
+    assert sorted(src.poll() or []) == ["http://127.0.0.1:9001"]
+    path.unlink()
+    os.mkfifo(path)
+    results: list[object] = []
+    t = threading.Thread(target=lambda: results.append(src.poll()), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # unblock the thread (a writer opens the FIFO) before failing
+        with open(path, "w"):
+            pass
+        t.join(5)
+        pytest.fail("polling a FIFO blocked")
+    assert results == [None] and src.last_error is not None and "not a regular file" in src.last_error
+    path.unlink()
+    path.write_text("- url: http://127.0.0.1:9001\n- url: http://127.0.0.1:9002\n")
+    assert src.poll() is None  # changed: applied once it reads the same at the next poll
+    assert sorted(src.poll() or []) == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]

@@ -13,8 +13,11 @@ the last good list stays in force.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,21 @@ def parse_workers_file(text: str, origin: str = "workers file") -> dict[str, Wor
     return out
 
 
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``path``, which must be a regular file (a symlink to one is fine).
+    Opened without blocking: a FIFO (a named pipe, a ``<(...)`` path after its one read) made ``open``
+    wait for a writer for good, and a device is no workers file; both raise ``OSError`` naming that."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a pipe, a device or a socket)")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
+
+
 class FileSource:
     name = "file"
 
@@ -101,8 +119,7 @@ class FileSource:
     def poll(self) -> dict[str, WorkerSpec] | None:
         """The workers when the file changed since the last poll, else None."""
         try:
-            with self.path.open("rb") as f:  # at most MAX_FILE_BYTES + 1: a runaway file is refused, not read
-                data = f.read(MAX_FILE_BYTES + 1)
+            data = read_regular_file(self.path, MAX_FILE_BYTES + 1)  # a runaway file is refused, not read
         except OSError as e:
             err = f"cannot read {self.path}: {e.strerror}"
             if err != self.last_error:
