@@ -79,7 +79,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     try:
         client = intake.authenticate(request)
         record.client_key_id = client.name
-        body = await rq.read_json_object(request, gw.max_body_bytes)
+        body = await rq.read_json_object(request, gw.max_body_bytes, "gateway.max_body_bytes")
         model = responses_api.validate(body) if responses else rq.validate(endpoint, body)
         canonical = rt.config.model(model)
         client.check_model(model, (canonical.name, *canonical.aliases) if canonical is not None else ())
@@ -279,7 +279,7 @@ async def _passthrough(request: Request, endpoint: str, label: str) -> Any:
     try:
         client = intake.authenticate(request)
         record.client_key_id = client.name
-        body = await rq.read_json_object(request, rt.config.gateway.max_body_bytes)
+        body = await rq.read_json_object(request, rt.config.gateway.max_body_bytes, "gateway.max_body_bytes")
         model = rq.validate_model_only(body)
         canonical = rt.config.model(model)
         client.check_model(model, (canonical.name, *canonical.aliases) if canonical is not None else ())

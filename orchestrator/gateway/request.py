@@ -44,8 +44,13 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing more than ``limit`` bytes (declared or actually sent)."""
+def _named(setting: str | None) -> str:
+    return f" ({setting})" if setting else ""
+
+
+async def read_body(request: Request, limit: int, setting: str | None = None) -> bytes:
+    """The raw body, refusing more than ``limit`` bytes (declared or actually sent); the refusal names
+    ``setting``, the configuration key that sets ``limit``, when there is one."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -53,8 +58,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         except ValueError:
             raise InvalidRequest("Content-Length header is not a number", param="content-length") from None
         if size > limit:
-            raise PayloadTooLarge(f"Request body of {size} bytes exceeds the limit of {limit} bytes "
-                                  "(gateway.max_body_bytes).", code="payload_too_large")
+            raise PayloadTooLarge(f"Request body of {size} bytes exceeds the limit of {limit} bytes{_named(setting)}.",
+                                  code="payload_too_large")
     # ``request.stream()``'s loop, without an async generator (its creation and finalizer hooks cost
     # more than the rest of this function for a one-message body)
     if getattr(request, "_stream_consumed", False) or hasattr(request, "_body"):
@@ -72,7 +77,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         if chunk:
             total += len(chunk)
             if total > limit:
-                raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes (gateway.max_body_bytes).",
+                raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes{_named(setting)}.",
                                       code="payload_too_large")
             chunks.append(chunk)
         if not more:
@@ -81,11 +86,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
+async def read_json_object(request: Request, limit: int, setting: str | None = None) -> dict[str, Any]:
     """The body as a JSON object (``read_body`` + ``parse_json_object``). A body the client compressed
     (``Content-Encoding``: the gateway forwards JSON as it reads it, so it decodes none) is refused with a
     415 naming the header, not taken for broken JSON (checked only when the body does not parse)."""
-    raw = await read_body(request, limit)
+    raw = await read_body(request, limit, setting)
     try:
         return parse_json_object(raw)
     except InvalidRequest:

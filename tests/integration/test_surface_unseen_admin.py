@@ -112,3 +112,15 @@ def test_concurrent_adds_of_one_worker_register_it_once(gw, engines):
             if w.url == url:
                 httpx.delete(f"{gw.url}/admin/workers/{quote(w.id, safe='')}",
                              headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_oversized_admin_body_is_a_413_that_does_not_name_the_client_body_setting(gw, admin, chunked):
+    body = b'{"url": "http://127.0.0.1:9", "labels": {"k": "' + b"x" * 200_000 + b'"}}'
+    content = iter([body[:1000], body[1000:]]) if chunked else body
+    r = admin.post("/admin/workers", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    err = error_of(r)
+    assert err["code"] == "payload_too_large" and "65536" in err["message"], err
+    # (gateway.max_body_bytes bounds client requests; the admin API has its own, smaller limit)
+    assert "gateway.max_body_bytes" not in err["message"], err
