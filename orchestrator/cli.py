@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import faulthandler
 import importlib
+import os
 import signal
 import sys
 
@@ -23,6 +24,27 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-config": ("orchestrator.config_cli", "validate configuration files"),
     "hash-key": ("orchestrator.gateway.hash_key_cli", "the SHA-256 digest of a client API key (auth.keys)"),
 }
+
+
+# Files a command writes once its work is done (dest → flag): checked before the work starts, so a typo in the
+# directory is one line at once, not a traceback after minutes of simulation or benchmark.
+OUTPUT_FLAGS: dict[str, str] = {"json_out": "--json", "plot": "--plot", "out": "--out"}
+
+
+def unwritable_output(args: argparse.Namespace) -> str | None:
+    """Why a file named by an output flag could not be written (None: all can)."""
+    for dest, flag in OUTPUT_FLAGS.items():
+        path = getattr(args, dest, None)
+        if not isinstance(path, str) or not path:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            return f"{flag} {path}: there is no directory {parent}"
+        if os.path.isdir(path):
+            return f"{flag} {path}: is a directory"
+        if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+            return f"{flag} {path}: not writable"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"dyad {name}", description=COMMANDS[name][1])
     module.configure(parser)
     args = parser.parse_args(argv[1:])
+    problem = unwritable_output(args)
+    if problem:
+        print(f"dyad {name}: {problem}", file=sys.stderr)
+        return 2
     return int(module.run(args) or 0)
 
 

@@ -167,7 +167,28 @@ def test_cli_port_flags_are_refused_with_a_usage_line(argv, message, capsys):
 
 
 def test_dyad_profile_names_an_output_it_cannot_write(tmp_path, capsys):
-    # a missing directory ended in a FileNotFoundError traceback after the sweep
+    # a write that fails after the sweep (the command line's own check, below, catches the usual cases first)
+    # ended in a FileNotFoundError traceback
+    from orchestrator.planner import profile_cli
     out = tmp_path / "no" / "dir" / "profile.json"
-    assert dyad(["profile", "--sim", "cpu-tiny", "--out", str(out)]) == 2
+    parser = argparse.ArgumentParser()
+    profile_cli.configure(parser)
+    assert profile_cli.run(parser.parse_args(["--sim", "cpu-tiny", "--out", str(out)])) == 2
     assert capsys.readouterr().err.strip() == f"dyad profile: cannot write {out}: No such file or directory"
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "--trace", "t.jsonl", "--aggregated", "2", "--json", "{d}/x.json"],
+    ["plan", "--trace", "t.jsonl", "--budget", "4", "--plot", "{d}/x.png"],
+    ["bench", "--url", "http://e:1", "--model", "m", "--trace", "t", "--format", "azure", "--json", "{d}/x.json"],
+    ["profile", "--sim", "gpu-like", "--out", "{d}/x.json"],
+])
+def test_an_output_file_that_cannot_be_written_is_named_before_the_work(argv, tmp_path, capsys):
+    # it was a FileNotFoundError traceback once the simulation, benchmark or sweep had run
+    missing = tmp_path / "no-such-dir"
+    argv = [a.replace("{d}", str(missing)) for a in argv]
+    assert dyad(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"dyad {argv[0]}: --") and err.endswith(f": there is no directory {missing}")
+    flag = next(a for a in argv if "{d}" not in a and a.startswith("--") and argv[argv.index(a) + 1].startswith(str(missing)))
+    assert f"{flag} {missing}/" in err
