@@ -246,6 +246,9 @@ def run(args: argparse.Namespace) -> int:
             shown = "0 (a free port, chosen by the native plane)"
     print(f"dyad: gateway on {'https' if ssl else 'http'}://{gw.host}:{shown} ({_fleet_summary(config)}, "
           f"policy {config.router.policy})", file=sys.stderr, flush=True)
+    if not config.workers and config.discovery.source == "static":
+        print("dyad: no workers: requests get 503 until one is added (--worker URL, workers in a --config file, "
+              "or POST /admin/workers)", file=sys.stderr, flush=True)
     # SIGTERM: stop intake, finish in-flight requests (resilience.shutdown_grace_s), exit 0 (shutdown.py)
     server = DrainingServer(uvicorn_config(app, host, port, args.log_level, ssl=ssl,
                                            resilience=config.resilience, gateway=gw),

@@ -271,3 +271,30 @@ def test_dyad_serve_names_a_file_its_start_up_would_fail_on(tmp_path):
                              cwd=root, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
         assert out.returncode == 2, out.stderr[-2000:]
         assert out.stderr.startswith(f"dyad serve: {line}") and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_dyad_serve_without_workers_says_how_to_add_one(tmp_path):
+    """``dyad serve`` with nothing to route to served 503s with no word why; the start-up says it now."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYAD_")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, cwd=root, stdin=subprocess.DEVNULL)
+    hint = "dyad: no workers: requests get 503 until one is added (--worker URL"
+    try:
+        deadline = time.monotonic() + 60  # a liveness bound, not a timing assertion
+        while hint not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert hint in log.read_text(), log.read_text()[-2000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
