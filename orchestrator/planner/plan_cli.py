@@ -35,7 +35,7 @@ from orchestrator.planner.perf_model import PerfModel, ProfileError
 from orchestrator.planner.predictors import LoadForecast
 from orchestrator.planner.solver import Limits, Targets, fit_budget, solve
 from orchestrator.sim.profiles import EngineProfile
-from orchestrator.sim.virtual_cli import MAX_WORKERS, add_common, fail, load_requests, number
+from orchestrator.sim.virtual_cli import MAX_WORKERS, TRACE_HELP, add_common, fail, load_requests, number
 from orchestrator.sim.virtual_time import (
     FleetSpec,
     SimRequest,
@@ -50,7 +50,10 @@ PLOT_EXTRA = "dyad-serve[plots]"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_common(parser)
+    from orchestrator.bench.workloads import SHAPES
+    add_common(parser, TRACE_HELP + "; or a seeded synthetic day, synthetic:<shape>[,key=value ...] (shapes: "
+               + ", ".join(SHAPES) + "; keys: duration, peak, trough, isl, osl, osl_ratio, sigma, noise, max_len, seed; "
+               "e.g. synthetic:daily,peak=4,trough=0.5,seed=1)")
     parser.add_argument("--budget", type=number(int, le=MAX_WORKERS), required=True, help="most workers (prefill + decode) allowed")
     parser.add_argument("--goal", type=number(), default=0.99, help="SLO attainment a split must reach (0..1)")
     parser.add_argument("--start", default="auto",

@@ -98,8 +98,12 @@ def load_requests(path: str, fmt: str = "auto", *, speed: float = 1.0, scale_len
         loop += 1
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="trace file: Mooncake JSONL (or any JSONL of timestamp ms, input_length, output_length), AIBrix JSONL, a CSV of arrival time + prompt and output lengths (Azure, BurstGPT), ShareGPT (JSONL or the JSON array)")
+TRACE_HELP = ("trace file: Mooncake JSONL (or any JSONL of timestamp ms, input_length, output_length), AIBrix JSONL, "
+              "a CSV of arrival time + prompt and output lengths (Azure, BurstGPT), ShareGPT (JSONL or the JSON array)")
+
+
+def add_common(parser: argparse.ArgumentParser, trace_help: str = TRACE_HELP) -> None:
+    parser.add_argument("--trace", required=True, help=trace_help)
     parser.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "aibrix", "sharegpt"])
     parser.add_argument("--profile", default="gpu-like", help="engine profile: gpu-like, cpu-tiny or a JSON file")
     parser.add_argument("--speed", type=number(gt=0), default=1.0, help="arrival-rate multiplier (2 = twice as fast)")
@@ -145,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("give --prefill P --decode D (both >= 1) or --aggregated N")
     if args.planner and args.aggregated:
         return fail("--planner sizes prefill/decode pools; it does not apply to --aggregated")
+    if args.trace.startswith("synthetic:"):
+        return fail(f"--trace {args.trace}: synthetic workloads are read by dyad plan; dyad sim replays a trace file")
     try:
         profile = load_profile(args.profile)
         reqs = load_requests(args.trace, args.format, speed=args.speed, scale_len=args.scale_len,

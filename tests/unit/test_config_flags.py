@@ -192,3 +192,9 @@ def test_an_output_file_that_cannot_be_written_is_named_before_the_work(argv, tm
     assert err.startswith(f"dyad {argv[0]}: --") and err.endswith(f": there is no directory {missing}")
     flag = next(a for a in argv if "{d}" not in a and a.startswith("--") and argv[argv.index(a) + 1].startswith(str(missing)))
     assert f"{flag} {missing}/" in err
+
+
+def test_dyad_sim_says_synthetic_workloads_are_dyad_plans(capsys):
+    # it answered "[Errno 2] No such file or directory: 'synthetic:daily'"
+    assert dyad(["sim", "--trace", "synthetic:daily", "--aggregated", "2"]) == 2
+    assert "synthetic workloads are read by dyad plan; dyad sim replays a trace file" in capsys.readouterr().err
