@@ -533,7 +533,7 @@ class KubernetesActuator:
             if self.is_idle is not None and any(now - t >= self.settle_s for t in s.marked_at.values()):
                 pods = {p["metadata"]["name"]: p for p in await self._pods(scale)}
                 for name in s.marked_at:
-                    idle[name] = True if name not in pods else await self.is_idle(pods[name])
+                    idle[name] = True if name not in pods else await self._idle(pods[name])
             elif self.is_idle is None:
                 idle = dict.fromkeys(s.marked_at, True)  # no way to ask: settle time only
             ok, why = drain_finished(s, idle, now, self.settle_s, self.drain_timeout_s)
@@ -543,6 +543,17 @@ class KubernetesActuator:
             log.info("kubernetes actuator: %s", line)
         self.events += done
         return done
+
+    async def _idle(self, pod: Pod) -> bool | None:
+        """``is_idle``, with a check that raises read as "cannot tell" (the drain timeout bounds that): it
+        failed the whole finisher round before the timeout was looked at, and the drain never ended."""
+        assert self.is_idle is not None
+        try:
+            return await self.is_idle(pod)
+        except Exception as e:  # noqa: BLE001 - any failure of the check: not known idle
+            log.warning("kubernetes actuator: cannot tell whether %s is idle: %s: %s", pod["metadata"]["name"],
+                        type(e).__name__, e)
+            return None
 
     def _ensure_finisher(self) -> None:
         if self._finisher is None or self._finisher.done():
@@ -610,21 +621,32 @@ class KubernetesActuator:
     async def _standby_actions(self, decision: PlanDecision) -> list[str]:
         done = []
         for a in decision.actions:
-            if a.role not in self.workloads or not a.worker_id:
+            if a.role not in self.workloads or not a.worker_id or a.kind not in ("activate", "park", "drain"):
                 continue
-            if a.kind == "activate":
-                self.to_standby.discard(a.worker_id)
-                await self._set_standby(a.worker_id, False)
-                done.append(f"activated {a.worker_id}")
-            elif a.kind == "park":
-                self.to_standby.discard(a.worker_id)
-                await self._set_standby(a.worker_id, True)
-                done.append(f"parked {a.worker_id} (standby)")
-            elif a.kind == "drain" and a.then == "standby":
-                self.to_standby.add(a.worker_id)
-                await self._drain_to_standby(a.worker_id)
-                done.append(f"draining {a.worker_id} (then standby)")
+            # each on its own: a pod gone meanwhile (404) must not keep the rest of the decision from being
+            # carried out (it raised out of the whole apply: no role was scaled that interval)
+            try:
+                done += await self._standby_action(a)
+            except Exception as e:  # noqa: BLE001 - a line in what was applied; the next decision re-plans
+                line = f"{a.kind} {a.worker_id} failed: {type(e).__name__}: {e}"[:400]
+                log.warning("kubernetes actuator: %s", line)
+                done.append(line)
         return done
+
+    async def _standby_action(self, a: Any) -> list[str]:
+        if a.kind == "activate":
+            self.to_standby.discard(a.worker_id)
+            await self._set_standby(a.worker_id, False)
+            return [f"activated {a.worker_id}"]
+        if a.kind == "park":
+            self.to_standby.discard(a.worker_id)
+            await self._set_standby(a.worker_id, True)
+            return [f"parked {a.worker_id} (standby)"]
+        if a.kind == "drain" and a.then == "standby":
+            self.to_standby.add(a.worker_id)
+            await self._drain_to_standby(a.worker_id)
+            return [f"draining {a.worker_id} (then standby)"]
+        return []
 
     async def apply(self, decision: PlanDecision) -> list[str]:
         async with self._serialized():

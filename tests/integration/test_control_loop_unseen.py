@@ -397,3 +397,40 @@ def test_a_workers_path_that_is_not_a_regular_file_is_refused_not_waited_on(tmp_
     path.write_text("- url: http://127.0.0.1:9001\n- url: http://127.0.0.1:9002\n")
     assert src.poll() is None  # changed: applied once it reads the same at the next poll
     assert sorted(src.poll() or []) == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+
+
+async def test_an_idleness_check_that_raises_is_bounded_by_the_drain_timeout(fake):
+    """The check of a victim's engine raising (a pod of an odd shape, a bug) failed the whole finisher
+    round before the drain timeout was looked at: the scale-in never finished and its victims stayed out of
+    rotation for good. Now a check that raises reads 'cannot tell', which the drain timeout bounds."""
+    fake.add_statefulset("d", 2, SEL)
+    await until(lambda: len(fake.pod_names()) == 2, what="the controller's pods")
+
+    def broken(pod):
+        raise ValueError("invalid literal for int() with base 10: 'http'")
+
+    act = actuator(fake, idle=broken, drain_timeout_s=1.0)
+    try:
+        assert await act.apply(decision(None, 1)) == ["marked d-1 draining"]
+        await until(lambda: act.events, what="the scale-in after the drain timeout")
+        assert act.events == ["drain timeout for d-1: scaled statefulsets/d to 1"] and fake.replicas("d") == 1
+    finally:
+        await act.close()
+
+
+async def test_a_standby_action_on_a_pod_that_is_gone_does_not_stop_the_scaling(fake):
+    """``activate`` of a pod deleted meanwhile (404 on its patch) raised out of the whole apply: no role was
+    scaled that interval. Now it is a line in what was applied and the rest is carried out."""
+    from orchestrator.planner.core import Action
+
+    fake.add_statefulset("d", 1, SEL)
+    await until(lambda: len(fake.pod_names()) == 1, what="the controller's pod")
+    act = actuator(fake)
+    try:
+        d = decision(None, 3, current={"decode": 1})
+        d.actions.append(Action("activate", Role.DECODE, "d-9"))
+        done = await act.apply(d)
+        assert done[0].startswith("activate d-9 failed: KubeApiError: kubernetes API 404"), done
+        assert done[1:] == ["scaled statefulsets/d to 3"]
+    finally:
+        await act.close()
