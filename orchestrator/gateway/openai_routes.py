@@ -127,7 +127,10 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
     counted.inflight.inc()
     proxy = ProxyResponse(rt, call, route_req, label, started, record, strip_usage, limit_headers,
                           pinned_away=pinned_away)
-    inner: Any = responses_api.RecordOwner(proxy, client.name) if responses else proxy
+    # (a response created with store: false is kept nowhere: its id is not remembered either - it would only take
+    # a place in the bounded map from a response that is stored)
+    inner: Any = responses_api.RecordOwner(proxy, client.name) if responses and body.get("store") is not False \
+        else proxy
     return intake.wrap(inner, model, rid, slot, client_key, intake.settler(client, route_req, record))
 
 

@@ -132,3 +132,20 @@ def test_a_replay_query_the_gateway_cannot_read_is_a_400_naming_it(gw, query, pa
     assert seqs and min(seqs) == 3 and "response.completed" in r.text
     r = httpx.get(f"{gw.url}/v1/responses/{rid}?stream=0", timeout=30)
     assert r.status_code == 200 and r.json()["id"] == rid
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_created_with_store_false_takes_no_place_in_the_owner_map(gw, stream):
+    owners = gw.runtime.response_owners
+    before = len(owners)
+    r = _post(gw, "not kept", store=False, stream=stream)
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"] if not stream else next(
+        json.loads(line[5:])["response"]["id"] for line in r.text.splitlines()
+        if line.startswith("data:") and '"response"' in line)
+    assert len(owners) == before
+    r = httpx.get(f"{gw.url}/v1/responses/{rid}", timeout=30)
+    assert r.status_code == 404 and error_of(r)["code"] == "response_not_found", r.text
+    # stored ones are remembered as before
+    r = _post(gw, "kept", store=True, stream=stream)
+    assert r.status_code == 200 and len(owners) == before + 1
