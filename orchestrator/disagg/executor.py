@@ -174,7 +174,8 @@ class PdExecutor:
     async def _vllm(self, call: UpstreamCall, decode: Worker, prefill: Worker,
                     decision: RouteDecision | None = None) -> httpx.Response:
         connector = self.config.connector
-        why_local = vllm_flow.local_only(call.endpoint, call.body, call.prompt_tokens, decode.max_model_len.get(call.model))
+        why_local = vllm_flow.local_only(call.endpoint, call.body, call.prompt_tokens,
+                                         decode.max_model_len.get(call.model), prefill.max_model_len.get(call.model))
         if why_local is not None:  # the decode engine refuses it: no prefill leg (it would lease KV for nobody)
             log.info("request %s is not split (%s): %s answers it whole", call.request_id, why_local, decode.id)
             self.metrics.pd_requests.labels(MODE_LOCAL).inc()

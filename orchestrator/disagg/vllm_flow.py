@@ -87,21 +87,29 @@ def prefill_body(endpoint: str, body: dict[str, Any], connector: Connector = "ni
     return out
 
 
-def local_only(endpoint: str, body: dict[str, Any], prompt_tokens: int, max_model_len: int | None) -> str | None:
-    """Why the decode worker must answer this request by itself, without a prefill step (None: split it): what
-    the decode engine would refuse because of a field the one-token prefill step cannot carry as it is — a
-    ``min_tokens`` above the client's limit, or a prompt plus ``max_tokens`` beyond the decode engine's context
-    (``max_model_len`` from its model card; ``prompt_tokens`` as annotated). The prefill engine would accept such
-    a request, compute it and lease its KV for a hand-off nobody reads (``_drop_is_harmless``); the decode engine
-    refuses it with its own message instead."""
+def local_only(endpoint: str, body: dict[str, Any], prompt_tokens: int, max_model_len: int | None,
+               prefill_max_model_len: int | None = None) -> str | None:
+    """Why the decode worker must answer this request by itself, without a prefill step (None: split it).
+
+    - The decode engine would refuse it because of a field the one-token prefill step cannot carry as it is: a
+      ``min_tokens`` above the client's limit, or a prompt plus ``max_tokens`` beyond the decode engine's context
+      (``max_model_len`` from its model card; ``prompt_tokens`` as annotated). The prefill engine would accept
+      such a request, compute it and lease its KV for a hand-off nobody reads (``_drop_is_harmless``); the decode
+      engine refuses it with its own message instead.
+    - The prompt fits the decode engine's context but not the prefill engine's (``prefill_max_model_len``: a
+      fleet whose engines were started with different ``--max-model-len``): the prefill engine would refuse a
+      request the decode engine can serve."""
     limit = _client_limit(endpoint, body)
-    if not _is_int(limit):
-        return None
-    low = body.get("min_tokens")
-    if _is_int(low) and low > limit:
-        return f"min_tokens {low} > the request's limit {limit}"
-    if max_model_len is not None and prompt_tokens + limit > max_model_len:
-        return f"{prompt_tokens} prompt tokens + {limit} to generate > the decode engine's context ({max_model_len})"
+    if _is_int(limit):
+        low = body.get("min_tokens")
+        if _is_int(low) and low > limit:
+            return f"min_tokens {low} > the request's limit {limit}"
+        if max_model_len is not None and prompt_tokens + limit > max_model_len:
+            return f"{prompt_tokens} prompt tokens + {limit} to generate > the decode engine's context ({max_model_len})"
+    if prefill_max_model_len is not None and prompt_tokens + 1 > prefill_max_model_len \
+            and (max_model_len is None or prompt_tokens < max_model_len):
+        return (f"{prompt_tokens} prompt tokens do not fit the prefill engine's context ({prefill_max_model_len}); "
+                "the decode engine's is larger")
     return None
 
 

@@ -158,8 +158,9 @@ def gateway(workers: list[dict[str, Any]], *engines: Any, **sections: Any) -> It
 
 
 def healthy(gw: GatewayThread) -> None:
+    """Every worker in rotation, its model card read (the context length P/D decisions use)."""
     deadline = time.monotonic() + 30
-    while not all(w.health_ok for w in gw.runtime.fleet.workers()):
+    while not all(w.health_ok and w.model_cards_read for w in gw.runtime.fleet.workers()):
         assert time.monotonic() < deadline, [(w.id, w.health_ok) for w in gw.runtime.fleet.workers()]
         time.sleep(0.02)
 
@@ -249,6 +250,21 @@ def test_min_tokens_above_the_limit_goes_to_the_decode_engine_whole():
         r = completion(gw, max_tokens=9, min_tokens=3)  # (a valid one is split, min_tokens left out of the step)
         assert r.status_code == 200 and len(p.steps) == 1 and "min_tokens" not in p.steps[0], r.text
         assert p.pulls == 1
+        settled(gw)
+
+
+def test_a_prompt_only_the_decode_engines_context_holds_is_served_by_it():
+    """Engines started with different context lengths: a prompt beyond the prefill engine's (4,096 here) but within
+    the decode engine's (131,072) was sent to the prefill engine, whose 400 went to the client. It now goes to the
+    decode worker whole."""
+    p, d = sim(), SimEngineThread(model=MODEL, profile="gpu-like", kv_events=False).start()
+    with gateway(vllm_pair(p, d), p, d) as gw:
+        assert gw.runtime.fleet.get("p").max_model_len == {MODEL: 4096}
+        assert gw.runtime.fleet.get("d").max_model_len == {MODEL: 131072}
+        r = completion(gw, prompt=PROMPT * 25)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 4096
+        assert computed(p) == 0 and pd_mode(gw, "local") == 1
         settled(gw)
 
 

@@ -150,3 +150,10 @@ def test_a_loopback_side_channel_is_a_handoff_only_on_the_prefill_workers_own_ma
     for host in ("10.0.0.1", "10.9.9.9", "prefill-0.rdma.internal", "fe80::1"):
         assert vllm_flow.unreachable_side_channel({**good, "remote_host": host}, "http://10.0.0.1:8000", far) \
             is None, host
+
+
+def test_a_prompt_only_the_decode_engines_context_holds_is_not_split():
+    assert vllm_flow.local_only(COMPLETIONS, {"max_tokens": 10}, 5000, 131072, 4096)
+    assert vllm_flow.local_only(COMPLETIONS, {}, 5000, None, 4096)
+    assert vllm_flow.local_only(COMPLETIONS, {"max_tokens": 10}, 4000, 131072, 4096) is None
+    assert vllm_flow.local_only(COMPLETIONS, {}, 200000, 131072, 4096) is None  # (fits nowhere: the engine says so)
