@@ -26,11 +26,26 @@ if TYPE_CHECKING:
 
 
 def bearer(request: Request) -> str | None:
-    value = request.headers.get("authorization")
+    return bearer_token(request.headers.get("authorization"))
+
+
+def bearer_token(value: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` value, as the text its client meant: header values
+    arrive decoded as Latin-1 (HTTP's bytes), while a key is hashed (``dyad hash-key``) and compared as UTF-8 -
+    so a token that is valid UTF-8 is read as UTF-8 (a key or admin token with a non-ASCII character never
+    matched before); any other stays as it came."""
     if not value:
         return None
     scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    if not token.isascii():
+        try:
+            token = token.encode("latin-1").decode("utf-8")
+        except (UnicodeEncodeError, UnicodeDecodeError):
+            pass
+    return token
 
 
 def hash_key(key: str) -> str:

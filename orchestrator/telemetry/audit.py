@@ -41,10 +41,10 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def actor_of(request: Request) -> str:
     """Which credential the caller presented (a fingerprint, never the token)."""
-    value = request.headers.get("authorization") or ""
-    scheme, _, token = value.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
+    from orchestrator.gateway.auth import bearer_token  # (read as the admin check reads it)
+
+    token = bearer_token(request.headers.get("authorization"))
+    if token is None:
         return "no-token"
     gateway = getattr(getattr(getattr(request.app.state, "runtime", None), "config", None), "gateway", None)
     expected = getattr(gateway, "admin_token", None)
