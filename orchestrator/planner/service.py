@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -53,7 +54,9 @@ def views_from_workers(workers: Iterable[Worker],
         elif is_starting and state == "unhealthy":
             state = "starting"
         role = w.target_role or w.role
-        out.append(WorkerView(w.id, role, state, w.inflight, int(w.load.waiting),
+        waiting = w.load.waiting  # a count: whatever a load holds, it must not fail the interval (int(inf))
+        waiting = int(waiting) if math.isfinite(waiting) and waiting > 0 else 0
+        out.append(WorkerView(w.id, role, state, w.inflight, waiting,
                               stoppable=True if stoppable is None else stoppable(w), standby=standby))
     return out
 

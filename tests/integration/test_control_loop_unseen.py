@@ -434,3 +434,57 @@ async def test_a_standby_action_on_a_pod_that_is_gone_does_not_stop_the_scaling(
         assert done[1:] == ["scaled statefulsets/d to 3"]
     finally:
         await act.close()
+
+
+# ------------------------------------------------------------------ engine load an engine cannot have
+
+
+@pytest.mark.parametrize("sample, says", [
+    ('vllm:num_requests_waiting{model_name="m"} +Inf', "waiting = inf"),
+    ('vllm:num_requests_running{model_name="m"} -1000', "running = -1000"),
+    ('vllm:gpu_cache_usage_perc{model_name="m"} -Inf', "kv_usage = -inf"),
+])
+async def test_an_engine_reporting_an_impossible_load_is_a_failed_scrape_not_the_fleets_load(sample, says, caplog):
+    """One engine exporting ``num_requests_waiting +Inf`` (a bug, a proxy's arithmetic) made every planner
+    interval fail (``int(inf)`` in the planner's view of the fleet: OverflowError, nothing planned, no drain
+    completed) for as long as it did; a negative running count made that worker look emptier than empty to
+    the router. Such a scrape is now refused: counted as a scrape error (logged once), the last good load
+    kept. The planner's view of a load is also bounded on its own. httpx.MockTransport stands in for the
+    engine's /metrics (a HAND-WRITTEN DOUBLE: no real engine exports these)."""
+    import httpx
+
+    from adapters.base import EngineKind
+    from adapters.vllm import VllmAdapter
+    from orchestrator.clock import VirtualClock
+    from orchestrator.config import ScrapeConfig
+    from orchestrator.fleet.registry import FleetRegistry
+    from orchestrator.fleet.scrape import MetricsScraper
+    from orchestrator.fleet.worker import Worker, WorkerState
+    from orchestrator.planner.service import views_from_workers
+    from orchestrator.telemetry.metrics import DyadMetrics
+
+    good = ('vllm:num_requests_waiting{model_name="m"} 2\nvllm:num_requests_running{model_name="m"} 3\n'
+            'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
+    body = {"text": good}
+    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(200, text=body["text"])))
+    fleet = FleetRegistry([Worker("w", "http://engine:8000", engine=EngineKind.VLLM, models=["m"],
+                                  state=WorkerState.HEALTHY)])
+    metrics = DyadMetrics()
+    scraper = MetricsScraper(fleet, http, ScrapeConfig(timeout_s=1.0), VirtualClock(), lambda _: VllmAdapter(),
+                             metrics=metrics)
+    try:
+        assert await scraper.scrape_worker(fleet.get("w"))
+        name = sample.split("{")[0]
+        body["text"] = "".join(line + "\n" for line in good.splitlines() if not line.startswith(name)) + sample + "\n"
+        for _ in range(3):
+            assert not await scraper.scrape_worker(fleet.get("w"))
+        w = fleet.get("w")
+        assert (w.load.running, w.load.waiting, w.load.kv_usage) == (3.0, 2.0, 0.5)  # the last good one
+        assert metrics.registry.get_sample_value("dyad_worker_scrape_errors_total", {"worker": "w"}) == 3.0
+        assert sum(says in r.getMessage() for r in caplog.records) == 1, [r.getMessage() for r in caplog.records]
+        # whatever a load holds, the planner's view of it does not fail the interval
+        from adapters.base import LoadSnapshot
+        w.load = LoadSnapshot(running=float("inf"), waiting=float("nan"))
+        assert views_from_workers([w])[0].waiting == 0
+    finally:
+        await http.aclose()
