@@ -92,7 +92,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         if responses:
             prev = body.get("previous_response_id")
             if prev is not None:  # continues a stored response: only its engine has it
-                owner = await responses_api.owner_worker(rt, prev, client.name, "previous_response_id")
+                owner = await responses_api.continuation_worker(rt, prev, client.name, model)
                 pinned_away = frozenset(w.id for w in rt.fleet.workers() if w.id != owner.id)
             # routed on the chat messages vLLM renders from instructions + input (prefix-aware)
             # (never split: the P/D hand-off, disagg/vllm_flow.py, speaks chat/completions only)

@@ -448,6 +448,22 @@ async def owner_worker(rt: GatewayRuntime, response_id: str, client: str, param:
     return worker
 
 
+async def continuation_worker(rt: GatewayRuntime, response_id: str, client: str, model: str) -> Worker:
+    """The worker a request naming ``previous_response_id`` must go to (``owner_worker``); a 503 naming the
+    field when that worker takes no new requests now (draining, unhealthy, not serving ``model``): only it has
+    the response, and the router's own refusal ("no worker can serve model ...") would send the client to retry
+    what may never work again."""
+    worker = await owner_worker(rt, response_id, client, "previous_response_id")
+    if all(w.id != worker.id for w in rt.router.candidates(model)):
+        retry = rt.config.gateway.retry_after_s
+        raise ApiError(f"The engine holding response '{response_id}' ({worker.id}) takes no new requests now "
+                       f"(it is {worker.state.value}); no other engine has that response. Retry later, or start the "
+                       "conversation again without previous_response_id.", status=503, type="service_unavailable",
+                       param="previous_response_id", code="response_engine_unavailable",
+                       headers={"Retry-After": str(max(1, retry))})
+    return worker
+
+
 def response_id_in(body: bytes, stream: bool) -> str | None:
     """The response id of an answer: the JSON object's ``id``, or a stream's first event carrying
     ``response.id`` (``response.created``)."""

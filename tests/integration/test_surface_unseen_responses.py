@@ -22,6 +22,7 @@ from orchestrator.sim.server import SimEngineThread
 from tests.integration.test_gateway import error_of
 
 MODEL = "tiny"
+ADMIN = "adm"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def gw(engines, tmp_path_factory):
     cfg = load_config({
         "models": [{"name": MODEL}],
         "workers": [{"id": f"w{i}", "url": e.url, "engine": "sim", "models": [MODEL]} for i, e in enumerate(engines)],
-        "router": {"policy": "round_robin"},
+        "router": {"policy": "round_robin", "debug_headers": True},
+        "gateway": {"admin_token": ADMIN},
         "health": {"interval_s": 30},
         "resilience": {"backoff_base_s": 0},
         "access_log": {"enabled": True, "output": str(log), "format": "json"},
@@ -149,3 +151,22 @@ def test_a_response_created_with_store_false_takes_no_place_in_the_owner_map(gw,
     # stored ones are remembered as before
     r = _post(gw, "kept", store=True, stream=stream)
     assert r.status_code == 200 and len(owners) == before + 1
+
+
+def test_continuing_a_response_whose_engine_is_draining_is_a_503_naming_previous_response_id(gw):
+    r = _post(gw, "start")
+    assert r.status_code == 200, r.text
+    rid, owner = r.json()["id"], r.headers["x-dyad-worker"]
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    assert httpx.post(f"{gw.url}/admin/workers/{owner}/drain", headers=admin, timeout=30).status_code == 200
+    try:
+        r = _post(gw, "more", previous_response_id=rid)
+        assert r.status_code == 503, r.text
+        err = error_of(r)
+        assert err["param"] == "previous_response_id" and err["code"] == "response_engine_unavailable", err
+        assert owner in err["message"] and "draining" in err["message"] and r.headers["retry-after"]
+        assert _post(gw, "a new conversation").status_code == 200  # (the other worker serves the rest)
+    finally:
+        assert httpx.post(f"{gw.url}/admin/workers/{owner}/undrain", headers=admin, timeout=30).status_code == 200
+    r = _post(gw, "more", previous_response_id=rid)
+    assert r.status_code == 200 and r.headers["x-dyad-worker"] == owner, r.text
