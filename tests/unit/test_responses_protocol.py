@@ -190,3 +190,36 @@ def test_sse_line_ends_lf_crlf_and_lone_cr_split_alike_across_any_chunking(cuts,
         out.append(recorder.split(wire[start:cut]))
         start = max(start, cut)
     assert b"".join(out) == b"".join(events) and recorder.pending == b""
+
+
+def _created(rid: str, crlf: bool = False) -> bytes:
+    event = (b"event: response.created\ndata: " + json.dumps({"type": "response.created", "sequence_number": 0,
+                                                             "response": {"id": rid, "object": "response"}}).encode()
+             + b"\n\n")
+    return event.replace(b"\n", b"\r\n") if crlf else event
+
+
+def test_a_streams_response_id_is_found_reading_each_byte_once():
+    # (found by helper-47's probe: each chunk re-read everything seen before it, so 64 KB of tiny events from an
+    # engine was ~20 000 passes over up to 64 KB; now every byte is read once)
+    scan = responses_api.StreamIdScan(1 << 16)
+    chunks = [b": keep-alive\n\n"] * 4000 + [_created("resp_1")[:20], _created("resp_1")[20:]]
+    found = [scan.feed(c) for c in chunks]
+    assert found[-1] == "resp_1" and not any(found[:-1])
+    total = sum(map(len, chunks))
+    assert scan.scanned <= total and scan.seen == total
+
+
+@pytest.mark.parametrize("crlf", [False, True])
+def test_the_id_is_found_in_any_chunking_and_line_ending(crlf):
+    data = b": hello\n\n".replace(b"\n", b"\r\n" if crlf else b"\n") + _created("resp_2", crlf)
+    for size in (1, 2, 3, 7, len(data)):
+        scan = responses_api.StreamIdScan(1 << 16)
+        ids = {scan.feed(data[i:i + size]) for i in range(0, len(data), size)} - {None}
+        assert ids == {"resp_2"}, size
+
+
+def test_the_scan_stops_at_its_limit():
+    scan = responses_api.StreamIdScan(100)
+    scan.feed(b": x\n\n" * 30)
+    assert scan.exhausted
