@@ -93,6 +93,19 @@ class KvEventsConfig(_Section):
     replay_endpoint: str | None = Field(None, description="ZMQ replay endpoint for missed batches (vLLM replay_endpoint)")
     topic: str = Field("kv-events", description="ZMQ topic the engine publishes on")
 
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        # the subscriber's connect refused anything else inside a background task: no KV events, and no word why
+        if v is None or any(v.startswith(t) and len(v) > len(t) for t in ("ipc://", "inproc://")):
+            return v
+        if v.startswith("tcp://"):
+            host, sep, port = v[len("tcp://"):].rpartition(":")
+            if sep and host and port.isdigit() and 0 < int(port) < 65536:
+                return v
+        raise ValueError("must be tcp://HOST:PORT (as in the engine's --kv-events-config, e.g. tcp://*:5557) "
+                         "or ipc://PATH")
+
 
 class WorkerConfig(_Section):
     """One engine instance Dyad routes to."""

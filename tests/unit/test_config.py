@@ -119,3 +119,18 @@ def test_redis_urls_the_gateway_could_not_connect_with_are_refused(raw, message)
 ])
 def test_usable_redis_urls_pass(raw):
     load_config(raw, environ={})
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*", "http://h:5557", "tcp://h:99999", "tcp://:5557", "h:5557"])
+def test_a_kv_events_endpoint_the_subscriber_cannot_connect_to_is_refused(endpoint):
+    # it passed, and the subscriber's connect then failed inside a background task: no KV events, no word why
+    for key in ("endpoint", "replay_endpoint"):
+        kv = {"endpoint": "tcp://*:5557", key: endpoint}
+        with pytest.raises(ConfigError, match=rf"workers\.0\.kv_events\.{key}: must be tcp://HOST:PORT"):
+            load_config({"workers": [{"url": "http://e:1", "kv_events": kv}]}, environ={})
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://10.0.0.5:5557", "tcp://[fd00::1]:5557", "ipc:///run/kv"])
+def test_kv_events_endpoints_as_engines_publish_them_pass(endpoint):
+    load_config({"workers": [{"url": "http://e:1", "kv_events": {"endpoint": endpoint, "replay_endpoint": endpoint}}]},
+                environ={})
