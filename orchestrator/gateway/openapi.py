@@ -164,7 +164,8 @@ def build_openapi(title: str = "Dyad gateway", version: str = "0") -> dict[str, 
         "/v1/responses/{response_id}": {"get": {
             "operationId": "getResponse", "security": [{"apiKey": []}, {}], "parameters": [
                 *response_id, {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
-                {"name": "starting_after", "in": "query", "required": False, "schema": {"type": "integer"}}],
+                {"name": "starting_after", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 0}}],
             "responses": stored}},
         "/v1/responses/{response_id}/cancel": {"post": {
             "operationId": "cancelResponse", "security": [{"apiKey": []}, {}], "parameters": response_id,
@@ -220,9 +221,10 @@ def build_openapi(title: str = "Dyad gateway", version: str = "0") -> dict[str, 
         # orchestrator/ui/routes.py
         "/ui": {"get": {"operationId": "fleetPage", "responses": {"200": {
             "description": "The live fleet page", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
-        "/ui/api/state": {"get": {"operationId": "fleetState",
+        # (the admin token when the gateway has one: orchestrator/ui/routes.py)
+        "/ui/api/state": {"get": {"operationId": "fleetState", "security": [*admin, {}],
                                   "responses": _json_ok("Workers, routing and the planner, as the page shows them")}},
-        "/ui/api/history": {"get": {"operationId": "fleetHistory", "responses": _json_ok(
+        "/ui/api/history": {"get": {"operationId": "fleetHistory", "security": [*admin, {}], "responses": _json_ok(
             "The last hour of traffic points (rates, error ratio, TTFT/ITL quantiles, prefix hit), in memory")}},
     }
     return {

@@ -5,7 +5,8 @@ engine metrics (absurd values, NaN) are text and numbers from outside the gatewa
 everything with ``textContent`` (orchestrator/ui/static/fleet.html): checked here end to end — HTML in a worker
 id or a model name is shown as text, no handler in it runs (it would retitle the page), and the page still
 renders all of 300 workers with a worker whose metrics are 1e308 and NaN. The JSON endpoints ignore query
-parameters they do not read.
+parameters they do not read. The data needs the admin token (``/ui#token=...``; test_surface_unseen_ui_access.py):
+without it the page shows the gateway's refusal in its banner.
 """
 
 from __future__ import annotations
@@ -89,13 +90,14 @@ def test_hostile_names_and_absurd_metrics_render_as_text_on_the_fleet_page(tmp_p
             worker = gw.runtime.fleet.get(HOSTILE_ID)
             assert wait_until(lambda: worker.load.running > 1e300, timeout=30), worker.load
 
-            state = httpx.get(f"{gw.url}/ui/api/state?workers=%ff&limit=-1&x=<script>", timeout=30)
+            state = admin.get("/ui/api/state?workers=%ff&limit=-1&x=<script>")
             assert state.status_code == 200
             assert len(state.json()["workers"]) == 303
-            hist = httpx.get(f"{gw.url}/ui/api/history?since=abc&points=1e999", timeout=30)
+            hist = admin.get("/ui/api/history?since=abc&points=1e999")
             assert hist.status_code == 200 and "points" in hist.json()
 
-            dom = _chromium(tmp_path, f"{gw.url}/ui")
+            dom = _chromium(tmp_path, f"{gw.url}/ui#token={ADMIN}")  # (the admin token, as the page reads it)
+            refused = _chromium(tmp_path, f"{gw.url}/ui")
     finally:
         hostile.stop()
         sim.stop()
@@ -108,3 +110,6 @@ def test_hostile_names_and_absurd_metrics_render_as_text_on_the_fleet_page(tmp_p
     assert html.escape(HOSTILE_MODEL, quote=False) in dom
     assert f'<div class="wid">{html.escape(QUOTE_ID, quote=False)}</div>' in dom
     assert len(re.findall(r'<tr class="(?:failing )?worker"', dom)) == 303
+    # without the token the page says why it shows nothing (the gateway's own message, as text)
+    assert 'data-loaded="1"' not in refused and 'class="banner show"' in refused
+    assert "HTTP 401: Missing admin token" in refused, refused[-3000:]
