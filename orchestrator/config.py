@@ -152,6 +152,17 @@ class WorkerConfig(_Section):
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where a pod's service account is mounted
 
 
+def _http_base_url(v: str | None) -> str | None:
+    """A server the gateway calls (an API server, Prometheus): http(s)://host[:port][/path], or a ValueError saying so
+    (``localhost:9090`` passed, and every call then failed in a background loop with 'unsupported protocol')."""
+    if v is None:
+        return v
+    parts = urlsplit(v)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host (http(s)://host:port)")
+    return v
+
+
 class KubernetesApiConfig(_Section):
     """How discovery reaches the Kubernetes API server (the planner's actuator has its own
     ``planner.kubernetes_*`` settings).
@@ -166,6 +177,8 @@ class KubernetesApiConfig(_Section):
     ca_file: str | None = Field(f"{SA_DIR}/ca.crt", description="CA bundle of the API server (used when the "
                                                                  "file exists; else the system CAs)")
     namespace: str | None = Field(None, description="Namespace (None: the pod's own, else default)")
+
+    _api_url = field_validator("api_url")(_http_base_url)
 
 
 class FileDiscoveryConfig(_Section):
@@ -653,6 +666,8 @@ class PlannerConfig(_Section):
                                "to see the mark before trusting the engine's idle reading")
     kubernetes_drain_timeout_s: float = Field(
         600.0, ge=0, description="Scale-in: reduce replicas after this long even if the engine is not idle")
+
+    _urls = field_validator("prometheus_url", "kubernetes_api")(_http_base_url)
 
     @model_validator(mode="after")
     def _limits(self) -> PlannerConfig:

@@ -134,3 +134,16 @@ def test_a_kv_events_endpoint_the_subscriber_cannot_connect_to_is_refused(endpoi
 def test_kv_events_endpoints_as_engines_publish_them_pass(endpoint):
     load_config({"workers": [{"url": "http://e:1", "kv_events": {"endpoint": endpoint, "replay_endpoint": endpoint}}]},
                 environ={})
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"planner": {"prometheus_url": "localhost:9090"}}, "planner.prometheus_url"),
+    ({"planner": {"kubernetes_api": "kubernetes.default.svc"}}, "planner.kubernetes_api"),
+    ({"discovery": {"kubernetes": {"api": {"api_url": "127.0.0.1:8001"}}}}, "discovery.kubernetes.api.api_url"),
+])
+def test_a_server_url_without_http_is_refused(raw, field):
+    # it passed, and every call of the planner or the pod watch then failed in the background ('unsupported protocol')
+    with pytest.raises(ConfigError, match=rf"{field}: must be an http:// or https:// URL with a host"):
+        load_config(raw, environ={})
+    load_config({"planner": {"prometheus_url": "http://prometheus:9090", "kubernetes_api": "https://10.0.0.1:6443"},
+                 "discovery": {"kubernetes": {"api": {"api_url": "http://127.0.0.1:8001"}}}}, environ={})
