@@ -386,7 +386,8 @@ class SharedOwners:
             return None
         if raw is None:
             return None
-        worker_id, _, client = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition(" ")
+        # (the client digest is hex, the worker id any text: split at the last space - a worker id may hold spaces)
+        worker_id, _, client = (raw.decode() if isinstance(raw, bytes) else str(raw)).rpartition(" ")
         try:
             return Owner(worker_id, bytes.fromhex(client), float("inf"))
         except ValueError:

@@ -19,6 +19,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
 from orchestrator.sim.server import SimEngineThread
+from tests.fixtures.redis import redis_server, unique_prefix  # noqa: F401
 from tests.integration.test_gateway import error_of
 
 MODEL = "tiny"
@@ -170,3 +171,30 @@ def test_continuing_a_response_whose_engine_is_draining_is_a_503_naming_previous
         assert httpx.post(f"{gw.url}/admin/workers/{owner}/undrain", headers=admin, timeout=30).status_code == 200
     r = _post(gw, "more", previous_response_id=rid)
     assert r.status_code == 200 and r.headers["x-dyad-worker"] == owner, r.text
+
+
+@pytest.mark.redis
+def test_replicas_share_the_ids_of_workers_whose_id_has_a_space(engines, tmp_path, redis_server):  # noqa: F811
+    """(Found by probing: the Redis value is '<worker id> <client digest>', read back split at the first space,
+    so a worker id with a space - allowed in a config, a workers file, POST /admin/workers - was never found by
+    another replica: 404 for GET and previous_response_id there.)"""
+    index = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": unique_prefix("space")}
+
+    def replica(name):
+        (tmp_path / name).mkdir()
+        return GatewayThread(load_config({
+            "models": [{"name": MODEL}],
+            "workers": [{"id": f"pool a / engine {i}", "url": e.url, "engine": "sim", "models": [MODEL]}
+                        for i, e in enumerate(engines)],
+            "router": {"policy": "round_robin", "debug_headers": True}, "health": {"interval_s": 30},
+            "index": index}, environ={}))
+
+    with replica("a") as a, replica("b") as b:
+        r = _post(a, "hello")
+        assert r.status_code == 200, r.text
+        rid, owner = r.json()["id"], r.headers["x-dyad-worker"]
+        assert " " in owner
+        got = httpx.get(f"{b.url}/v1/responses/{rid}", timeout=30)
+        assert got.status_code == 200 and got.json()["id"] == rid, got.text
+        nxt = _post(b, "more", previous_response_id=rid)
+        assert nxt.status_code == 200 and nxt.headers["x-dyad-worker"] == owner, nxt.text
