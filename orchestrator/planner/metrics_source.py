@@ -26,6 +26,7 @@ Two sources, same output:
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
@@ -193,7 +194,8 @@ def engine_parts_from_prometheus(results: dict[str, list[dict[str, Any]]],
 
 def prometheus_queries(window: str, model: str | None = None) -> dict[str, str]:
     """The PromQL behind each Observation field (exposed so dashboards and docs can reuse them)."""
-    m = f'model="{model}"' if model else ""
+    # a PromQL string (a name with a double quote or a backslash broke every query, and the planner held)
+    m = "model=" + json.dumps(model, ensure_ascii=False) if model else ""
     sel = "{" + m + "}"
 
     def mean(h: str) -> str:
@@ -256,16 +258,21 @@ class PrometheusSource:
 
     async def _vector(self, client: httpx.AsyncClient, expr: str) -> list[dict[str, Any]]:
         r = await client.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=self.timeout_s)
-        r.raise_for_status()
         try:
             body = r.json()
         except ValueError:
+            if r.is_error:  # not Prometheus's own refusal (a proxy's error page): the status says what there is
+                raise PrometheusAnswerError(self.url, f"HTTP {r.status_code} to {expr!r} ({r.text[:60]!r})") from None
             raise PrometheusAnswerError(self.url, f"with something that is not JSON ({r.headers.get('content-type')}: "
                                                   f"{r.text[:60]!r})") from None
         if not isinstance(body, dict):
             raise PrometheusAnswerError(self.url, f"with JSON that is not a query result ({type(body).__name__})")
-        if body.get("status") != "success":
-            raise RuntimeError(f"prometheus query failed: {body.get('error')}")
+        if r.is_error or body.get("status") != "success":
+            # Prometheus's own words (its query timeout: 503 errorType timeout; too many samples: 422): they
+            # were lost behind httpx's "Server error '503 ...' for url '<the query, URL-encoded>'"
+            why = f"{str(body.get('errorType') or '?')[:40]}: {str(body.get('error') or '')[:200]}"
+            said = f"HTTP {r.status_code}" if r.is_error else "an error"
+            raise PrometheusAnswerError(self.url, f"{said} ({why}) to {expr!r}")
         data = body.get("data")
         rows = data.get("result") if isinstance(data, dict) else None
         if not isinstance(data, dict) or data.get("resultType") not in (None, "vector") or not isinstance(rows, list) \
