@@ -213,21 +213,39 @@ class PdExecutor:
                 log.warning("prefill on %s answered without kv_transfer_params (is it a NIXL producer? or the "
                             "request's first token ended it); %s prefills locally", prefill.id, decode.id)
                 return await self._vllm_fallback(call, decode, prefill, decision, None)
-        self._prefill_ok(prefill)
-        self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
         adapter = self.adapter_for(decode.engine)
         out = adapter.shape_request(call.endpoint, vllm_flow.decode_body(call.body, params), call.request_id)
         with tracing.span("dyad.pd.decode", worker=decode.id):
-            return await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
+            response = await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
+        if response.status_code < 500 or response.status_code == 503:
+            self._prefill_ok(prefill)
+            self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
+            return response
+        # The decode engine failed the request it got with the hand-off, before any byte: a transfer it could not
+        # complete (a prefill engine that lost or never kept the blocks, a side channel it cannot reach; vLLM with
+        # kv_load_failure_policy "fail" answers 500) fails there the same way on every decode worker, so the proxy's
+        # retry (a new leg on the same prefill worker) would fail too and the request be judged the culprit. The
+        # decode worker is asked again at once without the hand-off: answered, the hand-off was at fault (the
+        # prefill worker's breaker counts it); failed again, the decode worker's answer goes to the proxy as usual.
+        # (Not on a 503: the engine says it cannot serve now, with or without a hand-off.)
+        status = response.status_code
+        await response.aclose()
+        log.warning("decode on %s answered HTTP %d to the hand-off of %s; %s prefills locally", decode.id, status,
+                    prefill.id, decode.id)
+        return await self._vllm_fallback(call, decode, prefill, decision, _PrefillFailed(
+            f"the decode worker {decode.id} answered HTTP {status} to its hand-off", failure=classify.GARBAGE),
+            leg_failed=False)
 
     async def _vllm_fallback(self, call: UpstreamCall, decode: Worker, prefill: Worker, decision: RouteDecision | None,
-                             failed: _PrefillFailed | None) -> httpx.Response:
+                             failed: _PrefillFailed | None, *, leg_failed: bool = True) -> httpx.Response:
         """The decode worker prefills locally after a prefill leg gave no hand-off (``failed``: why, when the
         worker may be at fault). A worker that cannot be reached leaves rotation at once; another failure is
         judged by what the decode worker makes of the same request (``classify``): answered, it was the prefill
         worker's (its breaker counts it; a drop or stall takes it out of rotation, a 502/503 counts against its
-        health); refused or failed there as well, it may be the request's, and counts against nobody."""
-        if decision is not None:
+        health); refused or failed there as well, it may be the request's, and counts against nobody.
+        ``leg_failed`` False: the leg itself answered (its hand-off is what failed): the proxy's retry, if any, may
+        ask the same prefill worker again (the decode worker failed the request without the hand-off too)."""
+        if decision is not None and leg_failed:
             decision.failed_prefill.append(prefill.id)
         self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
         if failed is not None:

@@ -148,7 +148,9 @@ def test_dead_prefill_engine_means_local_prefill_and_the_worker_leaves_rotation(
 
 
 def test_decode_failing_before_its_first_token_moves_to_another_decode_worker():
-    with running(sim(), sim(fail_next=1), sim()) as (p, d0, d1):
+    # (d0 answers 500 twice: to the hand-off, then to the same request without it — a decode engine that fails only
+    # a hand-off is asked again at once to prefill locally: test_pd_unseen.py)
+    with running(sim(), sim(fail_next=2), sim()) as (p, d0, d1):
         with running(gateway([{"id": "p", "url": p.url, "engine": "sim", "role": "prefill"},
                               {"id": "d0", "url": d0.url, "engine": "sim", "role": "decode"},
                               {"id": "d1", "url": d1.url, "engine": "sim", "role": "decode"}])) as (gw,):

@@ -52,6 +52,7 @@ class PrefillDouble(SocketEngine):
         self.script = list(script or [])
         self.steps: list[dict[str, Any]] = []  # the prefill bodies received
         self.pulls = 0  # hand-offs the decode engine read
+        self.lost = False  # True: every read of a hand-off fails (the blocks are gone: "no KV lease")
         self._lock = threading.Lock()
         super().__init__()
 
@@ -67,6 +68,9 @@ class PrefillDouble(SocketEngine):
             conn.sendall(_whole(200, out))
             return True
         if path == "/sim/kv_pull":
+            if self.lost:
+                conn.sendall(_whole(404, b'{"error": {"message": "no KV lease for this request"}}'))
+                return True
             self.pulls += 1
             conn.sendall(_whole(200, b'{"num_tokens": 1, "block_ids": [1]}'))
             return True
@@ -397,15 +401,49 @@ def test_a_prefill_workers_breaker_counts_consecutive_failures_only():
 # --- 3. the decode engine after a good prefill -------------------------------------------------------------
 
 def test_decode_failing_after_a_good_prefill_is_tried_on_another_decode_worker_and_the_prefill_worker_is_not_blamed():
-    p, d0, d1 = sim(), sim(fail_next=1), sim()
+    """d0 answers 500 to the hand-off and again to the same request without it: d0's fault, not the prefill
+    worker's; the request is tried on d1, split again with the same prefill worker."""
+    p, d0, d1 = sim(), sim(fail_next=2), sim()
     workers = [{"id": "p", "url": p.url, "engine": "sim", "role": "prefill"},
                {"id": "d0", "url": d0.url, "engine": "sim", "role": "decode"},
                {"id": "d1", "url": d1.url, "engine": "sim", "role": "decode"}]
     with gateway(workers, p, d0, d1) as gw:
         r = completion(gw)
         assert r.status_code == 200 and r.headers["x-dyad-worker"] == "d1", r.text
-        assert r.headers["x-dyad-prefill-worker"] == "p"
-        assert gw.runtime.breakers.snapshot() == {}
+        assert r.headers["x-dyad-prefill-worker"] == "p" and pd_mode(gw, "disaggregated") == 1
+        assert "p" not in gw.runtime.breakers.snapshot()
+        assert gw.runtime.fleet.get("p").state.value == "healthy"
+        settled(gw)
+
+
+@pytest.mark.parametrize("decoders", [1, 2])
+def test_a_handoff_no_decode_engine_can_read_is_the_prefill_workers_fault(decoders):
+    """A prefill engine whose hand-offs cannot be read (its blocks gone; the decode engine, with
+    kv_load_failure_policy "fail", answers 500). Every split request failed: with two decode workers the same 500
+    on both was judged the request's (a 500 to the client, nobody counted, for ever); with one, the decode worker's
+    breaker opened (every request then a 503). Now the decode worker is asked again at once without the hand-off:
+    the client gets its answer, and the prefill worker's breaker counts the failure (open after 3, then no legs)."""
+    p = PrefillDouble()
+    p.lost = True
+    ds = [sim(kv_pull_timeout_s=0.3) for _ in range(decoders)]
+    workers = [{"id": "p", "url": p.url, "engine": "vllm", "role": "prefill"}]
+    workers += [{"id": f"d{i}", "url": d.url, "engine": "sim", "role": "decode"} for i, d in enumerate(ds)]
+    with gateway(workers, p, *ds) as gw:
+        for _ in range(4):
+            r = completion(gw)
+            assert r.status_code == 200, r.text
+        assert gw.runtime.breakers.snapshot() == {"p": "open"}
+        assert len(p.steps) == 3 and pd_mode(gw, "fallback") == 3 and pd_mode(gw, "disaggregated") == 0
+        settled(gw)
+
+
+def test_a_decode_engine_that_fails_with_or_without_a_handoff_is_not_the_prefill_workers_fault():
+    p, d = PrefillDouble(), sim(fail_next=100)
+    with gateway(vllm_pair(p, d), p, d) as gw:
+        for _ in range(3):
+            r = completion(gw)
+            assert r.status_code == 500 and r.json()["error"]["message"], r.text
+        assert gw.runtime.breakers.snapshot() == {"d": "open"}
         assert gw.runtime.fleet.get("p").state.value == "healthy"
         settled(gw)
 

@@ -580,7 +580,9 @@ def test_a_retry_does_not_ask_the_prefill_worker_that_failed_the_request_again()
         healthy(gw)
         assert complete(gw, prompt="POISON " + LONG).status_code == 500
         assert len(fleet[0].bodies) == 2  # each try had its prefill leg
-        assert "kv_transfer_params" in fleet[1].bodies[-1] and "kv_transfer_params" in fleet[2].bodies[-1]
+        # (each decode worker got the hand-off, then the same request without it: disagg/executor.py asks a decode
+        # worker that fails a hand-off again at once to prefill locally)
+        assert "kv_transfer_params" in fleet[1].bodies[0] and "kv_transfer_params" in fleet[2].bodies[0]
 
 
 def test_sglang_a_request_its_prefill_servers_refuse_gets_their_4xx_once():
