@@ -269,6 +269,9 @@ class TierCostConfig(_Section):
     disk_read_bytes_per_s: float | None = Field(None, gt=0, description="Disk/remote tier → GPU bandwidth, bytes/s")
 
 
+TIER_WEIGHTS = {"device": 1.0, "host": 0.75, "disk": 0.25}  # router.kv_aware.tier_weights' defaults
+
+
 class KvAwareConfig(_Section):
     """Parameters of the ``kv_aware`` policy (prefix overlap vs load)."""
 
@@ -279,12 +282,26 @@ class KvAwareConfig(_Section):
                                     "to queued ones (> 1: recomputing a prefix another worker holds also costs "
                                     "the fleet, not only this request's wait)")
     temperature: float = Field(0.0, ge=0, description="0 = pick the cheapest worker; > 0 = softmax over normalized costs")
-    tier_weights: dict[str, float] = Field(default_factory=lambda: {"device": 1.0, "host": 0.75, "disk": 0.25},
-                                           description="Credit per cached block by tier")
+    tier_weights: dict[str, float] = Field(default_factory=lambda: dict(TIER_WEIGHTS),
+                                           description="Credit per cached block by tier: device, host, disk (a tier "
+                                                       "left out keeps its default)")
     tier_cost: TierCostConfig | None = Field(None, description="Derive host/disk credit from reload "
                                              "bandwidth vs prefill throughput (overrides tier_weights)")
     session_header: str = Field("x-session-id", description="Request header naming a session for affinity")
     session_ttl_s: float = Field(600.0, gt=0, description="How long a session sticks to its worker")
+
+    @field_validator("tier_weights")
+    @classmethod
+    def _tier_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        # {host: 0.5} replaced the whole map: device hits then earned no credit at all (kv_aware blind to the GPU
+        # cache), and a name like gpu/cpu (vLLM's media) was silently ignored
+        unknown = sorted(set(v) - set(TIER_WEIGHTS))
+        if unknown:
+            raise ValueError(f"unknown tier {', '.join(unknown)}: the tiers are {', '.join(TIER_WEIGHTS)}")
+        negative = sorted(k for k, w in v.items() if w < 0)
+        if negative:
+            raise ValueError(f"{', '.join(negative)}: a credit is >= 0")
+        return {**TIER_WEIGHTS, **v}
 
 
 class RouterConfig(_Section):

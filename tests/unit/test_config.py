@@ -147,3 +147,15 @@ def test_a_server_url_without_http_is_refused(raw, field):
         load_config(raw, environ={})
     load_config({"planner": {"prometheus_url": "http://prometheus:9090", "kubernetes_api": "https://10.0.0.1:6443"},
                  "discovery": {"kubernetes": {"api": {"api_url": "http://127.0.0.1:8001"}}}}, environ={})
+
+
+def test_tier_weights_left_out_keep_their_defaults_and_unknown_tiers_are_refused():
+    # {host: 0.5} replaced the whole map: a GPU hit then earned no credit, and kv_aware routed blind to the GPU cache
+    cfg = load_config({"router": {"kv_aware": {"tier_weights": {"host": 0.5}}}}, environ={})
+    assert cfg.router.kv_aware.tier_weights == {"device": 1.0, "host": 0.5, "disk": 0.25}
+    # vLLM names the media GPU/CPU; Dyad's tiers are device/host/disk: gpu was silently ignored
+    with pytest.raises(ConfigError, match=r"router\.kv_aware\.tier_weights: unknown tier gpu: the tiers are device, host, "
+                                          r"disk"):
+        load_config({"router": {"kv_aware": {"tier_weights": {"gpu": 1.0}}}}, environ={})
+    with pytest.raises(ConfigError, match=r"tier_weights: host: a credit is >= 0"):
+        load_config({"router": {"kv_aware": {"tier_weights": {"host": -1}}}}, environ={})
