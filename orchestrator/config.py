@@ -665,8 +665,9 @@ class PlannerConfig(_Section):
     actuator: Literal["recommend", "local", "kubernetes", "role_change"] = Field(
         "recommend", description="How decisions are carried out: recommend only, local processes, Kubernetes, role changes")
     local_commands: dict[Role, str] = Field(
-        default_factory=dict, description="actuator local: command template per role; {port}, {role} and "
-                                          "{worker_id} are filled in")
+        default_factory=dict, description="actuator local: command template per role; {port} (required), "
+                                          "{role} and {worker_id} are filled in, all else (JSON braces too) "
+                                          "is passed as written")
     local_engine: EngineKind = Field(EngineKind.VLLM, description="actuator local: engine kind of started workers")
     local_models: list[str] = Field(default_factory=list, description="actuator local: models they serve")
     kubernetes_api: str = Field("https://kubernetes.default.svc", description="actuator kubernetes: API server")
@@ -692,6 +693,10 @@ class PlannerConfig(_Section):
             raise ValueError(f"max_workers {self.max_workers} is below min_prefill + min_decode")
         if self.actuator == "local" and not self.local_commands:
             raise ValueError("local_commands: required for actuator local (a command template per role)")
+        for role, command in self.local_commands.items() if self.actuator == "local" else ():
+            if "{port}" not in command:  # the engine would listen where the gateway never looks
+                raise ValueError(f"local_commands.{role.value}: has no {{port}}: each engine the planner starts "
+                                 "must listen on the port the actuator picks for it")
         if self.actuator == "kubernetes" and not self.kubernetes_workloads:
             raise ValueError("kubernetes_workloads: required for actuator kubernetes (a workload per role)")
         return self

@@ -98,6 +98,18 @@ def started_line(p: LocalProcess) -> str:
     return f"started {p.worker_id} ({p.role.value}{', standby' if p.standby else ''}) on port {p.port}"
 
 
+TEMPLATE_FIELDS = ("port", "role", "worker_id")
+
+
+def fill_template(template: str, **fields: Any) -> str:
+    """``{port}``, ``{role}`` and ``{worker_id}`` filled in; every other character, braces included, as
+    written. (``str.format`` read a JSON argument's braces, vLLM's ``--kv-transfer-config '{"kv_connector":
+    ...}'``, as fields: KeyError out of the actuator, every interval.)"""
+    for name in TEMPLATE_FIELDS:
+        template = template.replace("{" + name + "}", str(fields[name]))
+    return template
+
+
 @dataclass
 class LocalProcessActuator:
     """Engines as child processes. ``commands`` maps a role to a template such as
@@ -125,7 +137,7 @@ class LocalProcessActuator:
         port = free_port()
         self._n += 1
         wid = f"local-{role.value}-{self._n}"
-        argv = shlex.split(self.commands[role].format(port=port, role=role.value, worker_id=wid))
+        argv = shlex.split(fill_template(self.commands[role], port=port, role=role.value, worker_id=wid))
         proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         p = LocalProcess(wid, role, port, proc, standby=standby, started_at=self.clock.now())

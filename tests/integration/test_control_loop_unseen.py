@@ -534,3 +534,39 @@ def test_a_model_name_with_a_quote_is_escaped_in_the_queries(prometheus_server):
             r = httpx.get(f"{prometheus_server.url}/api/v1/query", params={"query": q}, timeout=10)
             assert r.status_code == 200, (model, name, r.text[:200])
     assert queries["request_rate"] == 'sum(rate(dyad_request_arrivals_total{model="a\\nb"}[30s]))'
+
+
+async def test_a_command_template_with_json_braces_starts_its_engine_with_them_as_written(tmp_path):
+    """vLLM's P/D engines take ``--kv-transfer-config '{"kv_connector":"NixlConnector",...}'``: the template
+    went through str.format, which read the JSON braces as fields: KeyError out of the actuator, every
+    interval failed (the start was not even counted as a failed one). Now only {port}, {role} and
+    {worker_id} are filled in and the rest passes as written."""
+    import json
+    import sys
+
+    from orchestrator.planner.actuators import LocalProcessActuator
+
+    out = tmp_path / "argv.json"
+    probe = tmp_path / "engine.py"
+    probe.write_text(f"import json, sys\nopen({str(out)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    kv = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+    cmd = f"{sys.executable} {probe} --port {{port}} --role {{role}} --id {{worker_id}} --kv-transfer-config '{kv}'"
+    act = LocalProcessActuator({Role.DECODE: cmd})
+    try:
+        p = await act.start(Role.DECODE)
+        await asyncio.to_thread(p.proc.wait, 30)
+        assert json.loads(out.read_text()) == ["--port", str(p.port), "--role", "decode", "--id", p.worker_id,
+                                               "--kv-transfer-config", kv]
+    finally:
+        await act.close()
+
+
+def test_a_command_template_without_its_port_is_refused_at_load():
+    """A template without {port} starts an engine on its own default port while the gateway probes the port
+    the actuator picked: never ready, reaped, started again with a growing pause, for good. Refused at load,
+    naming the entry."""
+    from orchestrator.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"planner: local_commands.decode: has no \{port\}"):
+        load_config({"planner": {"actuator": "local", "local_commands": {
+            "prefill": "vllm serve m --port {port}", "decode": "vllm serve m --port 8000"}}}, environ={})
