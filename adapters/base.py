@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any
 
 import httpx
+import orjson
 
 
 class EngineKind(str, Enum):  # noqa: UP042 (str() stays "EngineKind.X" for existing callers)
@@ -119,6 +120,26 @@ class LoadSnapshot:
 # gateway's event loop, ~0.3 s per MB of matching series, and the read was unbounded (a 55-MB answer stalled the
 # loop 17 s every scrape). vLLM's and SGLang's are tens of KB.
 MAX_METRICS_BYTES = 2 * 1024 * 1024
+MAX_MODELS_BYTES = 1024 * 1024  # /v1/models: one card per model (and LoRA adapter), a few hundred bytes each
+
+
+async def get_capped(client: httpx.AsyncClient, url: str, timeout: float, cap: int) -> bytes:
+    """GET ``url``'s body, read as it arrives and refused past ``cap`` bytes; ``AdapterError`` for that, for a
+    non-2xx answer (its status) and for no answer."""
+    try:
+        async with client.stream("GET", url, timeout=timeout) as r:
+            if not r.is_success:
+                raise AdapterError(f"{url}: HTTP {r.status_code}", status=r.status_code)
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in r.aiter_bytes():
+                size += len(chunk)
+                if size > cap:
+                    raise AdapterError(f"{url}: the answer is longer than {cap} bytes; not read further, not parsed")
+                chunks.append(chunk)
+    except httpx.HTTPError as e:
+        raise AdapterError(f"{url}: {type(e).__name__}: {e}") from e
+    return b"".join(chunks)
 
 
 class AdapterError(Exception):
@@ -171,23 +192,8 @@ class EngineAdapter(ABC):
     ) -> LoadSnapshot:
         """GET ``/metrics`` and parse it; an unreachable engine, a non-2xx answer or one longer than
         ``MAX_METRICS_BYTES`` raises ``AdapterError``."""
-        url = f"{base_url}/metrics"
-        try:
-            async with client.stream("GET", url, timeout=timeout) as r:
-                if not r.is_success:
-                    raise AdapterError(f"{url}: HTTP {r.status_code}", status=r.status_code)
-                chunks: list[bytes] = []
-                size = 0
-                async for chunk in r.aiter_bytes():
-                    size += len(chunk)
-                    if size > MAX_METRICS_BYTES:
-                        raise AdapterError(f"{url}: the answer is longer than {MAX_METRICS_BYTES} bytes (a "
-                                           "normal one is tens of KB); not read further, not parsed")
-                    chunks.append(chunk)
-                text = b"".join(chunks).decode(r.encoding or "utf-8", "replace")
-        except httpx.HTTPError as e:
-            raise AdapterError(f"{url}: {type(e).__name__}: {e}") from e
-        return self.parse_metrics(text, now, model)
+        raw = await get_capped(client, f"{base_url}/metrics", timeout, MAX_METRICS_BYTES)
+        return self.parse_metrics(raw.decode("utf-8", "replace"), now, model)
 
     @abstractmethod
     async def tokenize(
@@ -217,10 +223,9 @@ class EngineAdapter(ABC):
     async def model_cards(self, client: httpx.AsyncClient, base_url: str, timeout: float) -> dict[str, int | None]:
         """The engine's models (``/v1/models``), each with its context length (``max_model_len``, which
         vLLM and SGLang report on each model card) or None when the engine does not say."""
-        r = await client.get(f"{base_url}/v1/models", timeout=timeout)
-        r.raise_for_status()
+        raw = await get_capped(client, f"{base_url}/v1/models", timeout, MAX_MODELS_BYTES)
         cards: dict[str, int | None] = {}
-        for m in r.json().get("data", []):
+        for m in orjson.loads(raw).get("data", []):
             if isinstance(m, dict) and isinstance(m.get("id"), str):
                 n = m.get("max_model_len")
                 cards[m["id"]] = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None

@@ -33,20 +33,30 @@ def error_message(response: httpx.Response) -> str:
     return str(body)[:500]
 
 
+MAX_PROBE_BODY = 64 * 1024
+
+
 async def probe_ok(client: httpx.AsyncClient, url: str, timeout: float) -> bool:
     """GET ``url``: True on a 2xx answer, False on any other answer or no connection. Raises ``TimeoutError``
     when the engine took the connection but did not answer within ``timeout`` (busy, not gone: the health
     loop tells the two apart, ``FleetRegistry.last_resort``); a connection that could not be made in time is
     no connection (False)."""
     try:
-        r = await client.get(url, timeout=timeout)
+        async with client.stream("GET", url, timeout=timeout) as r:
+            # the body says nothing the status does not: read only a short one (to keep the connection), never a
+            # long one (an engine's health answer of any size was read whole, into memory, every probe)
+            read = 0
+            async for chunk in r.aiter_bytes():
+                read += len(chunk)
+                if read > MAX_PROBE_BODY:
+                    break
+            return r.is_success
     except httpx.ConnectTimeout:
         return False
     except httpx.TimeoutException:
         raise TimeoutError(f"{url} did not answer within {timeout:g} s") from None
     except httpx.HTTPError:
         return False
-    return r.is_success
 
 
 async def post_json(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> Any:

@@ -54,3 +54,53 @@ def test_a_huge_metrics_answer_is_a_scrape_error_not_parsed():
             assert httpx.get(f"{gw.url}/ui/api/state", timeout=10).json()["workers"][0]["running"] == 0
     finally:
         engine.stop()
+
+
+BIG = 40 * 1024 * 1024  # more than loopback's socket buffers hold: a sender that is not read from blocks
+
+
+class HugeAnswersEngine(SocketEngine):
+    """A test double: /health answers 200 with a 40-MB body, /v1/models ~3 MB of model cards. Records whether
+    each long answer was sent whole (read by the gateway) or cut (the gateway stopped reading and closed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.health_sent: list[bool] = []
+        self.models = b'{"object":"list","data":[' + b",".join(
+            b'{"id":"model-%d","object":"model"}' % i for i in range(100_000)) + b"]}"
+
+    def respond(self, conn: socket.socket, method: str, path: str, headers: dict[str, str], body: bytes) -> bool:
+        if path.startswith("/health"):
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n" % BIG)
+            try:
+                for _ in range(BIG // 65536):
+                    conn.sendall(b"x" * 65536)
+            except OSError:
+                self.health_sent.append(False)
+                return False
+            self.health_sent.append(True)
+            return True
+        payload = self.models if path.startswith("/v1/models") else b"{}"
+        try:
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(payload), payload))
+        except OSError:
+            return False
+        return True
+
+
+def test_a_huge_health_or_models_answer_is_not_read_whole():
+    engine = HugeAnswersEngine().start()
+    cfg = load_config({"models": [{"name": "tiny"}],
+                       "workers": [{"id": "big", "url": engine.url, "engine": "vllm"}],  # (models: from the engine)
+                       "health": {"interval_s": 0.5, "timeout_s": 10}}, environ={})
+    try:
+        with GatewayThread(cfg) as gw:
+            worker = gw.runtime.fleet.get("big")
+            assert wait_until(lambda: worker.last_error is not None and "longer than" in worker.last_error,
+                              timeout=30), worker.last_error
+            assert not worker.health_ok and worker.models == []  # the 3-MB model list was refused, not learnt
+            assert wait_until(lambda: len(engine.health_sent) >= 2, timeout=30)
+            assert not any(engine.health_sent), "a 40-MB health answer was read whole"
+    finally:
+        engine.stop()
