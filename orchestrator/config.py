@@ -853,6 +853,19 @@ class DyadConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _unique_model_names(self) -> DyadConfig:
+        # a name given twice: the second entry (its block_size, tokenizer) was never read; an alias equal to another
+        # model's name: that model's requests resolved to the first (``DyadConfig.model`` takes the first match)
+        seen: dict[str, str] = {}
+        for i, m in enumerate(self.models):
+            for j, name in enumerate([m.name, *m.aliases]):
+                where = f"models.{i}.name" if j == 0 else f"models.{i}.aliases.{j - 1}"
+                if name in seen:
+                    raise ValueError(f"{where}: '{name}' is already {seen[name]}: a model name or alias names one model")
+                seen[name] = where
+        return self
+
+    @model_validator(mode="after")
     def _limits_redis(self) -> DyadConfig:
         # limits.redis_url unset: the buckets use index.redis_url, which must then name one Redis node
         if self.limits.backend != "redis" or self.limits.redis_url is not None:

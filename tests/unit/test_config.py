@@ -159,3 +159,14 @@ def test_tier_weights_left_out_keep_their_defaults_and_unknown_tiers_are_refused
         load_config({"router": {"kv_aware": {"tier_weights": {"gpu": 1.0}}}}, environ={})
     with pytest.raises(ConfigError, match=r"tier_weights: host: a credit is >= 0"):
         load_config({"router": {"kv_aware": {"tier_weights": {"host": -1}}}}, environ={})
+
+
+@pytest.mark.parametrize("models, message", [
+    ([{"name": "a"}, {"name": "a", "block_size": 16}], r"models\.1\.name: 'a' is already models\.0\.name"),
+    # model b's requests resolved to model a (the first match)
+    ([{"name": "a", "aliases": ["b"]}, {"name": "b"}], r"models\.1\.name: 'b' is already models\.0\.aliases\.0"),
+    ([{"name": "a", "aliases": ["x", "x"]}], r"models\.0\.aliases\.1: 'x' is already models\.0\.aliases\.0"),
+])
+def test_a_model_name_or_alias_names_one_model(models, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({"models": models}, environ={})
