@@ -3,7 +3,8 @@
     dyad hash-key --generate --name team-a     # a fresh random key, its digest, and a config entry
     printf %s "$KEY" | dyad hash-key --name team-a   # digest of an existing key, read from stdin
 
-The key is read from stdin (not argv) so it stays out of shell history and ``ps``.
+The key is read from stdin (not argv) so it stays out of shell history and ``ps``; on a terminal it is asked for,
+not echoed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def run(args: argparse.Namespace) -> int:
     if args.generate:
         key = "dyad-" + secrets.token_urlsafe(32)
         print(f"key (give it to the client; it is not stored anywhere): {key}", file=sys.stderr)
+    elif sys.stdin.isatty():  # a terminal: ask (not echoed), rather than wait silently for an end of file
+        import getpass
+        try:
+            key = getpass.getpass("key (not echoed): ").strip()
+        except (EOFError, KeyboardInterrupt):
+            key = ""
     else:
         key = sys.stdin.read().strip()
         if not key:
