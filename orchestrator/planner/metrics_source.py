@@ -166,6 +166,16 @@ def instance_of(url: str) -> str:
     return rest.split("/", 1)[0]
 
 
+def bucket_bound(row: dict[str, Any]) -> float:
+    """A histogram bucket row's upper bound (its ``le`` label); ``ValueError`` naming it when it has none
+    or one that is not a number (it was a bare KeyError/ValueError out of the observation)."""
+    le = (row.get("metric") or {}).get("le")
+    try:
+        return float(le)
+    except (TypeError, ValueError):
+        raise ValueError(f"a histogram bucket row whose 'le' label is {str(le)[:40]!r}, not a bound") from None
+
+
 def engine_parts_from_prometheus(results: dict[str, list[dict[str, Any]]],
                                  roles: dict[str, Role]) -> list[EngineLatency]:
     """Prometheus vector results (``engine_latency_queries``) → one ``EngineLatency`` per instance
@@ -175,13 +185,13 @@ def engine_parts_from_prometheus(results: dict[str, list[dict[str, Any]]],
     for key, rows in results.items():
         series, _, part = key.partition("_")
         for row in rows:
-            inst = row["metric"].get("instance", "")
+            inst = (row.get("metric") or {}).get("instance", "")
             if inst not in roles:
                 continue
             v = _num(row["value"][1]) or 0.0
             h = hist.setdefault((inst, series), {"buckets": {}, "sum": 0.0, "count": 0.0})
             if part == "bucket":
-                h["buckets"][float(row["metric"]["le"])] = v
+                h["buckets"][bucket_bound(row)] = v
             else:
                 h[part] = v
     out: dict[str, dict[str, Histogram | None]] = {}
@@ -310,9 +320,13 @@ class PrometheusSource:
                 "count": f"sum(increase(dyad_pd_prefill_seconds_count[{window}]))"}
         answers = await asyncio.gather(*(self._vector(client, e) for e in [*queries.values(), *step.values()]))
         results = dict(zip([*queries, *(f"step_{k}" for k in step)], answers, strict=True))
-        buckets = sorted((float(r["metric"]["le"]), _num(r["value"][1]) or 0.0) for r in results["step_bucket"])
+        try:
+            buckets = sorted((bucket_bound(r), _num(r["value"][1]) or 0.0) for r in results["step_bucket"])
+            parts = engine_parts_from_prometheus({k: v for k, v in results.items() if not k.startswith("step_")},
+                                                 roles)
+        except ValueError as e:
+            raise PrometheusAnswerError(self.url, str(e)) from None
         prefill_step = Histogram(buckets, _first(results["step_sum"]), _first(results["step_count"]))
-        parts = engine_parts_from_prometheus({k: v for k, v in results.items() if not k.startswith("step_")}, roles)
         return latency_from_engines(parts, prefill_step)
 
     async def observe(self, now: float) -> Observation:

@@ -570,3 +570,37 @@ def test_a_command_template_without_its_port_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"planner: local_commands.decode: has no \{port\}"):
         load_config({"planner": {"actuator": "local", "local_commands": {
             "prefill": "vllm serve m --port {port}", "decode": "vllm serve m --port 8000"}}}, environ={})
+
+
+@pytest.mark.parametrize("le", [None, "fast"])
+async def test_engine_histogram_rows_without_a_usable_bucket_bound_are_named(le):
+    """The engines' latency from Prometheus (a window with no streamed request): a bucket row without an
+    ``le`` label, or with one that is not a number, ended the observation with "KeyError: 'le'" or
+    "ValueError: could not convert string to float: 'fast'". Now the hold names the answer."""
+    import httpx
+
+    from orchestrator.planner.metrics_source import PrometheusSource
+
+    labels = {"instance": "engine:8000"} if le is None else {"instance": "engine:8000", "le": le}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        q = request.url.params["query"]
+        if "_bucket" in q and ("time_to_first_token" in q or "dyad_pd_prefill" in q):
+            rows = [{"metric": labels, "value": [1.7e9, "5"]}]
+        elif q.startswith("sum(rate(dyad_request_arrivals_total{}"):
+            rows = [{"metric": {}, "value": [1.7e9, "5"]}]
+        else:
+            rows = []
+        return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": rows}})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    try:
+        src = PrometheusSource("http://prom:9090", window_s=30.0, client=client,
+                               engines=lambda: [(Role.BOTH, "http://engine:8000")])
+        with pytest.raises(Exception) as e:  # noqa: PT011 - the message is what is checked
+            await src.observe(0.0)
+        said = f"{type(e.value).__name__}: {e.value}"
+    finally:
+        await client.aclose()
+    assert said.startswith("PrometheusAnswerError: Prometheus at http://prom:9090 answered a histogram bucket"), said
+    assert "le" in said
