@@ -1,7 +1,8 @@
 """Configuration from the command line.
 
 - ``dyad check-config FILE [FILE ...]``: validate each file (with the ``DYAD_*`` environment applied,
-  as ``dyad serve`` would) and print every bad field; exit 2 when any file is invalid.
+  as ``dyad serve`` would) and print every bad field; exit 2 when any file is invalid. A Kubernetes ConfigMap
+  (``deploy/kubernetes/40-gateway-config.yaml``) is checked by the configurations in its ``data``.
 - ``add_serve_flags(parser)`` / ``flag_overrides(args)``: the fleet flags of ``dyad serve`` (``--worker``,
   ``--prefill``, ``--decode``, ``--policy``, ``--redis``, ``--model``, ``--host``, ``--port``) and the
   config overrides they stand for, so a gateway starts without a file:
@@ -20,9 +21,17 @@ import sys
 from pathlib import Path
 from typing import Any, get_args
 
+import yaml
 from pydantic import ValidationError
 
-from orchestrator.config import ConfigError, PolicyName, WorkerConfig, load_config, redis_url_problem
+from orchestrator.config import (
+    ConfigError,
+    PolicyName,
+    WorkerConfig,
+    load_config,
+    load_yaml,
+    redis_url_problem,
+)
 
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 ENGINES = ("vllm", "sglang", "sim")
@@ -34,14 +43,39 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="+", help="YAML configuration file(s); each is checked on its own")
 
 
+def _configmap_files(path: str) -> list[tuple[str, Any]] | None:
+    """A Kubernetes ConfigMap (``deploy/kubernetes/40-gateway-config.yaml``): its ``data`` entries named ``*.yaml``
+    or ``*.yml``, as (label, parsed YAML) to check; None for anything else (checked as a configuration)."""
+    try:
+        doc = load_yaml(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # (load_config says what is wrong with it)
+    if not (isinstance(doc, dict) and doc.get("kind") == "ConfigMap" and isinstance(doc.get("data"), dict)):
+        return None
+    out = []
+    for key, text in doc["data"].items():
+        if isinstance(key, str) and key.endswith((".yaml", ".yml")) and isinstance(text, str):
+            try:
+                out.append((f"{path} (data.{key})", load_yaml(text) or {}))
+            except yaml.YAMLError as e:
+                out.append((f"{path} (data.{key})", ConfigError(f"not valid YAML: {e}")))
+    return out or None
+
+
 def run(args: argparse.Namespace) -> int:
     bad = 0
-    for path in args.config:
+    targets: list[tuple[str, Any]] = []
+    for path in args.config:  # a ConfigMap holding the configuration: each configuration in it
+        targets += _configmap_files(path) or [(path, path)]
+    for path, source in targets:
         try:
-            cfg = load_config(path)
+            if isinstance(source, ConfigError):
+                raise source
+            cfg = load_config(source)
         except ConfigError as e:
             bad += 1
-            print(f"{path}: {e}", file=sys.stderr)
+            msg = str(e)  # (some messages start with the file's name already)
+            print(msg if msg.startswith(f"{path}: ") else f"{path}: {msg}", file=sys.stderr)
             continue
         try:
             extra = _discovered(cfg)
@@ -51,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         print(f"{path}: ok: {len(cfg.workers)} worker(s){extra}, policy {cfg.router.policy}, "
               f"index {cfg.index.backend}")
-    if len(args.config) > 1:
-        print(f"{len(args.config) - bad} of {len(args.config)} configuration(s) valid",
+    if len(targets) > 1:
+        print(f"{len(targets) - bad} of {len(targets)} configuration(s) valid",
               file=sys.stderr if bad else sys.stdout)
     return 2 if bad else 0
 

@@ -144,6 +144,29 @@ def test_check_config_over_several_files(tmp_path, capsys):
     assert "1 of 3 configuration(s) valid" in captured.err
 
 
+def test_check_config_reads_the_configuration_in_a_configmap(tmp_path, capsys):
+    # deploy/kubernetes/40-gateway-config.yaml: every field of the manifest was 'Extra inputs are not permitted'
+    cm = tmp_path / "cm.yaml"
+    cm.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata:\n"
+                  "  dyad.yaml: |\n    router: {policy: kv_aware}\n"
+                  "  other.yaml: |\n    gateway: {port: -1}\n"
+                  "  notes.txt: not a configuration\n")
+    assert dyad(["check-config", str(cm)]) == 2
+    captured = capsys.readouterr()
+    assert f"{cm} (data.dyad.yaml): ok: 0 worker(s), policy kv_aware" in captured.out
+    assert f"{cm} (data.other.yaml): invalid configuration" in captured.err and "gateway.port" in captured.err
+    assert "1 of 2 configuration(s) valid" in captured.err and "notes.txt" not in captured.err
+    assert dyad(["check-config", "deploy/kubernetes/40-gateway-config.yaml"]) == 0
+
+
+def test_check_config_names_a_file_once(tmp_path, capsys):
+    multi = tmp_path / "multi.yaml"
+    multi.write_text("a: 1\n---\nb: 2\n")
+    assert dyad(["check-config", str(multi)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{multi}: not valid YAML") and err.count(str(multi)) == 1
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policy", "nope"], "argument --policy: invalid choice: 'nope'"),  # was a ConfigError traceback
     (["--workers", "0"], "argument --workers: must be at least 1, not 0"),  # was a ValueError traceback
