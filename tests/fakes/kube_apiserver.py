@@ -117,7 +117,7 @@ class FakeKubeApiServer:
         self._drop_generation = 0
         self.active_watches = 0  # watch connections open now
         self._deleting: set[tuple[str, str]] = set()
-        self._faults: list[list[Any]] = []  # [verb, resource, status, times left, hang_s]
+        self._faults: list[list[Any]] = []  # [verb, resource, status, times left, hang_s, labelSelector]
         self._stop = threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
@@ -216,17 +216,19 @@ class FakeKubeApiServer:
             self.statefulsets.pop((namespace, name), None)
             self.deployments.pop((namespace, name), None)
 
-    def fail(self, verb: str, resource: str, status: int, times: int = 1, hang_s: float = 0.0) -> None:
+    def fail(self, verb: str, resource: str, status: int, times: int = 1, hang_s: float = 0.0,
+             selector: str | None = None) -> None:
         """The next ``times`` calls of ``verb`` (get, list, patch, watch) on ``resource`` (pods,
         statefulsets/scale, deployments/scale, ...) answer ``status`` with a Status object (after
-        ``hang_s`` seconds of silence; status 0: only the silence, then the normal answer)."""
+        ``hang_s`` seconds of silence; status 0: only the silence, then the normal answer); with
+        ``selector``, only the list/watch calls with that ``labelSelector``."""
         with self.cond:
-            self._faults.append([verb, resource, status, times, hang_s])
+            self._faults.append([verb, resource, status, times, hang_s, selector])
 
-    def _fault(self, verb: str, resource: str) -> tuple[int, float] | None:
+    def _fault(self, verb: str, resource: str, selector: str | None = None) -> tuple[int, float] | None:
         with self.cond:
             for f in self._faults:
-                if f[0] == verb and f[1] == resource and f[3] > 0:
+                if f[0] == verb and f[1] == resource and f[3] > 0 and f[5] in (None, selector):
                     f[3] -= 1
                     return f[2], f[4]
         return None
@@ -408,9 +410,9 @@ class FakeKubeApiServer:
                 self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
                                   "reason": reason, "code": code})
 
-            def _injected(self, verb: str, resource: str) -> bool:
+            def _injected(self, verb: str, resource: str, selector: str | None = None) -> bool:
                 """Answer an injected fault (``FakeKubeApiServer.fail``) instead of the call; True if so."""
-                f = fake._fault(verb, resource)
+                f = fake._fault(verb, resource, selector)
                 if f is None:
                     return False
                 status, hang_s = f
@@ -443,11 +445,11 @@ class FakeKubeApiServer:
                     if len(parts) == 5 and method == "GET":
                         if q.get("watch") in ("true", "1"):
                             fake.requests.append((self.user, "watch", "pods"))
-                            if self._injected("watch", "pods"):
+                            if self._injected("watch", "pods", q.get("labelSelector")):
                                 return None
                             return self._watch(ns, q)
                         fake.requests.append((self.user, "list", "pods"))
-                        if self._injected("list", "pods"):
+                        if self._injected("list", "pods", q.get("labelSelector")):
                             return None
                         return self._list(ns, q)
                     if len(parts) == 6:

@@ -604,3 +604,32 @@ async def test_engine_histogram_rows_without_a_usable_bucket_bound_are_named(le)
         await client.aclose()
     assert said.startswith("PrometheusAnswerError: Prometheus at http://prom:9090 answered a histogram bucket"), said
     assert "le" in said
+
+
+async def test_one_selector_the_api_refuses_does_not_keep_the_other_roles_pods_out(fake):
+    """Two selectors (prefill, decode); the API refuses one of them for good (a selector it cannot parse
+    answers 400): the source reported nothing until every watch had listed once, so the gateway had no
+    discovered worker at all, decode pods included. Now a watch whose first list failed does not hold back
+    the others' pods; its own pods join once its list goes through."""
+    from orchestrator.config import load_config
+    from orchestrator.fleet.discovery import build_discovery
+    from orchestrator.fleet.registry import FleetRegistry
+
+    fake.add_pod("d-0", {"app": "eng", "pool": "decode"}, 9001)
+    fake.add_pod("p-0", {"app": "eng", "pool": "prefill"}, 9002)
+    fake.fail("list", "pods", 400, times=4, selector="app=eng,pool=prefill")
+    cfg = load_config({"discovery": {"source": "kubernetes", "kubernetes": {
+        "api": {"api_url": fake.url, "token": "fake-token", "namespace": "dyad"},
+        "selectors": {"prefill": "app=eng,pool=prefill", "decode": "app=eng,pool=decode"},
+        "watch_timeout_s": 30}}}, environ={})
+    fleet = FleetRegistry()
+    d = build_discovery(cfg.discovery, fleet)
+    d.start_timeout_s = 0.5
+    await d.start()
+    try:
+        await until(lambda: fleet.get("d-0") is not None, what="the decode pod, while prefill's list fails")
+        assert fleet.get("p-0") is None and "400" in (d.status()["watches"]["prefill"]["last_error"] or "")
+        await until(lambda: fleet.get("p-0") is not None, what="the prefill pod once its list goes through")
+        assert fleet.get("p-0").role is Role.PREFILL and fleet.get("d-0").role is Role.DECODE
+    finally:
+        await d.stop()

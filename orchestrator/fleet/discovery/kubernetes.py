@@ -273,6 +273,8 @@ class PodListWatch:
                 self.errors += 1
                 if self.on_error is not None:
                     self.on_error()
+                if not self.synced.is_set():
+                    self.on_change()  # a first list that failed must not hold back the other selectors' pods
                 failures += 1
                 self.last_error = f"{type(e).__name__}: {e}"
                 delay = min(self.backoff_max_s, 0.2 * 2 ** min(failures, 8)) * random.uniform(0.5, 1.0)
@@ -304,8 +306,12 @@ class KubernetesSource:
 
     def _changed(self) -> None:
         """A watch changed its cache: report (the first time at once, then coalesced: a burst of
-        events, e.g. a rolling restart, costs one report per ``COALESCE_S``)."""
-        if self._report is None or not all(w.synced.is_set() for _, w in self.watches) or self._flush_pending:
+        events, e.g. a rolling restart, costs one report per ``COALESCE_S``). A report waits until every
+        watch has listed once or failed to: a selector the API refuses for good (400: it cannot parse it)
+        held back every other role's pods, and the gateway had no discovered worker at all. (An unlisted
+        watch's pods are simply not in the report yet; none of them was ever reported, so none is withdrawn.)"""
+        if self._report is None or self._flush_pending or not all(
+                w.synced.is_set() or w.errors > 0 for _, w in self.watches):
             return
         if not self._reported:
             self._flush()
