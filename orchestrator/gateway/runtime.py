@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,8 @@ from orchestrator.router.router import PrefixTracker, Router
 from orchestrator.router.types import RouteDecision
 from orchestrator.telemetry.access_log import AccessLog
 from orchestrator.telemetry.metrics import DyadMetrics
+
+log = logging.getLogger("dyad.gateway")
 
 # Fallback when adapters.get_adapter is not available: engine kind → (module, class).
 _ADAPTER_CLASSES = {
@@ -154,6 +157,7 @@ class GatewayRuntime:
             await asyncio.wait_for(self.health.check_all(), self.config.health.timeout_s + 1.0)
         except TimeoutError:
             pass
+        self._log_out_of_rotation()
         start_tracker = getattr(self.prefix_tracker, "start", None)
         if start_tracker is not None:  # KV event subscribers, shared-load lease renewal
             await start_tracker()
@@ -161,6 +165,18 @@ class GatewayRuntime:
                                                name="dyad-health"))
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="dyad-scrape"))
         self._tasks.append(asyncio.create_task(self.attempts.run(self.clock), name="dyad-stall-watch"))
+
+    def _log_out_of_rotation(self) -> None:
+        """One line after the start-up probe naming the workers it left out of rotation, and why: a worker that
+        starts out of rotation changes no state, so the health loop's transition lines never mention it (a
+        gateway in front of engines that are all down answered 503 with nothing in its log)."""
+        from orchestrator.fleet.worker import WorkerState
+        down = [w for w in self.fleet.workers() if w.state is WorkerState.UNHEALTHY]
+        if down:
+            shown = "; ".join(f"{w.id} ({w.url}): {w.last_error or 'not probed yet'}" for w in down[:10])
+            more = f"; and {len(down) - 10} more" if len(down) > 10 else ""
+            log.warning("not in rotation after the start-up health probe: %s%s (each takes requests once a probe "
+                        "passes; GET /admin/workers shows last_error)", shown, more)
 
     @staticmethod
     async def _after(delay: float, loop: Callable[[], Any]) -> None:

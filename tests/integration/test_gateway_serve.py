@@ -298,3 +298,33 @@ def test_dyad_serve_without_workers_says_how_to_add_one(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_dyad_serve_names_the_workers_its_start_up_probe_left_out(tmp_path):
+    """Engines that are down at start: the gateway answered 503 and logged nothing (a worker that starts out of
+    rotation changes no state, so no health transition line ever named it). Now one warning names them and why."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    cfg = tmp_path / "dyad.yaml"
+    cfg.write_text("models: [{name: m}]\nworkers: [{id: gone, url: 'http://127.0.0.1:1', models: [m]}]\n")
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYAD_")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "-c", str(cfg), "--port", "0"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=root, stdin=subprocess.DEVNULL)
+    said = "not in rotation after the start-up health probe: gone (http://127.0.0.1:1): "
+    try:
+        deadline = time.monotonic() + 60  # a liveness bound, not a timing assertion
+        while said not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert said in log.read_text(), log.read_text()[-2000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
