@@ -44,7 +44,14 @@ from orchestrator.gateway import classify
 from orchestrator.gateway.classify import ACCESS_STATUSES, NOT_SERVED_STATUSES
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
 from orchestrator.gateway.resilience import stall_budget, worked_since
-from orchestrator.gateway.transport import AnswerTooLarge, MalformedAnswer, raw_headers, read_all, send_post
+from orchestrator.gateway.transport import (
+    AnswerTooLarge,
+    MalformedAnswer,
+    header,
+    raw_headers,
+    read_all,
+    send_post,
+)
 from orchestrator.router.types import RouteDecision
 from orchestrator.telemetry import tracing
 from orchestrator.telemetry.metrics import DyadMetrics
@@ -217,24 +224,29 @@ class PdExecutor:
         out = adapter.shape_request(call.endpoint, vllm_flow.decode_body(call.body, params), call.request_id)
         with tracing.span("dyad.pd.decode", worker=decode.id):
             response = await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
-        if response.status_code < 500 or response.status_code == 503:
+        status = response.status_code
+        failure = f"answered HTTP {status}" if status >= 500 and status != 503 else None
+        if failure is None and status == 200 and call.stream \
+                and b"event-stream" in (header(response, b"content-type") or b""):
+            # (a stream says so in its first event: vLLM streams a generation error as an error event)
+            response, error = await _peek_first_event(response)
+            failure = f"streamed an error before any token ({error[:200]})" if error is not None else None
+        if failure is None:
             self._prefill_ok(prefill)
             self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
             return response
-        # The decode engine failed the request it got with the hand-off, before any byte: a transfer it could not
+        # The decode engine failed the request it got with the hand-off, before any token: a transfer it could not
         # complete (a prefill engine that lost or never kept the blocks, a side channel it cannot reach; vLLM with
-        # kv_load_failure_policy "fail" answers 500) fails there the same way on every decode worker, so the proxy's
-        # retry (a new leg on the same prefill worker) would fail too and the request be judged the culprit. The
-        # decode worker is asked again at once without the hand-off: answered, the hand-off was at fault (the
-        # prefill worker's breaker counts it); failed again, the decode worker's answer goes to the proxy as usual.
-        # (Not on a 503: the engine says it cannot serve now, with or without a hand-off.)
-        status = response.status_code
+        # kv_load_failure_policy "fail" answers 500, or streams an error event) fails there the same way on every
+        # decode worker, so the proxy's retry (a new leg on the same prefill worker) would fail too and the request
+        # be judged the culprit. The decode worker is asked again at once without the hand-off: answered, the
+        # hand-off was at fault (the prefill worker's breaker counts it); failed again, the decode worker's answer
+        # goes to the proxy as usual. (Not on a 503: the engine says it cannot serve now, with or without a hand-off.)
         await response.aclose()
-        log.warning("decode on %s answered HTTP %d to the hand-off of %s; %s prefills locally", decode.id, status,
-                    prefill.id, decode.id)
+        log.warning("decode on %s %s to the hand-off of %s; %s prefills locally", decode.id, failure, prefill.id,
+                    decode.id)
         return await self._vllm_fallback(call, decode, prefill, decision, _PrefillFailed(
-            f"the decode worker {decode.id} answered HTTP {status} to its hand-off", failure=classify.GARBAGE),
-            leg_failed=False)
+            f"the decode worker {decode.id} {failure} to its hand-off", failure=classify.GARBAGE), leg_failed=False)
 
     async def _vllm_fallback(self, call: UpstreamCall, decode: Worker, prefill: Worker, decision: RouteDecision | None,
                              failed: _PrefillFailed | None, *, leg_failed: bool = True) -> httpx.Response:
@@ -475,6 +487,53 @@ class PdExecutor:
             await response.aclose()
             raise
         return response, head, rest
+
+
+PEEK_BYTES = 1 << 20  # a stream's first event is looked for in this many bytes at most
+
+
+async def _peek_first_event(response: httpx.Response) -> tuple[httpx.Response, str | None]:
+    """Read a stream up to its first data event (``PEEK_BYTES`` at most) and return the stream, whole again (the
+    bytes read, then the rest), and the message of that event when it is an error (``{"error": ...}``), else None.
+    A stream that breaks or ends first is returned as it is: its reader sees the break or the end."""
+    rest = response.aiter_raw()
+    head = b""
+    broke: httpx.HTTPError | None = None
+    error: str | None = None
+    try:
+        while len(head) < PEEK_BYTES:
+            try:
+                piece = await anext(rest, None)
+            except httpx.HTTPError as e:
+                broke = e
+                break
+            if piece is None:
+                break
+            head += piece
+            events = head.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n\n")[:-1]
+            data = next((b"\n".join(line[5:].lstrip(b" ") for line in ev.split(b"\n") if line.startswith(b"data:"))
+                         for ev in events if any(line.startswith(b"data:") for line in ev.split(b"\n"))), None)
+            if data is not None:
+                try:
+                    obj = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    obj = None
+                bad = classify.error_in_answer(obj)
+                if bad is not None:
+                    error = str(bad[1].get("message"))
+                break
+    except BaseException:
+        await response.aclose()
+        raise
+
+    async def remaining() -> AsyncIterator[bytes]:
+        if broke is not None:
+            raise broke
+        async for chunk in rest:
+            yield chunk
+
+    return httpx.Response(response.status_code, headers=response.headers,
+                          stream=_Chained(head, remaining(), response.aclose)), error
 
 
 def _answer_of(r: httpx.Response, refusals: frozenset[int]) -> dict[str, Any] | httpx.Response:

@@ -30,7 +30,7 @@ from orchestrator.config import load_config
 from orchestrator.gateway.serve import GatewayThread
 from orchestrator.sim.engine_model import _LEASED
 from orchestrator.sim.server import SimEngineThread
-from tests.integration.socket_engine import SocketEngine
+from tests.integration.socket_engine import STREAM_HEAD, SocketEngine, chunk, event
 from tests.integration.test_engine_fault_matrix import check_stream
 
 MODEL = "m"
@@ -132,6 +132,36 @@ class SglangPrefillDouble(SocketEngine):
             conn.sendall(_whole(int(self.mode[7:]), b'{"error": {"message": "sglang double says no"}}'))
         else:
             raise AssertionError(self.mode)
+        return True
+
+
+class HandoffFailingDecode(SocketEngine):
+    """A vLLM decode engine double (a fake) that fails every request carrying a hand-off, as vLLM with
+    kv_load_failure_policy "fail" does when it cannot read the blocks: a 500, or for a stream an error event before
+    any token; a request without one it answers ("a b")."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        super().__init__()
+
+    def respond(self, conn: socket.socket, method: str, path: str, headers: dict[str, str], body: bytes) -> bool:
+        if method == "GET":
+            out = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode() \
+                if path == "/v1/models" else b""
+            conn.sendall(_whole(200, out))
+            return True
+        req = json.loads(body)
+        self.bodies.append(req)
+        handoff = "kv_transfer_params" in req
+        if req.get("stream"):
+            events = (b'data: {"error": {"message": "KV load failed", "type": "InternalServerError", "code": 500}}\n\n'
+                      if handoff else event(False, "a ") + event(False, "b", "stop"))
+            conn.sendall(STREAM_HEAD + chunk(b": first\r\n\r\n") + chunk(events) + chunk(b"data: [DONE]\n\n") + chunk(b""))
+        elif handoff:
+            conn.sendall(_whole(500, b'{"error": {"message": "KV load failed", "type": "InternalServerError"}}'))
+        else:
+            conn.sendall(_whole(200, json.dumps({"id": "x", "object": "text_completion", "created": 1, "model": MODEL,
+                                                 "choices": [{"index": 0, "text": "a b", "finish_reason": "stop"}]}).encode()))
         return True
 
 
@@ -434,6 +464,28 @@ def test_a_handoff_no_decode_engine_can_read_is_the_prefill_workers_fault(decode
             assert r.status_code == 200, r.text
         assert gw.runtime.breakers.snapshot() == {"p": "open"}
         assert len(p.steps) == 3 and pd_mode(gw, "fallback") == 3 and pd_mode(gw, "disaggregated") == 0
+        settled(gw)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_engine_failing_every_handoff_still_answers_and_the_prefill_worker_is_counted(stream):
+    """As above, with a decode engine that reports the failed read the way vLLM does: a 500, or for a stream an error
+    event before any token — a stream whose error event went to the client every time (never retried: the relay
+    passes an engine's error event on), nobody counted. The executor now reads a split stream up to its first event
+    and treats an error there as the decode engine's 5xx."""
+    p = PrefillDouble()
+    ds = [HandoffFailingDecode(), HandoffFailingDecode()]
+    workers = [{"id": "p", "url": p.url, "engine": "vllm", "role": "prefill"}]
+    workers += [{"id": f"d{i}", "url": d.url, "engine": "vllm", "role": "decode"} for i, d in enumerate(ds)]
+    with gateway(workers, p, *ds) as gw:
+        for _ in range(4):
+            r = completion(gw, stream=stream)
+            if stream:
+                assert check_stream(r, chat=False) == ("ok", "a b"), r.text
+            else:
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == "a b", r.text
+        assert gw.runtime.breakers.snapshot() == {"p": "open"}
+        assert len(p.steps) == 3 and sum(len(d.bodies) for d in ds) == 3 * 2 + 1
         settled(gw)
 
 
