@@ -594,7 +594,8 @@ async def test_a_stream_past_its_deadline_or_whose_callback_raises_ends_with_an_
 
 
 async def test_idle_keepalive_connections_and_slow_heads_are_closed(plane):
-    base = await plane(Lane(lambda *_: ("reply", 200, [], b"ok")), keepalive_s=0.3, header_timeout_s=0.3)
+    base = await plane(Lane(lambda *_: ("reply", 200, [], b"ok")), keepalive_s=0.3, header_timeout_s=0.3,
+                       body_timeout_s=0.3)  # (a body's own bound since test_surface_unseen_slow_body)
     port = int(base.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}" % CHAT.encode())

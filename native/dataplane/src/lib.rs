@@ -91,6 +91,10 @@ impl Plane {
             overloaded: bytes_limit(limits, "overloaded",
                 b"{\"error\": {\"message\": \"the gateway is overloaded\", \"type\": \"server_error\", \"param\": null, \"code\": \"overloaded\"}}")?,
             header_timeout: secs("header_timeout_s")?,
+            // (optional: a hot request's body within this of its head, and the 408 that says so)
+            body_timeout: crate::secs(optional::<f64>(limits, "body_timeout_s", 30.0)?.max(0.001)),
+            body_timeout_answer: bytes_limit(limits, "body_timeout",
+                b"{\"error\": {\"message\": \"the request body did not arrive in time\", \"type\": \"invalid_request_error\", \"param\": null, \"code\": \"request_timeout\"}}")?,
             keepalive: secs("keepalive_s")?,
             server_error: bytes_limit(limits, "server_error", b"{}")?,
             // (optional: Retry-After on the connection-limit 503; a client that takes no byte of its stream this long)

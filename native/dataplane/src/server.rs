@@ -33,6 +33,8 @@ pub struct Limits {
     pub max_connections: usize,
     pub overloaded: Bytes,
     pub header_timeout: Duration,
+    pub body_timeout: Duration,
+    pub body_timeout_answer: Bytes,
     pub keepalive: Duration,
     pub server_error: Bytes,
     pub retry_after: Bytes,
@@ -354,11 +356,12 @@ async fn handle(mut req: Request<Body>, sh: Arc<Shared>, peer: String, cs: Arc<C
     let resp = if !hot {
         forward::forward(&sh, parts.method, &parts.uri, parts.headers, body, &peer).await
     } else {
-        let until = t0 + sh.limits.header_timeout;
+        // (the body within body_timeout_s of the head, as the Python plane: it was header_timeout_s, 10 s by default,
+        // so a body the Python plane takes in 10 to 30 s was a 408 here)
+        let until = t0 + sh.limits.body_timeout;
         match read_body(body, sh.limits.max_body_bytes, until).await {
             Err(BodyErr::TooLarge) => respond(413, &[], sh.limits.body_too_large.clone(), true),
-            Err(BodyErr::Timeout) => respond(408, &[], Bytes::from_static(
-                b"{\"error\": {\"message\": \"the request body did not arrive in time\", \"type\": \"invalid_request_error\", \"param\": null, \"code\": \"request_timeout\"}}"), true),
+            Err(BodyErr::Timeout) => respond(408, &[], sh.limits.body_timeout_answer.clone(), true),
             Err(BodyErr::Broken) => respond(400, &[], Bytes::from_static(
                 b"{\"error\": {\"message\": \"the request body broke off\", \"type\": \"invalid_request_error\", \"param\": null, \"code\": \"bad_request\"}}"), true),
             Ok(b) => attempt::hot(sh.clone(), attempt::Req { t0, parts, body: b, peer }).await,

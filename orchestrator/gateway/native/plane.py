@@ -38,6 +38,10 @@ def limits_of(config: DyadConfig) -> dict[str, Any]:
         "overloaded": _error(f"The gateway has too many open connections (gateway.max_connections="
                              f"{gw.max_connections}); retry.", "service_unavailable", "too_many_connections"),
         "header_timeout_s": res.header_timeout_s,
+        # a hot request's body: within body_timeout_s of its head, as on the Python plane (http_server)
+        "body_timeout_s": res.body_timeout_s,
+        "body_timeout": _error(f"The request body did not arrive within {res.body_timeout_s:g} s.",
+                               "invalid_request_error", "request_timeout"),
         "keepalive_s": 75.0,
         "server_error": _error("internal gateway error", "server_error", "internal_error"),
         "retry_after_s": gw.retry_after_s,
