@@ -36,7 +36,8 @@ NATIVE_SUITES = tests/integration/test_stream_endings.py tests/integration/test_
 	tests/integration/test_unseen_inputs.py tests/integration/test_native_framing.py \
 	tests/integration/test_stream_memory.py tests/integration/test_flapping_worker.py tests/integration/test_pd_unseen.py \
 	tests/integration/test_surface_unseen_loop.py tests/integration/test_surface_unseen_responses.py \
-	tests/integration/test_surface_unseen_admin.py tests/integration/test_surface_unseen_auth.py
+	tests/integration/test_surface_unseen_admin.py tests/integration/test_surface_unseen_auth.py \
+	tests/integration/test_surface_unseen_slow_body.py
 NATIVE_VLLM_SUITES = tests/integration/test_request_path_vllm.py tests/integration/test_vllm_gateway.py \
 	tests/integration/test_chaos_vllm.py
 test: $(BIN)/dyad
