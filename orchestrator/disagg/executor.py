@@ -278,6 +278,8 @@ class PdExecutor:
         answer to any leg, no generated tokens in its metrics) is stalled: the leg ends then
         (``stalled``), instead of holding its request for the whole ``prefill_timeout_s``."""
         prefill.inflight += 1
+        # (a half-open breaker lets ``half_open_probes`` legs through at a time, as it does requests to a decode worker)
+        probe = self.breakers.dispatched(prefill.id) if self.breakers is not None else False
         exchange = asyncio.ensure_future(self._exchange_prefill(call, prefill, body))
         loop = asyncio.get_running_loop()
         ends = loop.time() + self.config.prefill_timeout_s
@@ -301,6 +303,9 @@ class PdExecutor:
                 exchange.cancel()  # (closes the connection: the engine aborts the step)
                 await asyncio.gather(exchange, return_exceptions=True)
             prefill.inflight = max(0, prefill.inflight - 1)
+            if probe:
+                assert self.breakers is not None
+                self.breakers.probe_done(prefill.id)
 
     def _stall_budget(self, call: UpstreamCall, prefill: Worker) -> float | None:
         return None if self.stall is None else stall_budget(self.stall, call.prompt_tokens,

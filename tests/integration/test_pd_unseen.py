@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -53,6 +54,7 @@ class PrefillDouble(SocketEngine):
         self.steps: list[dict[str, Any]] = []  # the prefill bodies received
         self.pulls = 0  # hand-offs the decode engine read
         self.lost = False  # True: every read of a hand-off fails (the blocks are gone: "no KV lease")
+        self.release = threading.Event()  # what a "hold" answer waits for
         self._lock = threading.Lock()
         super().__init__()
 
@@ -89,6 +91,9 @@ class PrefillDouble(SocketEngine):
         elif mode.startswith("error_200_"):
             conn.sendall(_whole(200, json.dumps(
                 {"error": {"message": "prefill double failed inside", "type": "X", "code": int(mode[10:])}}).encode()))
+        elif mode == "hold":  # (answers "ok" once ``release`` is set)
+            self.release.wait(60)
+            conn.sendall(_whole(200, json.dumps({**answer, "kv_transfer_params": self.params()}).encode()))
         elif mode == "not_json":
             conn.sendall(_whole(200, b"<html>a proxy's page</html>", b"text/html"))
         else:
@@ -425,6 +430,34 @@ def test_a_prefill_workers_breaker_counts_consecutive_failures_only():
         assert gw.runtime.breakers.snapshot() == {"p": "open"}
         assert pd_mode(gw, "disaggregated") == 6 and pd_mode(gw, "fallback") == 6
         assert completion(gw).status_code == 200 and len(p.steps) == 12  # (no leg while it is open)
+        settled(gw)
+
+
+def test_a_half_open_prefill_workers_breaker_takes_one_leg_at_a_time_and_closes_after_good_ones():
+    """Once its breaker's open time is over, a prefill worker gets legs again as a half-open breaker allows: one
+    at a time (``half_open_probes``), others prefilled locally meanwhile; ``breaker_success_threshold`` (2) good legs
+    close it. (A prefill worker's breaker never counted a success: it stayed half-open for ever, taking every leg.)"""
+    p, d = PrefillDouble(script=["status_500"] * 3 + ["hold"]), sim()
+    with gateway(vllm_pair(p, d), p, d, resilience={"breaker_open_s": 0.5}) as gw:
+        for _ in range(3):
+            assert completion(gw).status_code == 200
+        assert gw.runtime.breakers.snapshot() == {"p": "open"}
+        deadline = time.monotonic() + 30
+        while gw.runtime.breakers.blocked(gw.runtime.clock.now()):  # (its open time passes: half-open)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with ThreadPoolExecutor(1) as pool:
+            probe = pool.submit(completion, gw)  # the probe leg, held by the prefill engine
+            while len(p.steps) < 4:
+                assert time.monotonic() < deadline and not probe.done()
+                time.sleep(0.02)
+            r = completion(gw)  # meanwhile: no second leg on the half-open worker
+            assert r.status_code == 200 and len(p.steps) == 4, r.text
+            p.release.set()
+            assert probe.result(60).status_code == 200
+        assert gw.runtime.breakers.snapshot() == {"p": "half_open"}
+        assert completion(gw).status_code == 200 and len(p.steps) == 5
+        assert gw.runtime.breakers.snapshot() == {}  # (two good legs: closed)
         settled(gw)
 
 
