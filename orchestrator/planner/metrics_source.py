@@ -202,11 +202,15 @@ def engine_parts_from_prometheus(results: dict[str, list[dict[str, Any]]],
 
 # ---------------------------------------------------------------- Prometheus HTTP API
 
+def model_selector(model: str | None) -> str:
+    """``{model="..."}`` (``{}`` without a model); the name is a PromQL string (pasted as it was, a name
+    with a double quote or a backslash broke every query, and the planner held)."""
+    return "{" + ("model=" + json.dumps(model, ensure_ascii=False) if model else "") + "}"
+
+
 def prometheus_queries(window: str, model: str | None = None) -> dict[str, str]:
     """The PromQL behind each Observation field (exposed so dashboards and docs can reuse them)."""
-    # a PromQL string (a name with a double quote or a backslash broke every query, and the planner held)
-    m = "model=" + json.dumps(model, ensure_ascii=False) if model else ""
-    sel = "{" + m + "}"
+    sel = model_selector(model)
 
     def mean(h: str) -> str:
         return f"sum(rate({h}_sum{sel}[{window}])) / sum(rate({h}_count{sel}[{window}]))"
@@ -354,6 +358,15 @@ class PrometheusSource:
             # a NaN elsewhere is 0/0 (a mean or quantile over a window in which nothing finished): not measured
             values = {k: None if v is not None and math.isnan(v) else v for k, v in values.items()}
             if rate is None:
+                # two causes with two remedies: the series is absent, or the window holds fewer than two of
+                # its samples (rate() needs two: a window shorter than two scrape intervals answers nothing)
+                present = await self._query(
+                    client, f"count(last_over_time(dyad_request_arrivals_total{model_selector(self.model)}[1h]))")
+                if present:
+                    raise NoPrometheusData(
+                        f"Prometheus at {self.url}: dyad_request_arrivals_total is there, but the last {window} hold "
+                        "fewer than two of its samples (rate() needs two): set planner.prometheus_window_s to at "
+                        "least twice Prometheus's scrape interval; holding")
                 raise NoPrometheusData(f"Prometheus at {self.url} has no dyad_request_arrivals_total samples over "
                                        f"the last {window} (just restarted, or not scraping the gateway); holding")
             obs = Observation(at=now, window_s=self.window_s, request_rate=rate, **values)

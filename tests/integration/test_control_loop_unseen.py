@@ -633,3 +633,55 @@ async def test_one_selector_the_api_refuses_does_not_keep_the_other_roles_pods_o
         assert fleet.get("p-0").role is Role.PREFILL and fleet.get("d-0").role is Role.DECODE
     finally:
         await d.stop()
+
+
+def test_a_rate_window_shorter_than_two_scrapes_is_named_not_taken_for_a_prometheus_without_data(tmp_path):
+    """``planner.prometheus_window_s`` (default: the interval) shorter than two of Prometheus's scrape
+    intervals: rate() over it has fewer than two samples and answers nothing, every interval. The hold said
+    'no samples over the last 3s (just restarted, or not scraping the gateway)' while Prometheus scraped
+    the gateway fine. Now it says the series are there and the window is too short. A real Prometheus
+    (scraping every 5 s) scrapes a static /metrics page standing in for the gateway's."""
+    import http.server
+    import threading
+
+    from orchestrator.planner.metrics_source import NoPrometheusData, PrometheusSource
+    from tests.fixtures.prometheus import PrometheusServer
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        n = 0
+
+        def do_GET(self) -> None:  # noqa: N802
+            Page.n += 10
+            body = (f'# TYPE dyad_request_arrivals_total counter\ndyad_request_arrivals_total{{model="m"}} {Page.n}\n'
+                    ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    page = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=page.serve_forever, daemon=True).start()
+    try:
+        with PrometheusServer([f"127.0.0.1:{page.server_address[1]}"], scrape_interval_s=5.0) as prom:
+            prom.wait_for("dyad_request_arrivals_total", timeout_s=30)
+
+            async def observe(window_s: float) -> str:
+                try:
+                    await PrometheusSource(prom.url, window_s=window_s).observe(0.0)
+                except NoPrometheusData as e:
+                    return str(e)
+                return "planned"
+
+            said = asyncio.run(observe(3.0))
+            assert "dyad_request_arrivals_total is there" in said and "prometheus_window_s" in said, said
+            assert "not scraping" not in said, said
+            prom.wait_until(lambda: prom.query_value("sum(rate(dyad_request_arrivals_total[30s]))"), timeout_s=30,
+                            what="two samples")
+            assert asyncio.run(observe(30.0)) == "planned"
+    finally:
+        page.shutdown()
+        page.server_close()
