@@ -533,7 +533,19 @@ def test_a_decode_engine_that_fails_with_or_without_a_handoff_is_not_the_prefill
         settled(gw)
 
 
-@pytest.mark.parametrize("fault", ["eof", "reset", "garbage"])
+def test_a_split_chat_stream_is_relayed_whole_after_its_first_event_is_read():
+    p, d = sim(), sim()
+    with gateway(vllm_pair(p, d), p, d) as gw:
+        body = {"model": MODEL, "messages": CHAT_PROMPT, "max_tokens": 6, "stream": True,
+                "stream_options": {"include_usage": True}}
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60)
+        outcome, text = check_stream(r, chat=True)
+        assert outcome == "ok" and text and r.headers["x-dyad-prefill-worker"] == "p", r.text
+        assert '"usage"' in r.text and pd_mode(gw, "disaggregated") == 1
+        settled(gw)
+
+
+@pytest.mark.parametrize("fault", ["eof", "reset", "garbage", "hang"])
 def test_a_pd_stream_that_breaks_ends_honestly_and_accounting_returns_to_zero(fault):
     """A split stream whose decode engine breaks it after a few tokens: with another decode worker the stream is
     continued there and ends complete; alone, it ends with an SSE error event then [DONE]. Either way the
@@ -549,7 +561,7 @@ def test_a_pd_stream_that_breaks_ends_honestly_and_accounting_returns_to_zero(fa
             d1 = sim()
             engines.append(d1)
             workers.append({"id": "d1", "url": d1.url, "engine": "sim", "role": "decode"})
-        with gateway(workers, *engines, resilience={"stream_idle_timeout_s": 5}) as gw:
+        with gateway(workers, *engines, resilience={"stream_idle_timeout_s": 2}) as gw:
             r = completion(gw, stream=True, max_tokens=8)
             outcome, text = check_stream(r, chat=False)
             assert outcome == ("error_event" if alone else "ok"), (fault, alone, r.text)
