@@ -44,7 +44,8 @@ from orchestrator.gateway.responses import engine_error_body
 
 ACCESS_STATUSES = frozenset({401, 403, 407})  # the engine refuses the gateway's access (module docstring)
 # answered before any byte: another worker may do better
-RETRY_STATUSES = frozenset({404, 429, 500, 502, 503, 504}) | ACCESS_STATUSES
+# (508: the worker is a gateway that found the request looping back to it: gateway/loop_guard.py)
+RETRY_STATUSES = frozenset({404, 429, 500, 502, 503, 504, 508}) | ACCESS_STATUSES
 UNAVAILABLE_STATUSES = frozenset({502, 503})  # the engine says it cannot serve: counts against its health
 BUSY_STATUSES = frozenset({429})  # the engine is busy, not broken: tried elsewhere, never held against it
 NOT_SERVED_STATUSES = frozenset({404})  # the engine does not serve this model here: tried elsewhere, held against nobody

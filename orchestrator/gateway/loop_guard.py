@@ -14,8 +14,12 @@ never healthy, and ``POST /admin/workers`` refuses it at once), and so does ever
 sent before a probe could tell). The id is random per process and never shown to clients; a client that sends
 the header only gets its own request refused.
 
-Not covered: a cycle through two different gateways (A's worker is B, B's worker is A): each forwards with
-its own id only.
+A request that came from another gateway (Dyad in front of Dyad) carries that gateway's id, and more ids when
+it passed several: each gateway forwards the list it received with its own id added (``forwarded``). So a
+cycle through several gateways (A's worker is B, B's worker is A) comes back to a gateway that finds its own
+id in the list: 508 at once, after one round. A list of ``MAX_GATEWAYS`` ids or more is refused too (a chain
+that long is a mistake, and the header stays short). A 508 from a worker is tried on another worker
+(``classify.RETRY_STATUSES``), so a loop through one worker costs a retry, not the request.
 """
 
 from __future__ import annotations
@@ -37,14 +41,39 @@ class GatewayLoop(ApiError):
     type = "invalid_request_error"
 
 
-def came_from_here(headers: Any) -> bool:
-    """Whether the request's headers (a Starlette ``Headers`` or any mapping) carry this process' id."""
-    return headers.get(HEADER) == GATEWAY_ID
+MAX_GATEWAYS = 8
+MAX_HEADER = MAX_GATEWAYS * 40  # (ids are 16 hex digits; room for another version's longer ones)
+
+
+def _ids(value: str) -> list[str]:
+    return [part.strip() for part in value[:MAX_HEADER].split(",")]
 
 
 def check(headers: Any) -> None:
-    """Raise ``GatewayLoop`` for a request this gateway process sent itself."""
-    if came_from_here(headers):
-        raise GatewayLoop("This request came from this gateway itself: a worker's URL leads back to the gateway "
-                          "(its own address, or a load balancer in front of it). Remove that worker: a gateway "
-                          "is not an engine.", code=CODE)
+    """Raise ``GatewayLoop`` for a request this gateway process sent (itself, or through other gateways), or
+    one that passed ``MAX_GATEWAYS`` gateways."""
+    value = headers.get(HEADER)
+    if value is None:
+        return
+    ids = _ids(value)
+    if GATEWAY_ID in ids:
+        if ids[-1] == GATEWAY_ID and len(ids) == 1:
+            raise GatewayLoop("This request came from this gateway itself: a worker's URL leads back to the "
+                              "gateway (its own address, or a load balancer in front of it). Remove that worker: a "
+                              "gateway is not an engine.", code=CODE)
+        raise GatewayLoop(f"This request came back to this gateway through {len(ids) - 1} other gateway(s): their "
+                          "workers lead in a cycle. Remove the worker that points back: a gateway is not an engine.",
+                          code=CODE)
+    if len(ids) >= MAX_GATEWAYS or len(value) > MAX_HEADER:
+        raise GatewayLoop(f"This request passed through {len(ids)} gateways, the most one may pass "
+                          f"({MAX_GATEWAYS}): their workers lead in a chain too long, or a cycle.", code=CODE)
+
+
+def forwarded(headers: Any) -> dict[str, str]:
+    """The header for this request's calls to workers when it came from another gateway (its list, this gateway
+    added); empty otherwise (every call carries this gateway's own id: ``executor.worker_headers``). Call after
+    ``check``."""
+    value = headers.get(HEADER)
+    if value is None:
+        return {}
+    return {HEADER: ",".join([*_ids(value), GATEWAY_ID])}

@@ -123,7 +123,7 @@ async def _admitted(request: Request, rt: GatewayRuntime, rid: str, endpoint: st
         raise
     strip_usage = stream and not responses and rq.ask_for_usage(body)  # (a Responses stream always has usage)
     call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=stream,
-                        prompt_tokens=route_req.prompt_tokens)
+                        prompt_tokens=route_req.prompt_tokens, headers=loop_guard.forwarded(request.headers))
     counted.inflight.inc()
     proxy = ProxyResponse(rt, call, route_req, label, started, record, strip_usage, limit_headers,
                           pinned_away=pinned_away)
@@ -184,7 +184,8 @@ async def _stored_response(request: Request, method: str, suffix: str) -> Any:
             with tracing.span("dyad.attempt", worker=worker.id, role=worker.role.value) as attempt_span:
                 try:
                     upstream = await rt.http.send(rt.http.build_request(
-                        method, url, params=params, headers=worker_headers(worker, rid)), stream=True)
+                        method, url, params=params,
+                        headers={**worker_headers(worker, rid), **loop_guard.forwarded(request.headers)}), stream=True)
                 except httpx.HTTPError as e:
                     raise UpstreamError(502, f"The engine holding response '{response_id}' ({worker.id}) did not "
                                              f"answer: {type(e).__name__}.", code="upstream_unreachable") from None
@@ -303,7 +304,8 @@ async def _passthrough(request: Request, endpoint: str, label: str) -> Any:
             record.error_class = err.code if isinstance(err.code, str) else type(err).__name__
             rt.access_log.emit(record)
         raise
-    call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=False, generation=False)
+    call = UpstreamCall(endpoint=endpoint, body=body, request_id=rid, model=model, stream=False, generation=False,
+                        headers=loop_guard.forwarded(request.headers))
     child(rt.metrics.inflight, model).inc()
     return intake.wrap(ProxyResponse(rt, call, route_req, label, started, record, extra_headers=limit_headers), model, rid, slot, client_key)
 

@@ -10,7 +10,10 @@ once — one client request is one access-log record.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
 import time
 
 import httpx
@@ -19,7 +22,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.gateway import loop_guard
 from orchestrator.gateway.serve import GatewayThread
-from orchestrator.ports import free_port
+from orchestrator.ports import free_port, wait_ready
 from orchestrator.sim.server import SimEngineThread
 from tests.integration.test_gateway import error_of, wait_until
 
@@ -105,3 +108,60 @@ def test_a_request_marked_by_this_gateway_is_refused_as_a_loop(engine, tmp_path,
         # another gateway's mark (a gateway in front of this one) is not a loop
         r = c.request(method, path, json=body, headers={loop_guard.HEADER: "0123456789abcdef"})
         assert r.status_code != 508, r.text
+
+
+@contextlib.contextmanager
+def _gateway_process(tmp_path, port, workers):
+    """Another gateway in its own process (``dyad serve``: a process' gateway id is its own)."""
+    path = tmp_path / f"gw-{port}.yaml"
+    path.write_text(json.dumps({"models": [{"name": MODEL}], "workers": workers, "health": {"interval_s": 0.2},
+                                "router": {"policy": "round_robin"}, "gateway": {"host": "127.0.0.1", "port": port},
+                                "resilience": {"backoff_base_s": 0}}))
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_ready(f"http://127.0.0.1:{port}/health", proc), "the second gateway did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_cycle_through_two_gateways_comes_back_once_and_a_chain_is_served(engine, tmp_path):
+    port_a, port_b = free_port(), free_port()
+    a_url = f"http://127.0.0.1:{port_a}"
+    back_to_a = [{"id": "to-a", "url": a_url, "engine": "sim", "models": [MODEL]}]
+    cfg = load_config({"models": [{"name": MODEL}],
+                       "workers": [{"id": "to-b", "url": f"http://127.0.0.1:{port_b}", "engine": "sim",
+                                    "models": [MODEL]}],
+                       "router": {"policy": "round_robin"}, "health": {"interval_s": 0.2},
+                       "resilience": {"backoff_base_s": 0},
+                       "access_log": {"enabled": True, "output": str(tmp_path / "access.log"), "format": "json"}},
+                      environ={})
+    with GatewayThread(cfg, port=port_a) as gw, _gateway_process(tmp_path, port_b, back_to_a), \
+            httpx.Client(base_url=gw.url, timeout=60) as c:
+        assert wait_until(lambda: gw.runtime.fleet.get("to-b").health_ok, timeout=30)
+        r = c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "cycle-1"})
+        assert r.status_code == 508, r.text
+        assert error_of(r)["code"] == "gateway_loop" and "other gateway" in error_of(r)["message"]
+        assert wait_until(lambda: _records(tmp_path, "cycle-1"), timeout=10)
+        time.sleep(0.5)  # (would a looping request add more records)
+        assert len(_records(tmp_path, "cycle-1")) == 1
+    # a chain without a cycle (this gateway in front of another, in front of an engine) is served
+    to_engine = [{"id": "engine", "url": engine.url, "engine": "sim", "models": [MODEL]}]
+    with GatewayThread(cfg, port=port_a) as gw, _gateway_process(tmp_path, port_b, to_engine), \
+            httpx.Client(base_url=gw.url, timeout=60) as c:
+        assert wait_until(lambda: gw.runtime.fleet.get("to-b").health_ok, timeout=30)
+        r = c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+        r = c.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+        got = c.get(f"/v1/responses/{r.json()['id']}")
+        assert got.status_code == 200, got.text
+
+
+def test_a_chain_of_too_many_gateways_is_refused():
+    with GatewayThread(load_config({}, environ={})) as gw:
+        chain = ",".join(f"{i:016x}" for i in range(loop_guard.MAX_GATEWAYS))
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers={loop_guard.HEADER: chain}, timeout=30)
+        assert r.status_code == 508 and error_of(r)["code"] == "gateway_loop", r.text
