@@ -685,3 +685,36 @@ def test_a_rate_window_shorter_than_two_scrapes_is_named_not_taken_for_a_prometh
     finally:
         page.shutdown()
         page.server_close()
+
+
+@pytest.mark.parametrize("form", ["json", "yaml"])
+def test_a_large_workers_file_is_not_read_by_the_pure_python_yaml_scanner(form, monkeypatch):
+    """A workers file of 20,000 entries (~1 MB; the cap is 16 MiB, 'a workers file of 100,000 entries is
+    ~10 MB') went through PyYAML's pure-Python scanner: 4-10 s of CPU per change with the GIL held, the
+    gateway's event loop sharing it meanwhile (a 10-MB file: minutes). JSON now goes through json (with
+    duplicate keys still refused), YAML through libyaml's scanner. Counted, not timed: the calls into the
+    pure-Python scanner."""
+    import json
+
+    import yaml
+
+    from orchestrator.fleet.discovery.file import WorkersFileError, parse_workers_file
+
+    calls = {"n": 0}
+    original = yaml.scanner.Scanner.fetch_more_tokens
+
+    def counted(self):
+        calls["n"] += 1
+        return original(self)
+
+    monkeypatch.setattr(yaml.scanner.Scanner, "fetch_more_tokens", counted)
+    entries = [{"url": f"http://10.{i // 65536}.{(i // 256) % 256}.{i % 256}:8000", "role": "decode"}
+               for i in range(20_000)]
+    text = json.dumps(entries) if form == "json" else yaml.safe_dump(entries)
+    out = parse_workers_file(text)
+    assert len(out) == 20_000 and out["http://10.0.0.7:8000"].config.role is Role.DECODE
+    assert calls["n"] == 0, f"{calls['n']} calls into the pure-Python YAML scanner"
+    bad = '[{"url": "http://a:1", "role": "decode", "role": "prefill"}]' if form == "json" else \
+        "- url: http://a:1\n  role: decode\n  role: prefill\n"
+    with pytest.raises(WorkersFileError, match="duplicate key 'role'"):
+        parse_workers_file(bad)
