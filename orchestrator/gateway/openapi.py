@@ -62,7 +62,9 @@ class ResponsesRequest(BaseModel):
 
     model_config = _PASS_THROUGH
     model: str = Field(..., min_length=1, description="A model (or alias) the fleet serves")
-    input: str | list[dict[str, Any]] = Field(..., description="Text, or an array of input items")
+    input: str | list[dict[str, Any]] = Field(..., description=(
+        "Text, or an array of input items; a message item (type absent or \"message\") has a string role and "
+        "content that is a string or an array of content-part objects; any item's or part's type is a string"))
     instructions: str | None = Field(None, description="A system message placed before the input")
     max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate")
     stream: bool | None = Field(None, description="Typed server-sent events instead of one JSON answer")
