@@ -16,7 +16,9 @@ contract:
 marked draining or being deleted (``deletionTimestamp``) is a worker that takes nothing new; a pod
 annotated ``standby_annotation`` is warm standby (probed, held out of rotation until the planner's
 actuator removes the mark); role
-from ``role_label`` (else the selector's role), URL from the pod IP and a named or numbered port.
+from ``role_label`` (else the selector's role; a value that is not a role: not used), URL from the pod
+IP and a named or numbered port. ``pod_mapping`` says why a pod is not a worker (``UNUSED_REASONS``);
+``GET /admin/discovery`` lists them and ``dyad_discovery_unused_pods{reason}`` counts them.
 """
 
 from __future__ import annotations
