@@ -701,7 +701,8 @@ def test_a_large_workers_file_is_not_read_by_the_pure_python_yaml_scanner(form, 
     from orchestrator.fleet.discovery.file import WorkersFileError, parse_workers_file
 
     if form == "yaml" and not hasattr(yaml, "CSafeLoader"):
-        pytest.skip("this PyYAML has no libyaml (CSafeLoader): YAML is read by the pure-Python scanner")
+        from tests.fixtures.deps import missing
+        missing("PyYAML's libyaml binding (yaml.CSafeLoader)", "make install (pip install -e '.[test]': PyYAML's binary wheel)")
     calls = {"n": 0}
     original = yaml.scanner.Scanner.fetch_more_tokens
 
