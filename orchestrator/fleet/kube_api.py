@@ -77,7 +77,7 @@ class KubeApi:
             try:
                 self._token = Path(self._token_file).read_text().strip() or None
             except OSError:
-                self._token = None
+                pass  # the file is away (a remount): the last token, not none (a minute of 401s)
             self._token_read_at = time.monotonic()
         h = {"Accept": "application/json"}
         if self._token:
@@ -86,10 +86,13 @@ class KubeApi:
             h["Content-Type"] = content_type
         return h
 
-    @staticmethod
-    def _raise(r: httpx.Response, body: bytes | None = None) -> None:
+    def _raise(self, r: httpx.Response, body: bytes | None = None) -> None:
         if r.status_code < 400:
             return
+        if r.status_code == 401:
+            # the token was refused (rotated early, revoked): the next call reads the file again rather
+            # than sending the same token for up to TOKEN_REREAD_S
+            self._token_read_at = -1e18
         text = (body if body is not None else r.content).decode(errors="replace")
         try:
             message = json.loads(text).get("message") or text

@@ -721,3 +721,30 @@ def test_a_large_workers_file_is_not_read_by_the_pure_python_yaml_scanner(form, 
         "- url: http://a:1\n  role: decode\n  role: prefill\n"
     with pytest.raises(WorkersFileError, match="duplicate key 'role'"):
         parse_workers_file(bad)
+
+
+async def test_a_rotated_token_is_read_again_after_a_401_and_a_missing_token_file_keeps_the_last_one(tmp_path):
+    """The service-account token is re-read every 60 s. A token the API server stopped accepting (rotated
+    early, revoked) cost up to a minute of 401s on every call (the watch, the actuator) before the file was
+    read again; and a token file that could not be read at its re-read (a remount) replaced the token with
+    none: a minute of 401s too. Now a 401 makes the next call read the file at once, and a failed read keeps
+    the last token."""
+    from orchestrator.fleet.kube_api import KubeApi, KubeApiError
+
+    fake = FakeKubeApiServer(tokens={"t1": "tester"})
+    token = tmp_path / "token"
+    token.write_text("t1\n")
+    api = KubeApi(fake.url, token_file=str(token))
+    try:
+        assert (await api.get("/api/v1/namespaces/dyad/pods"))["kind"] == "PodList"
+        fake.tokens = {"t2": "tester"}  # rotated: the old token is refused from now on
+        token.write_text("t2\n")
+        with pytest.raises(KubeApiError, match="401"):
+            await api.get("/api/v1/namespaces/dyad/pods")
+        assert (await api.get("/api/v1/namespaces/dyad/pods"))["kind"] == "PodList"  # read again at once
+        token.unlink()  # the file is away when it is next read
+        api._token_read_at = -1e18  # that re-read is due now
+        assert (await api.get("/api/v1/namespaces/dyad/pods"))["kind"] == "PodList"  # the last token kept
+    finally:
+        await api.aclose()
+        fake.close()
