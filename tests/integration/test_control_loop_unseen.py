@@ -748,3 +748,27 @@ async def test_a_rotated_token_is_read_again_after_a_401_and_a_missing_token_fil
     finally:
         await api.aclose()
         fake.close()
+
+
+async def test_a_workers_file_nested_too_deeply_is_refused_and_the_source_polls_on(tmp_path):
+    """A workers file of 100,000 nested brackets: the parser raised RecursionError, which no handler took
+    for a bad file: it went out of the poll and ended the file source's loop, so no later change of the
+    file was ever applied. Now it is refused like any invalid file, and the loop goes on (whatever a
+    poll raises)."""
+    from orchestrator.config import FileDiscoveryConfig
+    from orchestrator.fleet.discovery.file import FileSource
+
+    path = tmp_path / "workers.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    src = FileSource(FileDiscoveryConfig(path=str(path), interval_s=0.05))
+    reports: list[dict] = []
+    task = asyncio.create_task(src.run(reports.append))
+    try:
+        await until(lambda: src.last_error is not None, what="the refusal")
+        assert "nested too deeply" in src.last_error, src.last_error
+        path.write_text('[{"url": "http://127.0.0.1:9001"}]')
+        await until(lambda: reports, what="the good file, applied by the same loop")
+        assert sorted(reports[-1]) == ["http://127.0.0.1:9001"] and not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

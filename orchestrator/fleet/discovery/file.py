@@ -74,6 +74,8 @@ def parse_workers_file(text: str, origin: str = "workers file") -> dict[str, Wor
         raw = _load(text, origin)
     except yaml.YAMLError as e:
         raise WorkersFileError(f"{origin}: not valid YAML/JSON: {e}") from e
+    except RecursionError:  # 100,000 nested brackets: the parsers recurse (it ended the source's loop)
+        raise WorkersFileError(f"{origin}: nested too deeply to be a list of workers") from None
     if raw is None:
         raw = []
     if isinstance(raw, dict):
@@ -198,7 +200,15 @@ class FileSource:
 
     async def run(self, report: Callable[[dict[str, WorkerSpec]], None]) -> None:
         while True:
-            workers = await asyncio.to_thread(self.poll)
+            try:
+                workers = await asyncio.to_thread(self.poll)
+            except Exception as e:  # noqa: BLE001 - whatever a poll raises, the source polls on
+                workers = None
+                err = f"{self.path}: {type(e).__name__}: {e}"[:300]
+                if err != self.last_error:
+                    log.warning("discovery: %s (keeping the last good list)", err)
+                    self._error()
+                self.last_error = err
             if workers is not None:
                 report(workers)
             await asyncio.sleep(self.interval_s)
