@@ -544,8 +544,10 @@ class KubernetesActuator:
             now = self.clock.now()
             if self.is_idle is not None and any(now - t >= self.settle_s for t in s.marked_at.values()):
                 pods = {p["metadata"]["name"]: p for p in await self._pods(scale)}
-                for name in s.marked_at:
-                    idle[name] = True if name not in pods else await self._idle(pods[name])
+                # together: one after another, N slow engines held the lock (and every decision) N reads long
+                names = [n for n in s.marked_at if n in pods]
+                idle = dict.fromkeys(s.marked_at, True)  # gone: nothing can be running there
+                idle.update(zip(names, await asyncio.gather(*(self._idle(pods[n]) for n in names)), strict=True))
             elif self.is_idle is None:
                 idle = dict.fromkeys(s.marked_at, True)  # no way to ask: settle time only
             ok, why = drain_finished(s, idle, now, self.settle_s, self.drain_timeout_s)

@@ -772,3 +772,29 @@ async def test_a_workers_file_nested_too_deeply_is_refused_and_the_source_polls_
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_engines_of_a_scale_in_are_read_together_not_one_after_another(fake):
+    """Each finisher round read the victims' engines one after another while holding the actuator's lock:
+    a scale-in of N pods whose engines answer slowly (each read bounded by the scrape timeout) held every
+    planner decision N × that long. The reads of a round now run together. Counted, not timed: how many
+    reads were in progress at once."""
+    fake.add_statefulset("d", 5, SEL)
+    await until(lambda: len(fake.pod_names()) == 5, what="the controller's pods")
+    now = {"in": 0, "most": 0}
+
+    async def slow_idle(pod):
+        now["in"] += 1
+        now["most"] = max(now["most"], now["in"])
+        await asyncio.sleep(0.2)
+        now["in"] -= 1
+        return True
+
+    act = KubernetesActuator(KubeApi(fake.url, token="fake-token"), "dyad", {Role.DECODE: "statefulsets/d"},
+                             is_idle=slow_idle, settle_s=0.1, poll_s=0.05)
+    try:
+        assert await act.apply(decision(None, 1)) == [f"marked d-{i} draining" for i in range(1, 5)]
+        await until(lambda: act.events, what="the scale-in")
+        assert now["most"] == 4, now
+    finally:
+        await act.close()
