@@ -226,15 +226,19 @@ class PdExecutor:
             response = await send_to_worker(self.http, decode, call.endpoint, out, engine_headers(call, decode))
         status = response.status_code
         failure = f"answered HTTP {status}" if status >= 500 and status != 503 else None
-        if failure is None and status == 200 and call.stream \
-                and b"event-stream" in (header(response, b"content-type") or b""):
-            # (a stream says so in its first event: vLLM streams a generation error as an error event)
-            response, error = await _peek_first_event(response)
-            failure = f"streamed an error before any token ({error[:200]})" if error is not None else None
         if failure is None:
-            self._prefill_ok(prefill)
             self.metrics.pd_requests.labels(MODE_DISAGGREGATED).inc()
-            return response
+            if status != 200 or not call.stream or b"event-stream" not in (header(response, b"content-type") or b""):
+                self._prefill_ok(prefill)
+                return response
+            # (a stream says so in its first event: vLLM streams a generation error as an error event. Nothing is
+            # relayed before that event: a decode engine that sends its headers and then nothing is pulled by the
+            # stall watchdog before any byte reached the client, which then gets the stall as an error status.)
+            response, error = await _peek_first_event(response)
+            if error is None:
+                self._prefill_ok(prefill)
+                return response
+            failure = f"streamed an error before any token ({error[:200]})"
         # The decode engine failed the request it got with the hand-off, before any token: a transfer it could not
         # complete (a prefill engine that lost or never kept the blocks, a side channel it cannot reach; vLLM with
         # kv_load_failure_policy "fail" answers 500, or streams an error event) fails there the same way on every
@@ -246,20 +250,24 @@ class PdExecutor:
         log.warning("decode on %s %s to the hand-off of %s; %s prefills locally", decode.id, failure, prefill.id,
                     decode.id)
         return await self._vllm_fallback(call, decode, prefill, decision, _PrefillFailed(
-            f"the decode worker {decode.id} {failure} to its hand-off", failure=classify.GARBAGE), leg_failed=False)
+            f"the decode worker {decode.id} {failure} to its hand-off", failure=classify.GARBAGE), leg_failed=False,
+            counted=status != 200)
 
     async def _vllm_fallback(self, call: UpstreamCall, decode: Worker, prefill: Worker, decision: RouteDecision | None,
-                             failed: _PrefillFailed | None, *, leg_failed: bool = True) -> httpx.Response:
+                             failed: _PrefillFailed | None, *, leg_failed: bool = True,
+                             counted: bool = True) -> httpx.Response:
         """The decode worker prefills locally after a prefill leg gave no hand-off (``failed``: why, when the
         worker may be at fault). A worker that cannot be reached leaves rotation at once; another failure is
         judged by what the decode worker makes of the same request (``classify``): answered, it was the prefill
         worker's (its breaker counts it; a drop or stall takes it out of rotation, a 502/503 counts against its
         health); refused or failed there as well, it may be the request's, and counts against nobody.
         ``leg_failed`` False: the leg itself answered (its hand-off is what failed): the proxy's retry, if any, may
-        ask the same prefill worker again (the decode worker failed the request without the hand-off too)."""
+        ask the same prefill worker again (the decode worker failed the request without the hand-off too).
+        ``counted`` False: the request is in ``dyad_pd_requests_total`` already (its hand-off was taken)."""
         if decision is not None and leg_failed:
             decision.failed_prefill.append(prefill.id)
-        self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
+        if counted:
+            self.metrics.pd_requests.labels(MODE_FALLBACK).inc()
         if failed is not None:
             self.metrics.upstream_errors.labels(prefill.id, "prefill").inc()
             if not failed.reachable:
