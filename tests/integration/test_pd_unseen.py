@@ -573,7 +573,7 @@ def test_a_pd_stream_that_breaks_ends_honestly_and_accounting_returns_to_zero(fa
 
 # --- 4. SGLang dual dispatch: one half failing -------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["garbage", "error_200"])
+@pytest.mark.parametrize("mode", ["garbage", "error_200", "status_500"])
 def test_an_sglang_prefill_half_answering_no_answer_is_replaced_at_once(mode):
     """A prefill half that answers 200 with something that is no answer (bytes that are not JSON, or an error
     object): the pair is given up at once and retried with another prefill worker, not left to the decode half,
