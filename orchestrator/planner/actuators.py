@@ -542,8 +542,16 @@ class KubernetesActuator:
                 done += await self._give_up(role, s, replicas, await self._pods(scale))
                 continue
             now = self.clock.now()
+            pods = {p["metadata"]["name"]: p for p in await self._pods(scale)}
+            for name in list(s.marked_at):
+                # a victim whose mark someone removed is back in rotation everywhere: lowering the replicas
+                # once it read idle deleted a pod taking new requests. Marked again, it settles again.
+                p = pods.get(name)
+                if p is not None and not self._marked(p) and not p["metadata"].get("deletionTimestamp"):
+                    await self._mark(role, name, True)
+                    s.marked_at[name], s.idle_reads[name] = now, 0
+                    done.append(f"marked {name} draining again (its mark was removed outside the planner)")
             if self.is_idle is not None and any(now - t >= self.settle_s for t in s.marked_at.values()):
-                pods = {p["metadata"]["name"]: p for p in await self._pods(scale)}
                 # together: one after another, N slow engines held the lock (and every decision) N reads long
                 names = [n for n in s.marked_at if n in pods]
                 idle = dict.fromkeys(s.marked_at, True)  # gone: nothing can be running there

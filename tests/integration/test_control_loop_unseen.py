@@ -798,3 +798,29 @@ async def test_the_engines_of_a_scale_in_are_read_together_not_one_after_another
         assert now["most"] == 4, now
     finally:
         await act.close()
+
+
+async def test_a_victim_whose_mark_was_removed_meanwhile_is_marked_again_before_the_scale_in(fake):
+    """Someone removes the draining mark of a pod a scale-in waits for (``kubectl annotate pod d-1
+    dyad.dev/draining-``): every gateway puts it back in rotation, yet the finisher went on reading its
+    engine and lowered the replicas once it read idle, so Kubernetes deleted a pod that was taking new
+    requests. Now a victim found without its mark is marked again and settles again first."""
+    fake.add_statefulset("d", 2, SEL)
+    await until(lambda: len(fake.pod_names()) == 2, what="the controller's pods")
+    busy = {"d-1": True}
+    act = actuator(fake, idle=lambda pod: not busy["d-1"])
+    try:
+        assert await act.apply(decision(None, 1)) == ["marked d-1 draining"]
+        await asyncio.sleep(0.5)  # settled, read busy
+        fake.patch_pod("d-1", {"metadata": {"annotations": {"dyad.dev/draining": None}}})  # the operator
+        unmarked_at = time.monotonic()
+        busy["d-1"] = False
+        await until(lambda: any("scaled statefulsets/d to 1" in line for line in act.events), what="the scale-in")
+        scale_at = next(t for t, path, body in fake.patches if path.endswith("/statefulsets/d/scale")
+                        and body == {"spec": {"replicas": 1}})
+        remarks = [t for t, path, body in fake.patches if path.endswith("/pods/d-1") and t > unmarked_at
+                   and (body.get("metadata") or {}).get("annotations", {}).get("dyad.dev/draining") == "true"]
+        assert remarks and remarks[0] < scale_at, (remarks, scale_at, act.events)
+        assert any("marked d-1 draining again" in line for line in act.events), act.events
+    finally:
+        await act.close()
