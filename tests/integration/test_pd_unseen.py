@@ -277,6 +277,36 @@ def test_a_request_the_decode_engine_refuses_leaves_no_kv_leased_on_the_prefill_
         settled(gw)
 
 
+ODD_INPUTS = [  # (path, body, status): the split decision with inputs at its edges
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}, 200),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2}, 200),  # (several sequences: prefilled by the decode worker)
+    ("/v1/completions", {"prompt": PROMPT, "n": 2, "stream": True}, 200),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 3}, 200),
+    ("/v1/completions", {"prompt": PROMPT, "echo": True}, 200),
+    ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, 200),  # (prompt logprobs: not split)
+    ("/v1/completions", {"prompt": ""}, 400),
+    ("/v1/completions", {"prompt": list(range(1, 400))}, 200),
+    ("/v1/completions", {"prompt": [list(range(1, 400))]}, 200),
+    ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, 400),  # (a batch: never split; the simulator refuses it)
+    ("/v1/completions", {"prompt": PROMPT * 20}, 400),  # (longer than the context)
+    ("/v1/chat/completions", {"messages": CHAT_PROMPT, "logprobs": True, "top_logprobs": 2, "stream": True}, 200),
+    ("/v1/chat/completions", {"messages": CHAT_PROMPT, "max_completion_tokens": 3, "max_tokens": 5000}, 200),
+    ("/v1/chat/completions", {"messages": CHAT_PROMPT, "n": 3}, 200),
+]
+
+
+def test_odd_inputs_on_a_pd_fleet_end_honestly_and_leave_nothing_behind():
+    p, d = sim(), sim()
+    with gateway(vllm_pair(p, d), p, d) as gw:
+        for path, extra, status in ODD_INPUTS:
+            r = httpx.post(f"{gw.url}{path}", json={"model": MODEL, "max_tokens": 3, **extra}, timeout=60)
+            assert r.status_code == status, (extra, r.text[:300])
+            if status != 200:
+                assert r.json()["error"]["message"], r.text
+            assert leased(p) == 0, extra
+        settled(gw)
+
+
 def test_min_tokens_above_the_limit_goes_to_the_decode_engine_whole():
     """``min_tokens`` cannot go to the one-token prefill step (any value above 1 is refused there); one above the
     client's own limit is refused by the decode engine. Such a request gets no prefill leg: the decode engine
