@@ -66,8 +66,14 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 
 def load_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses duplicate keys (``yaml.YAMLError`` naming the key and lines)."""
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    """``yaml.safe_load`` that refuses duplicate keys (``yaml.YAMLError`` naming the key and lines), and a
+    document nested deeper than Python's recursion allows (``yaml.YAMLError``, not a ``RecursionError`` whose
+    traceback ended ``dyad serve``'s start-up)."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply to read (lists or mappings inside one another, hundreds "
+                             "of levels down): a configuration is a few levels deep") from None
 
 
 class _Section(BaseModel):

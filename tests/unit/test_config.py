@@ -170,3 +170,12 @@ def test_tier_weights_left_out_keep_their_defaults_and_unknown_tiers_are_refused
 def test_a_model_name_or_alias_names_one_model(models, message):
     with pytest.raises(ConfigError, match=message):
         load_config({"models": models}, environ={})
+
+
+@pytest.mark.parametrize("text", ["gateway: " + "[" * 100_000, "gateway: " + "{x: " * 2_000 + "1" + "}" * 2_000])
+def test_a_configuration_nested_too_deeply_is_a_config_error_not_a_recursion_error(tmp_path, text):
+    # PyYAML's constructor recurses per level: such a file ended dyad serve's start-up in a RecursionError traceback.
+    path = tmp_path / "dyad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="not valid YAML: nested too deeply"):
+        load_config(path)
