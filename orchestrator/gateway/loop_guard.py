@@ -17,8 +17,8 @@ the header only gets its own request refused.
 A request that came from another gateway (Dyad in front of Dyad) carries that gateway's id, and more ids when
 it passed several: each gateway forwards the list it received with its own id added (``forwarded``). So a
 cycle through several gateways (A's worker is B, B's worker is A) comes back to a gateway that finds its own
-id in the list: 508 at once, after one round. A list of ``MAX_GATEWAYS`` ids or more is refused too (a chain
-that long is a mistake, and the header stays short). A 508 from a worker is tried on another worker
+id in the list: 508 at once, after one round. A list of ``MAX_GATEWAYS`` ids or more is refused with a 400 naming
+the header (a chain that long is a mistake or a client's own header, and the header stays short). A 508 from a worker is tried on another worker
 (``classify.RETRY_STATUSES``), so a loop through one worker costs a retry, not the request.
 """
 
@@ -65,8 +65,11 @@ def check(headers: Any) -> None:
                           "workers lead in a cycle. Remove the worker that points back: a gateway is not an engine.",
                           code=CODE)
     if len(ids) >= MAX_GATEWAYS or len(value) > MAX_HEADER:
-        raise GatewayLoop(f"This request passed through {len(ids)} gateways, the most one may pass "
-                          f"({MAX_GATEWAYS}): their workers lead in a chain too long, or a cycle.", code=CODE)
+        # A 400, not a 508: without this gateway's own id in it, the list is what the sender wrote (a client, or a
+        # chain of gateways too long), and a client's header never earns it a server error.
+        raise ApiError(f"{HEADER} lists {len(ids)} gateways, the most a request may pass is {MAX_GATEWAYS}: their "
+                       "workers lead in a chain too long, or the header was not written by a gateway.",
+                       param=HEADER, code=CODE, status=400, type="invalid_request_error")
 
 
 def forwarded(headers: Any) -> dict[str, str]:

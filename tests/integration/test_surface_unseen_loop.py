@@ -164,4 +164,6 @@ def test_a_chain_of_too_many_gateways_is_refused():
     with GatewayThread(load_config({}, environ={})) as gw:
         chain = ",".join(f"{i:016x}" for i in range(loop_guard.MAX_GATEWAYS))
         r = httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers={loop_guard.HEADER: chain}, timeout=30)
-        assert r.status_code == 508 and error_of(r)["code"] == "gateway_loop", r.text
+        # a list that does not hold this gateway's id is the sender's (a client's header): a 400 naming it, no 5xx
+        assert r.status_code == 400 and error_of(r)["code"] == "gateway_loop", r.text
+        assert error_of(r)["param"] == loop_guard.HEADER, r.text
