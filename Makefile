@@ -24,7 +24,9 @@ demo: $(BIN)/dyad
 # workers (those tests mostly wait on servers and clocks, so three share two cores well; a file stays on
 # one worker); the request-path suites again with the native data plane carrying the bytes
 # (gateway.data_plane: native; tests/conftest.py --data-plane: the same tests, the same expectations;
-# python_plane tests inject faults into the Python plane's own code and have native counterparts); the
+# python_plane tests inject faults into the Python plane's own code and have native counterparts; P/D suites run
+# once: the native plane parks a P/D request and the Python executor carries it, test_request_path_failures
+# checks that hand-over); the
 # real-vLLM tier alone and in order (its engines take a core each; they start once per configuration);
 # and the real-vLLM request-path tests with the native plane.
 TEST_WORKERS ?= 3
@@ -34,7 +36,7 @@ NATIVE_SUITES = tests/integration/test_stream_endings.py tests/integration/test_
 	tests/integration/test_gateway_intake.py tests/integration/test_limits.py tests/integration/test_auth.py \
 	tests/integration/test_path_telemetry.py tests/integration/test_admin_audit.py tests/fuzz \
 	tests/integration/test_unseen_inputs.py tests/integration/test_native_framing.py \
-	tests/integration/test_stream_memory.py tests/integration/test_flapping_worker.py tests/integration/test_pd_unseen.py \
+	tests/integration/test_stream_memory.py tests/integration/test_flapping_worker.py \
 	tests/integration/test_surface_unseen_loop.py tests/integration/test_surface_unseen_responses.py \
 	tests/integration/test_surface_unseen_admin.py tests/integration/test_surface_unseen_auth.py \
 	tests/integration/test_surface_unseen_slow_body.py
