@@ -67,6 +67,11 @@ class _Conn(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
+        if getattr(self, "paused", False) and self.transport is not None:
+            # An answer complete but not read to its end (a caller that stopped at its size bound) can leave the
+            # socket paused; pooled so, the next request's answer was never read (its try stalled until the
+            # watchdog gave up on a live engine). A pooled connection reads again.
+            self.transport.resume_reading()
         self.parser = httptools.HttpResponseParser(self)
         self.headers: list[tuple[bytes, bytes]] = []
         self.status = 0
