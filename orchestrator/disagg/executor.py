@@ -44,6 +44,7 @@ from orchestrator.gateway import classify
 from orchestrator.gateway.classify import ACCESS_STATUSES, NOT_SERVED_STATUSES
 from orchestrator.gateway.executor import AttemptFailed, UpstreamCall, engine_headers, send_to_worker
 from orchestrator.gateway.resilience import stall_budget, worked_since
+from orchestrator.gateway.stream_protocol import sse_fields
 from orchestrator.gateway.transport import (
     AnswerTooLarge,
     MalformedAnswer,
@@ -524,8 +525,7 @@ async def _peek_first_event(response: httpx.Response) -> tuple[httpx.Response, s
                 break
             head += piece
             events = head.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n\n")[:-1]
-            data = next((b"\n".join(line[5:].lstrip(b" ") for line in ev.split(b"\n") if line.startswith(b"data:"))
-                         for ev in events if any(line.startswith(b"data:") for line in ev.split(b"\n"))), None)
+            data = next((d for ev in events if (d := sse_fields(ev)[1]) is not None), None)
             if data is not None:
                 try:
                     obj = orjson.loads(data)
